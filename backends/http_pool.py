@@ -1,0 +1,259 @@
+"""What the HTTP backends (llama-server, Ollama) share: one streaming request per admitted job on a
+thread pool, events handed to the worker through a queue, and HTTP errors turned into clear results.
+
+A subclass says how to start a job's request and how to read its stream (`_stream`, a generator of
+events); this module owns slots, threads, cancellation and the mapping of transport errors.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+from backends.base import (
+    BackendUnavailable,
+    Done,
+    Event,
+    Failed,
+    GenerateRequest,
+    Sampling,
+    Token,
+)
+from worker.settings import BackendSettings
+
+# A stream silent for this long is treated as dead (the worker's job_timeout cancels sooner).
+READ_TIMEOUT = 600.0
+PROBE_TIMEOUT = 2.0
+
+
+class StreamFailure(Exception):
+    """A job's request failed; `retryable` is True when the engine, not the job, is at fault."""
+
+    def __init__(self, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+
+
+@dataclass
+class StreamJob:
+    job_id: str
+    request: GenerateRequest
+    sampling: Sampling
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    response: httpx.Response | None = None  # the open stream, so cancel() can close it
+    tokens: int = 0  # Token events produced so far
+
+
+def error_message(response: httpx.Response) -> str:
+    """The server's own words from an error body: llama-server's {"error": {"message": ...}},
+    Ollama's {"error": "..."}, or the raw text."""
+    try:
+        text = response.read().decode("utf-8", "replace").strip()
+    except httpx.HTTPError as e:
+        return f"(unreadable error body: {e})"
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500] or response.reason_phrase
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    if error:
+        return str(error)
+    return text[:500]
+
+
+def wait_until_ready(
+    client: httpx.Client, path: str, timeout: float, what: str, loading_statuses: tuple[int, ...] = (503,)
+) -> None:
+    """GET `path` until it answers 200, retrying while the server is down or still loading
+    (`loading_statuses`); BackendUnavailable after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    last = "no answer yet"
+    while True:
+        try:
+            response = client.get(path, timeout=min(PROBE_TIMEOUT, timeout))
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}: {error_message(response)}"
+            if response.status_code not in loading_statuses:
+                raise BackendUnavailable(f"{what} answered {path} with {last}")
+        except httpx.TransportError as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() + delay > deadline:
+            raise BackendUnavailable(f"{what} not ready after {timeout:g}s (last: {last})")
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+class HttpStreamBackend(ABC):
+    """Base of the HTTP backends: `slots` concurrent streaming requests, drained by `step()`."""
+
+    name: str
+    slots: int
+
+    def __init__(self, settings: BackendSettings, what: str) -> None:
+        if not settings.endpoint:
+            raise ValueError(f"backend type {settings.type!r} needs 'endpoint' (e.g. http://127.0.0.1:8080)")
+        self.settings = settings
+        self.endpoint = settings.endpoint.rstrip("/")
+        self.what = f"{what} at {self.endpoint}"  # names the engine in every message
+        self.client = httpx.Client(
+            base_url=self.endpoint,
+            timeout=httpx.Timeout(READ_TIMEOUT, connect=settings.connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self.slots = 1
+        self._jobs: dict[str, StreamJob] = {}
+        # (job, event): step() drops events of a job that already ended (e.g. cancelled)
+        self._events: queue.Queue[tuple[StreamJob, Event]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._completed = 0
+        self._failed = 0
+
+    def _start_pool(self, slots: int) -> None:
+        self.slots = slots
+        self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix=f"{self.name}-stream")
+
+    # -- what a subclass provides -----------------------------------------------------------------
+
+    @abstractmethod
+    def _stream(self, job: StreamJob) -> Iterator[Event]:
+        """Run the job's request; yield its Token events and finally one Done. Raise StreamFailure
+        (or let httpx errors through) on failure. Set `job.response` once the stream is open."""
+
+    @abstractmethod
+    def probe(self) -> bool:
+        """True when the engine answers its health check now (used by the fallback backend)."""
+
+    def _status_failure(self, status: int, message: str) -> StreamFailure:
+        """An HTTP error status before the stream started, as a job failure."""
+        if status == 400:
+            return StreamFailure(f"{self.what} rejected the job (400): {message}", retryable=False)
+        if status == 503:
+            return StreamFailure(f"{self.what} is unavailable (503): {message}", retryable=True)
+        if status >= 500:
+            return StreamFailure(f"{self.what} failed (HTTP {status}): {message}", retryable=True)
+        return StreamFailure(f"{self.what} refused the job (HTTP {status}): {message}", retryable=False)
+
+    # -- the Backend protocol -----------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        with self._lock:
+            return self.slots - len(self._jobs)
+
+    def admit(self, job_id: str, request: GenerateRequest) -> None:
+        if self._pool is None:
+            raise BackendUnavailable(f"{self.what} is closed")
+        job = StreamJob(job_id, request, request.sampling(self.settings.sampling))
+        with self._lock:
+            if job_id in self._jobs:
+                raise ValueError(f"job {job_id} is already running on {self.what}")
+            if len(self._jobs) >= self.slots:
+                raise RuntimeError(f"{self.what}: no free slot (admit only while free_slots() > 0)")
+            self._jobs[job_id] = job
+        self._pool.submit(self._run, job)
+
+    def step(self, timeout: float) -> list[Event]:
+        queued: list[tuple[StreamJob, Event]] = []
+        try:
+            queued.append(self._events.get(timeout=timeout) if timeout > 0 else self._events.get_nowait())
+            while True:
+                queued.append(self._events.get_nowait())
+        except queue.Empty:
+            pass
+        events: list[Event] = []
+        with self._lock:  # a slot frees when the worker sees the job's final event, not before
+            for job, ev in queued:
+                if self._jobs.get(ev.job_id) is not job:
+                    continue  # the job already ended; a late event of its thread
+                events.append(ev)
+                if isinstance(ev, Done | Failed):
+                    del self._jobs[ev.job_id]
+                    if isinstance(ev, Done):
+                        self._completed += 1
+                    else:
+                        self._failed += 1
+        return events
+
+    def cancel(self, job_id: str) -> None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None or job.cancelled.is_set():
+            return
+        job.cancelled.set()
+        # The worker hears at once; the stream thread sees the flag and emits nothing more.
+        self._events.put((job, Done(job_id, "cancelled", prompt_tokens=0, completion_tokens=job.tokens)))
+        response = job.response
+        if response is not None:
+            try:
+                response.close()  # unblocks the reading thread; the server frees its slot
+            except Exception:  # a close racing the reader must not break cancel
+                pass
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            active = len(self._jobs)
+        return {
+            "backend": self.name,
+            "endpoint": self.endpoint,
+            "slots": self.slots,
+            "active": active,
+            "completed": self._completed,
+            "failed": self._failed,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            jobs = list(self._jobs)
+        for job_id in jobs:
+            self.cancel(job_id)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self.client.close()
+
+    # -- the thread that runs one job ---------------------------------------------------------------
+
+    def _run(self, job: StreamJob) -> None:
+        try:
+            for ev in self._stream(job):
+                if job.cancelled.is_set():
+                    return
+                if isinstance(ev, Token):
+                    job.tokens += 1
+                self._events.put((job, ev))
+                if isinstance(ev, Done):
+                    return
+            raise StreamFailure(f"{self.what}: stream ended before the final chunk", retryable=True)
+        except StreamFailure as e:
+            self._fail(job, e.message, e.retryable)
+        except httpx.TimeoutException as e:
+            self._fail(job, f"{self.what}: timed out ({type(e).__name__})", retryable=True)
+        except httpx.ConnectError as e:
+            self._fail(job, f"{self.what}: cannot connect ({e})", retryable=True)
+        except httpx.TransportError as e:  # includes a stream cut mid-way (RemoteProtocolError, ReadError)
+            self._fail(job, f"{self.what}: connection lost mid-stream ({type(e).__name__}: {e})", True)
+        except Exception as e:  # a bug or a malformed answer: say so, do not retry blindly
+            self._fail(job, f"{self.what}: unexpected answer ({type(e).__name__}: {e})", retryable=False)
+        finally:
+            job.response = None
+
+    def _fail(self, job: StreamJob, message: str, retryable: bool) -> None:
+        if not job.cancelled.is_set():  # a cancelled job already got its Done
+            self._events.put((job, Failed(job.job_id, message, retryable=retryable)))
+
+    def _check_status(self, response: httpx.Response) -> None:
+        if response.status_code != 200:
+            raise self._status_failure(response.status_code, error_message(response))

@@ -1,0 +1,148 @@
+"""One loaded GGUF model and its context, with the small llama.cpp helpers the engine needs:
+tokenize (prompt or chat messages), token -> bytes, end-of-generation test, sampler chains."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+from pathlib import Path
+
+import llama_cpp as ll
+
+from backends.base import GenerateRequest, JobRejected, Sampling
+from backends.model import default_model_path
+
+
+@ll.llama_log_callback
+def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp logs every load detail to stderr; keep errors only (level 4 = GGML_LOG_LEVEL_ERROR)
+    if level == 4 and os.environ.get("FLEET_LLAMA_LOG") != "0":
+        os.write(2, text)
+
+
+class LoadedModel:
+    def __init__(
+        self, path: Path | None, *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int | None
+    ) -> None:
+        path = Path(path) if path else default_model_path()
+        if not path.exists():
+            raise FileNotFoundError(f"model file not found: {path}")
+        ll.llama_log_set(_quiet_log, ctypes.c_void_p())
+        ll.llama_backend_init()
+        mparams = ll.llama_model_default_params()
+        mparams.use_mmap = True  # weights stay in the page cache, shared by every worker
+        model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self.model = model
+        self.path = path
+        self.threads = threads or len(os.sched_getaffinity(0))
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq_max
+        cparams.n_threads = self.threads
+        cparams.n_threads_batch = self.threads
+        cparams.kv_unified = True  # one cell pool for all slots: seq_cp of a prefix is free
+        cparams.swa_full = True  # keep sliding-window layers whole, so a copied prefix is complete
+        cparams.no_perf = True
+        ctx = ll.llama_init_from_model(model, cparams)
+        if not ctx:
+            ll.llama_model_free(model)
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+        self.ctx = ctx
+        self.vocab = ll.llama_model_get_vocab(model)
+        self.memory = ll.llama_get_memory(ctx)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+        tmpl = ll.llama_model_chat_template(model, None)
+        self.chat_template: bytes | None = tmpl if tmpl else None
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # -- text <-> tokens --------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]:
+        data = text.encode("utf-8", errors="replace")
+        n_max = len(data) + 16
+        buf = (ll.llama_token * n_max)()
+        n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, True, special)
+        if n < 0:  # buffer too small: -n is the size needed
+            n_max = -n
+            buf = (ll.llama_token * n_max)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, True, special)
+        return list(buf[:n])
+
+    def prompt_tokens(self, request: GenerateRequest) -> list[int]:
+        if request.prompt is not None:
+            tokens = self.tokenize(request.prompt, special=False)
+        else:
+            tokens = self.tokenize(self.apply_chat_template(request), special=True)
+        if not tokens:
+            raise JobRejected("prompt has no tokens")
+        return tokens
+
+    def apply_chat_template(self, request: GenerateRequest) -> str:
+        msgs = request.messages or []
+        if self.chat_template is None:
+            raise JobRejected("this model has no chat template; send 'prompt' instead of 'messages'")
+        keep = [(m.role.encode(), m.content.encode("utf-8", errors="replace")) for m in msgs]
+        chat = (ll.llama_chat_message * len(keep))()
+        for i, (role, content) in enumerate(keep):
+            chat[i].role = role
+            chat[i].content = content
+        size = sum(len(c) for _, c in keep) * 2 + 1024
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = ll.llama_chat_apply_template(self.chat_template, chat, len(keep), True, buf, size)
+            if n < 0:
+                raise JobRejected("the model's chat template is not supported by llama.cpp")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+        raise JobRejected("chat template output did not fit")
+
+    def piece(self, token: int) -> bytes:
+        n = ll.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
+        if n < 0:
+            big = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.vocab, token, big, -n, 0, False)
+            return big.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    # -- sampling ---------------------------------------------------------------------------------
+
+    def sampler_chain(self, s: Sampling) -> ll.llama_sampler_p:
+        """One chain per sequence: its own seed, penalties history and temperature."""
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if s.temperature <= 0:
+            if s.repeat_penalty != 1.0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(64))
+                ll.llama_sampler_chain_add(chain, _penalties(self.n_vocab, s.repeat_penalty))
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+            return chain
+        if s.top_k > 0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(s.top_k))
+        if s.repeat_penalty != 1.0:  # after top-k: penalties over the whole vocabulary are slow
+            ll.llama_sampler_chain_add(chain, _penalties(self.n_vocab, s.repeat_penalty))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(s.top_p, 1))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(s.min_p, 1))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(s.temperature))
+        seed = s.seed if s.seed is not None else random.getrandbits(32)
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+        return chain
+
+    def close(self) -> None:
+        if self.ctx:
+            ll.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            ll.llama_model_free(self.model)
+            self.model = None
+
+
+def _penalties(n_vocab: int, repeat: float) -> ll.llama_sampler_p:
+    return ll.llama_sampler_init_penalties(n_vocab, 64, repeat, 0.0, 0.0)

@@ -1,0 +1,128 @@
+"""Ollama over its HTTP API: `/api/generate` for prompts, `/api/chat` for messages, NDJSON streams.
+
+Concurrency is the configured `parallel` (Ollama's OLLAMA_NUM_PARALLEL; default 1). Prompt jobs are
+sent with `raw: true` so a prompt means the same raw completion on every backend; message jobs get
+the model's template from Ollama. Errors (docs/api.md, "Errors"): a status with {"error": "..."}
+before the stream starts, or an {"error": "..."} line once it has started (the status stays 200).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from backends.base import BackendUnavailable, Done, Event, Token
+from backends.http_pool import PROBE_TIMEOUT, HttpStreamBackend, StreamFailure, StreamJob, wait_until_ready
+from worker.settings import BackendSettings
+
+DEFAULT_OLLAMA_MODEL = "gemma3:270m"
+
+
+class OllamaBackend(HttpStreamBackend):
+    name = "ollama"
+
+    def __init__(self, settings: BackendSettings) -> None:
+        super().__init__(settings, "ollama")
+        self.model = settings.model or DEFAULT_OLLAMA_MODEL
+        try:
+            wait_until_ready(self.client, "/api/version", settings.connect_timeout, self.what)
+            self._check_model()
+        except BackendUnavailable:
+            self.client.close()
+            raise
+        self._start_pool(settings.parallel or 1)
+
+    def _check_model(self) -> None:
+        """Fail at start, not per job, when the configured model is not pulled."""
+        try:
+            response = self.client.post("/api/show", json={"model": self.model}, timeout=PROBE_TIMEOUT)
+        except httpx.HTTPError as e:
+            raise BackendUnavailable(f"{self.what}: cannot ask for model {self.model!r}: {e}") from e
+        if response.status_code == 404:
+            raise BackendUnavailable(f"{self.what} has no model {self.model!r} (run `ollama pull {self.model}`)")
+        if response.status_code != 200:
+            raise BackendUnavailable(f"{self.what}: /api/show answered HTTP {response.status_code}")
+
+    def probe(self) -> bool:
+        try:
+            return self.client.get("/api/version", timeout=PROBE_TIMEOUT).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "model": self.model}
+
+    def _status_failure(self, status: int, message: str) -> StreamFailure:
+        if status == 404:  # the worker's config names the model, not the job: another engine may have it
+            return StreamFailure(f"{self.what} has no model {self.model!r} (404): {message}", retryable=True)
+        if status == 503:  # Ollama's queue is full (OLLAMA_MAX_QUEUE): busy, try later or elsewhere
+            return StreamFailure(f"{self.what} is busy (503): {message}", retryable=True)
+        return super()._status_failure(status, message)
+
+    # -- one job ------------------------------------------------------------------------------------
+
+    def _stream(self, job: StreamJob) -> Iterator[Event]:
+        s = job.sampling
+        options: dict[str, Any] = {
+            "num_predict": s.max_tokens,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "min_p": s.min_p,
+            "repeat_penalty": s.repeat_penalty,
+        }
+        if s.seed is not None:
+            options["seed"] = s.seed
+        if s.stop:
+            options["stop"] = s.stop
+        if "n_ctx_per_seq" in self.settings.model_fields_set:  # else keep the loaded model's num_ctx
+            options["num_ctx"] = self.settings.n_ctx_per_seq
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "keep_alive": self.settings.keep_alive,
+            "options": options,
+        }
+        if job.request.messages is not None:
+            path = "/api/chat"
+            body["messages"] = [m.model_dump() for m in job.request.messages]
+        else:
+            path = "/api/generate"
+            body["prompt"] = job.request.prompt
+            body["raw"] = True
+        with self.client.stream("POST", path, json=body) as response:
+            job.response = response
+            self._check_status(response)
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                chunk = json.loads(line)
+                if "error" in chunk:
+                    raise StreamFailure(f"{self.what} failed mid-stream: {chunk['error']}", retryable=True)
+                text = chunk["message"].get("content", "") if "message" in chunk else chunk.get("response", "")
+                if text:
+                    yield Token(job.job_id, text)
+                if chunk.get("done"):
+                    yield final_done(job.job_id, chunk)
+                    return
+
+
+def final_done(job_id: str, chunk: dict[str, Any]) -> Done:
+    """Ollama's final object ({"done": true, "done_reason", "*_count", "*_duration"}) as a Done."""
+    reason = chunk.get("done_reason") or "stop"
+    timings = {
+        k: chunk[k]
+        for k in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
+        if k in chunk
+    }
+    return Done(
+        job_id,
+        "length" if reason == "length" else "stop",
+        # Ollama leaves prompt_eval_count out when the whole prompt came from its cache
+        prompt_tokens=int(chunk.get("prompt_eval_count") or 0),
+        completion_tokens=int(chunk.get("eval_count") or 0),
+        extra={"timings_ns": timings, "done_reason": reason},
+    )

@@ -1,0 +1,59 @@
+"""Text plumbing shared by backends: incremental UTF-8 decoding and stop-string holding.
+
+Tokens arrive as byte pieces; a multi-byte character can be split across two tokens, and a stop
+string can be split across many. `TextAssembler` turns pieces into deltas that are always valid
+text and never contain (a prefix of) a stop string that might still complete.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+
+class TextAssembler:
+    def __init__(self, stop: list[str]) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = stop
+        self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
+        self.stopped = False
+
+    def feed(self, piece: bytes) -> str:
+        """Add one token's bytes; return the text that is now safe to emit."""
+        return self._push(self._decoder.decode(piece))
+
+    def finish(self) -> str:
+        """End of generation (not by a stop string): flush everything held."""
+        text = self._held + self._decoder.decode(b"", final=True)
+        self._held = ""
+        return text
+
+    def push_text(self, text: str) -> str:
+        """Same as feed() for engines that already produce text (HTTP backends)."""
+        return self._push(text)
+
+    def _push(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        buf = self._held + text
+        if not self._stop:
+            self._held = ""
+            return buf
+        cut = min((i for i in (buf.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return buf[:cut]
+        hold = _partial_stop_suffix(buf, self._stop)
+        self._held = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold]
+
+
+def _partial_stop_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,59 @@
+"""Every Redis key and queue name the fleet uses, in one place (see docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from backends.base import PRIORITIES
+
+# The one function a fleet job may name. Workers refuse (fail, never run) anything else.
+JOB_FUNCTION = "dispatcher.jobs.generate"
+
+
+def queue_name(pool: str, priority: str) -> str:
+    """RQ queue name; RQ stores it at rq:queue:<pool>:<priority>."""
+    return f"{pool}:{priority}"
+
+
+def queue_names(pool: str) -> list[str]:
+    """A pool's queues, highest priority first (the claim order)."""
+    return [queue_name(pool, p) for p in PRIORITIES]
+
+
+def queue_key(name: str) -> str:
+    return f"rq:queue:{name}"
+
+
+def job_key(job_id: str) -> str:
+    return f"rq:job:{job_id}"
+
+
+def stream_key(job_id: str) -> str:
+    """Token stream of one job (Redis Stream, capped, expires with the result)."""
+    return f"fleet:stream:{job_id}"
+
+
+def cancel_key(job_id: str) -> str:
+    """Set by a producer to cancel a running job; the worker holding it checks every step."""
+    return f"fleet:cancel:{job_id}"
+
+
+def worker_key(name: str) -> str:
+    """Worker status hash; its TTL is the liveness signal (3 heartbeats)."""
+    return f"fleet:worker:{name}"
+
+
+def inflight_key(name: str) -> str:
+    """Job ids a worker holds; claimed by atomic move so the reaper sees them if it dies."""
+    return f"fleet:inflight:{name}"
+
+
+WORKERS_SET = "fleet:workers"  # names of workers that registered (live or dead, until reaped)
+REAPER_LOCK = "fleet:reaper:lock"
+
+
+def wake_key(pool: str) -> str:
+    """Producers LPUSH here after enqueueing so idle workers wake at once (they also poll)."""
+    return f"fleet:wake:{pool}"
+
+
+# hash fields the fleet adds to RQ's job hash
+ATTEMPT_FIELD = "fleet_attempt"
