@@ -1,0 +1,1 @@
+"""Placement: machine topology -> worker plan -> PM2 / supervisord / systemd configs."""
