@@ -3,8 +3,12 @@ made from them. Plans are asserted whole: names, CPUs, node, threads, slots."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import psutil
@@ -12,6 +16,7 @@ import pytest
 
 from ecosystem.planner import Plan, PlanError, plan
 from ecosystem.topology import Topology, read_topology
+from worker.settings import format_cpu_list, parse_cpu_list
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sysfs"
 
@@ -287,3 +292,161 @@ def test_invalid_requests_name_the_numbers(layout: str, kwargs: dict[str, object
     with pytest.raises(PlanError) as err:
         plan(topo(layout), **kwargs)  # type: ignore[arg-type]
     assert message in str(err.value)
+
+
+# --- pinning, on this real machine (in a subprocess: pinning is per process and sticky) ---------
+
+REPO = Path(__file__).resolve().parent.parent
+NODE_ONLINE = Path("/sys/devices/system/node/online")
+LIVE_NODES = parse_cpu_list(NODE_ONLINE.read_text()) if NODE_ONLINE.exists() else []
+ONE_NODE_BOX = LIVE_NODES == [0]
+
+
+def run_isolated(code: str) -> dict[str, object]:
+    """Run `code` in a fresh interpreter; it must print one JSON object as its last line."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def status_field(text: str, key: str) -> str:
+    return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(key + ":"))
+
+
+def test_pin_sets_affinity_of_process_and_existing_threads() -> None:
+    mine = os.sched_getaffinity(0)
+    target = max(os.sched_getaffinity(0))
+    out = run_isolated(
+        f"""
+        import json, threading, time
+        from worker.pinning import pin
+        stop = threading.Event()
+        early = threading.Thread(target=stop.wait)  # started before pin(): must be re-pinned too
+        early.start()
+        while early.native_id is None:
+            time.sleep(0.01)
+        report = pin([{target}], None)
+        late_mask = []
+        late = threading.Thread(target=lambda: late_mask.append(open("/proc/thread-self/status").read()))
+        late.start(); late.join()
+        out = {{
+            "report": report.to_dict(),
+            "memory": report.memory,
+            "status": open("/proc/self/status").read(),
+            "early": open(f"/proc/self/task/{{early.native_id}}/status").read(),
+            "late": late_mask[0],
+        }}
+        stop.set(); early.join()
+        print(json.dumps(out))
+        """
+    )
+    for key in ("status", "early", "late"):
+        assert status_field(str(out[key]), "Cpus_allowed_list") == str(target), key
+    assert out["report"] == {
+        "cpus": str(target),
+        "numa_node": "",
+        "numa_memory": "not requested",
+        "numa_detail": "",
+    }
+    assert os.sched_getaffinity(0) == mine  # the test process itself was left alone
+
+
+def test_pin_memory_on_this_machine() -> None:
+    out = run_isolated(
+        f"""
+        import json
+        from worker.pinning import pin
+        r = pin(None, {LIVE_NODES[0] if LIVE_NODES else 0})
+        print(json.dumps({{"memory": r.memory, "summary": r.summary()}}))
+        """
+    )
+    expected = {0: "not available", 1: "single node"}.get(len(LIVE_NODES), "bound")
+    assert out["memory"] == expected, out
+
+
+def test_pin_binds_memory_for_real_when_sysfs_says_two_nodes() -> None:
+    # The recorded 2-node tree makes pin() take the binding path; the syscall is real, and
+    # get_mempolicy reads back MPOL_BIND on node 0 (the node this box has).
+    out = run_isolated(
+        f"""
+        import json
+        from worker.pinning import memory_policy, pin
+        before = memory_policy()
+        r = pin([0], 0, sysfs_root="{FIXTURES / "2node-16core-smt"}")
+        print(json.dumps({{"before": before, "memory": r.memory, "detail": r.detail,
+                           "after": memory_policy(), "summary": r.summary()}}))
+        """
+    )
+    assert out["before"] == [0, []]  # MPOL_DEFAULT
+    assert out["memory"] == "bound", out["detail"]
+    assert out["after"] == [2, [0]]  # MPOL_BIND, node 0
+    assert out["summary"] == "cpus 0, memory bound to node 0"
+
+
+@pytest.mark.skipif(not ONE_NODE_BOX, reason="relies on node 1 being absent from this machine")
+def test_pin_reports_unavailable_numa_without_raising() -> None:
+    out = run_isolated(
+        f"""
+        import json
+        from worker.pinning import bind_memory, pin
+        no_nodes = pin(None, 0, sysfs_root="/nonexistent")
+        # node 1 exists in the recorded tree but not on this box: cpuset mems exclude it
+        absent = pin(None, 1, sysfs_root="{FIXTURES / "2node-16core-smt"}")
+        off_node = pin([0], 1, sysfs_root="{FIXTURES / "2node-16core-smt"}")
+        print(json.dumps({{"no_nodes": [no_nodes.memory, no_nodes.detail],
+                           "absent": [absent.memory, absent.detail],
+                           "off_node": off_node.detail,
+                           "syscall": bind_memory(63)}}))
+        """
+    )
+    assert out["no_nodes"] == ["not available", "the kernel exposes no NUMA nodes"]
+    assert out["absent"][0] == "not available"  # type: ignore[index]
+    assert "node 1 is outside this process's cpuset mems" in out["absent"][1]  # type: ignore[index]
+    assert "CPU 0 is not on node 1: their memory accesses are remote" in str(out["off_node"])
+    assert "set_mempolicy(MPOL_BIND, node 63) failed: Invalid argument" in str(out["syscall"])
+
+
+def test_pin_not_requested() -> None:
+    out = run_isolated(
+        """
+        import json, os
+        from worker.pinning import pin
+        before = sorted(os.sched_getaffinity(0))
+        r = pin(None, None)
+        print(json.dumps({"same": before == sorted(os.sched_getaffinity(0)), "summary": r.summary()}))
+        """
+    )
+    assert out == {"same": True, "summary": "cpus not pinned, memory not requested"}
+
+
+def test_pin_rejects_cpus_outside_allowed_set_and_keeps_mask() -> None:
+    bad = max(os.sched_getaffinity(0)) + 1
+    allowed = format_cpu_list(sorted(os.sched_getaffinity(0)))
+    out = run_isolated(
+        f"""
+        import json, os
+        from worker.pinning import pin
+        errors = []
+        for cpus in ([0, {bad}], [], ):
+            try:
+                pin(cpus, None)
+            except ValueError as e:
+                errors.append(str(e))
+        try:
+            pin(None, 7, sysfs_root="{FIXTURES / "2node-16core-smt"}")
+        except ValueError as e:
+            errors.append(str(e))
+        print(json.dumps({{"errors": errors, "mask": sorted(os.sched_getaffinity(0))}}))
+        """
+    )
+    assert out["errors"] == [
+        f"CPU {bad} is not in this process's allowed set {allowed} "
+        "(check FLEET_CPUS / --cpus against the machine and its cpuset)",
+        "empty CPU list: pass None to leave the affinity alone",
+        "NUMA node 7 does not exist (online nodes: 0-1)",
+    ]
+    assert out["mask"] == sorted(os.sched_getaffinity(0))
