@@ -35,7 +35,13 @@ __all__ = [
 
 
 def make_backend(settings: BackendSettings, threads: int | None = None) -> Backend:
-    """Build the engine `settings.type` names. `threads` is the pinned core count."""
+    """Build the engine `settings.type` names. `threads` is the pinned core count.
+
+    With a non-empty `settings.fallback`, a FallbackBackend over [settings, *fallback]."""
+    if settings.fallback:
+        from backends.fallback import FallbackBackend
+
+        return FallbackBackend.from_settings(settings, threads)
     if settings.type == "llama-cpp":
         from backends.llamacpp import LlamaCppBackend
 

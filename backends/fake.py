@@ -1,0 +1,123 @@
+"""A deterministic backend for unit tests of the worker loop: no model, no network.
+
+Each step() emits one Token per running job: the words of its prompt (or of its last message), in
+order, the first bare and the rest with a leading space. It honours max_tokens (finish 'length'),
+stop strings (finish 'stop', text cut before the stop string) and cancel (finish 'cancelled').
+Knobs for failure tests: `unavailable` (admit raises BackendUnavailable, probe() is False) and
+`fail_after` (a job fails with a retryable error after that many tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from backends.base import (
+    BackendUnavailable,
+    Done,
+    Event,
+    Failed,
+    FinishReason,
+    GenerateRequest,
+    Sampling,
+    SamplingDefaults,
+    Token,
+)
+from worker.settings import BackendSettings
+
+
+@dataclass
+class FakeJob:
+    words: list[str]
+    sampling: Sampling
+    prompt_tokens: int
+    text: str = ""
+    emitted: int = 0
+    cancelled: bool = False
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(
+        self,
+        settings: BackendSettings | None = None,
+        *,
+        slots: int | None = None,
+        fail_after: int | None = None,
+        unavailable: bool = False,
+        label: str = "fake",
+    ) -> None:
+        self.slots = slots or (settings.slots if settings else 4)
+        self.defaults = settings.sampling if settings else SamplingDefaults.model_validate({})
+        self.fail_after = fail_after
+        self.unavailable = unavailable
+        self.label = label  # tells fakes apart in fallback tests
+        self.jobs: dict[str, FakeJob] = {}
+        self.admitted: list[str] = []  # every job id ever admitted, in order
+        self.closed = False
+
+    def free_slots(self) -> int:
+        return self.slots - len(self.jobs)
+
+    def probe(self) -> bool:
+        return not self.unavailable
+
+    def admit(self, job_id: str, request: GenerateRequest) -> None:
+        if self.unavailable:
+            raise BackendUnavailable(f"{self.label} is unavailable")
+        if job_id in self.jobs:
+            raise ValueError(f"job {job_id} is already running on {self.label}")
+        if not self.free_slots():
+            raise RuntimeError(f"{self.label}: no free slot")
+        source = request.prompt if request.prompt is not None else (request.messages or [])[-1].content
+        words = source.split()
+        self.jobs[job_id] = FakeJob(words, request.sampling(self.defaults), prompt_tokens=len(words))
+        self.admitted.append(job_id)
+
+    def step(self, timeout: float) -> list[Event]:
+        if not self.jobs:
+            time.sleep(max(0.0, timeout))  # like a real engine waiting for work
+            return []
+        events: list[Event] = []
+        for job_id, job in list(self.jobs.items()):
+            produced = self._advance(job_id, job)
+            if isinstance(produced[-1], Done | Failed):
+                del self.jobs[job_id]
+            events.extend(produced)
+        return events
+
+    def _advance(self, job_id: str, job: FakeJob) -> list[Event]:
+        def done(reason: FinishReason) -> Done:
+            return Done(job_id, reason, job.prompt_tokens, job.emitted)
+
+        if job.cancelled:
+            return [done("cancelled")]
+        if self.fail_after is not None and job.emitted >= self.fail_after:
+            return [Failed(job_id, f"{self.label} lost the job after {job.emitted} tokens", retryable=True)]
+        if job.emitted >= len(job.words):
+            return [done("stop")]
+        word = job.words[job.emitted]
+        piece = word if job.emitted == 0 else " " + word
+        job.emitted += 1
+        text = job.text + piece
+        hit = min((i for i in (text.find(s) for s in job.sampling.stop) if i >= 0), default=-1)
+        if hit >= 0:
+            cut = text[len(job.text) : hit]
+            events: list[Event] = [Token(job_id, cut)] if cut else []
+            return [*events, done("stop")]
+        job.text = text
+        if job.emitted >= job.sampling.max_tokens:
+            return [Token(job_id, piece), done("length")]
+        return [Token(job_id, piece)]
+
+    def cancel(self, job_id: str) -> None:
+        if job_id in self.jobs:
+            self.jobs[job_id].cancelled = True
+
+    def stats(self) -> dict[str, object]:
+        return {"backend": self.name, "label": self.label, "slots": self.slots, "active": len(self.jobs)}
+
+    def close(self) -> None:
+        self.jobs.clear()
+        self.closed = True
