@@ -178,25 +178,24 @@ def render_supervisord(plan: Plan, options: RenderOptions) -> str:
 
 # --- systemd ----------------------------------------------------------------------------------
 
-_SYSTEMD_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+_SYSTEMD_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")  # no quoting needed
+
+
+def _systemd_word(word: str) -> str:
+    """Double-quote a word for systemd when it is not plain (spaces, quotes, backslashes, ...)."""
+    if _SYSTEMD_PLAIN.match(word):
+        return word
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _systemd_arg(arg: str) -> str:
-    """One ExecStart= word: '%' and '$' escaped (specifiers, variables), quoted if needed."""
-    escaped = arg.replace("%", "%%").replace("$", "$$")
-    if _SYSTEMD_PLAIN.match(arg):
-        return escaped
-    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """One ExecStart= word: '%' (specifiers) and '$' (variables) escaped."""
+    return _systemd_word(arg.replace("%", "%%").replace("$", "$$"))
 
 
 def _systemd_env(env: Mapping[str, str]) -> str:
-    """Environment= assignments: specifiers expand here ('%' escaped) but '$' does not."""
-    words = []
-    for k, v in env.items():
-        word = f"{k}={v}".replace("%", "%%")
-        plain = _SYSTEMD_PLAIN.match(word)
-        words.append(word if plain else '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"')
-    return " ".join(words)
+    """Environment= assignments: specifiers expand there ('%' escaped) but '$' does not."""
+    return " ".join(_systemd_word(f"{k}={v}".replace("%", "%%")) for k, v in env.items())
 
 
 def render_systemd(plan: Plan, options: RenderOptions) -> dict[str, str]:
