@@ -563,6 +563,41 @@ def test_cli_slots_default_come_from_the_config(fleet: click.Group, tmp_path: Pa
     assert app["script"] == "/usr/bin/fleet"
 
 
+@pytest.mark.parametrize("fmt", ["pm2", "supervisord", "systemd"])
+def test_cli_reproduces_the_committed_examples(fleet: click.Group, tmp_path: Path, fmt: str) -> None:
+    args = [
+        "ecosystem",
+        "--format",
+        fmt,
+        "--workers",
+        "auto",
+        "--sysfs-root",
+        str(SYSFS / "2node-16core-smt"),
+    ]
+    args += [
+        "--config",
+        "/etc/llama-fleet/worker-config.json",
+        "--command",
+        "/opt/llama-fleet/.venv/bin/fleet",
+    ]
+    args += ["--cwd", "/opt/llama-fleet", "-o", str(tmp_path / "out")]
+    if fmt == "systemd":
+        args += ["--user", "llama-fleet"]
+    result = CliRunner().invoke(fleet, args, env={"FLEET_CONFIG": None})
+    assert result.exit_code == 0, result.output
+    examples = REPO / "ecosystem" / "examples"
+    if fmt == "systemd":
+        for path in (tmp_path / "out").rglob("*"):
+            if path.is_file():
+                assert (
+                    path.read_text()
+                    == (examples / "systemd" / path.relative_to(tmp_path / "out")).read_text()
+                )
+    else:
+        name = "ecosystem.config.js" if fmt == "pm2" else "supervisord.conf"
+        assert (tmp_path / "out").read_text() == (examples / name).read_text()
+
+
 def test_cli_ecosystem_writes_files(fleet: click.Group, tmp_path: Path) -> None:
     runner = CliRunner()
     base = ["--sysfs-root", str(SYSFS / "2node-16core-smt"), "--config", str(tmp_path / "absent.json")]
