@@ -587,12 +587,11 @@ def test_cli_reproduces_the_committed_examples(fleet: click.Group, tmp_path: Pat
     assert result.exit_code == 0, result.output
     examples = REPO / "ecosystem" / "examples"
     if fmt == "systemd":
-        for path in (tmp_path / "out").rglob("*"):
-            if path.is_file():
-                assert (
-                    path.read_text()
-                    == (examples / "systemd" / path.relative_to(tmp_path / "out")).read_text()
-                )
+        out, committed = tmp_path / "out", examples / "systemd"
+        written = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+        assert written == sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file())
+        for rel in written:
+            assert (out / rel).read_text() == (committed / rel).read_text()
     else:
         name = "ecosystem.config.js" if fmt == "pm2" else "supervisord.conf"
         assert (tmp_path / "out").read_text() == (examples / name).read_text()
