@@ -7,6 +7,7 @@ events); this module owns slots, threads, cancellation and the mapping of transp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -15,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -72,6 +74,17 @@ def error_message(response: httpx.Response) -> str:
     return text[:500]
 
 
+def sampler_fields(s: Sampling) -> dict[str, float | int]:
+    """The sampler settings llama-server (/completion, /v1/chat) and Ollama (options) name alike."""
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "repeat_penalty": s.repeat_penalty,
+    }
+
+
 def wait_until_ready(
     client: httpx.Client, path: str, timeout: float, what: str, loading_statuses: tuple[int, ...] = (503,)
 ) -> None:
@@ -90,9 +103,10 @@ def wait_until_ready(
                 raise BackendUnavailable(f"{what} answered {path} with {last}")
         except httpx.TransportError as e:
             last = f"{type(e).__name__}: {e}"
-        if time.monotonic() + delay > deadline:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             raise BackendUnavailable(f"{what} not ready after {timeout:g}s (last: {last})")
-        time.sleep(delay)
+        time.sleep(min(delay, remaining))
         delay = min(delay * 2, 1.0)
 
 
@@ -101,6 +115,7 @@ class HttpStreamBackend(ABC):
 
     name: str
     slots: int
+    health_path: str  # GET answers 200 when the engine can take jobs
 
     def __init__(self, settings: BackendSettings, what: str) -> None:
         if not settings.endpoint:
@@ -122,20 +137,40 @@ class HttpStreamBackend(ABC):
         self._completed = 0
         self._failed = 0
 
-    def _start_pool(self, slots: int) -> None:
-        self.slots = slots
-        self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix=f"{self.name}-stream")
+    def _start(self) -> None:
+        """Wait for the engine (bounded by connect_timeout), check it, size the pool; the subclass's
+        constructor calls this last. BackendUnavailable when the engine is not there."""
+        try:
+            wait_until_ready(self.client, self.health_path, self.settings.connect_timeout, self.what)
+            self.slots = self._discover_slots()
+        except BackendUnavailable:
+            self.client.close()
+            raise
+        # Twice the slots: a cancelled job's thread may still be waiting for its first byte (the
+        # server sends headers after prefill) and must not hold up the job admitted in its place.
+        self._pool = ThreadPoolExecutor(max_workers=2 * self.slots, thread_name_prefix=f"{self.name}-stream")
+
+    def _ask(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """A short control request (not a job): health, slots, model checks."""
+        return self.client.request(method, path, timeout=PROBE_TIMEOUT, **kwargs)
 
     # -- what a subclass provides -----------------------------------------------------------------
+
+    @abstractmethod
+    def _discover_slots(self) -> int:
+        """The engine answers: check it is usable and say how many jobs it runs at once."""
 
     @abstractmethod
     def _stream(self, job: StreamJob) -> Iterator[Event]:
         """Run the job's request; yield its Token events and finally one Done. Raise StreamFailure
         (or let httpx errors through) on failure. Set `job.response` once the stream is open."""
 
-    @abstractmethod
     def probe(self) -> bool:
-        """True when the engine answers its health check now (used by the fallback backend)."""
+        """True when the engine answers its health check now (the fallback backend asks)."""
+        try:
+            return self._ask("GET", self.health_path).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _status_failure(self, status: int, message: str) -> StreamFailure:
         """An HTTP error status before the stream started, as a job failure."""
@@ -197,10 +232,10 @@ class HttpStreamBackend(ABC):
         self._events.put((job, Done(job_id, "cancelled", prompt_tokens=0, completion_tokens=job.tokens)))
         response = job.response
         if response is not None:
-            try:
-                response.close()  # unblocks the reading thread; the server frees its slot
-            except Exception:  # a close racing the reader must not break cancel
-                pass
+            # unblocks the reading thread and the server frees its slot; a close racing the reader
+            # must not break cancel
+            with contextlib.suppress(Exception):
+                response.close()
 
     def stats(self) -> dict[str, object]:
         with self._lock:
@@ -227,6 +262,8 @@ class HttpStreamBackend(ABC):
     # -- the thread that runs one job ---------------------------------------------------------------
 
     def _run(self, job: StreamJob) -> None:
+        if job.cancelled.is_set():  # cancelled before its thread started
+            return
         try:
             for ev in self._stream(job):
                 if job.cancelled.is_set():

@@ -15,42 +15,40 @@ import httpx
 from httpx_sse import connect_sse
 
 from backends.base import BackendUnavailable, Done, Event, FinishReason, Token
-from backends.http_pool import PROBE_TIMEOUT, HttpStreamBackend, StreamFailure, StreamJob, wait_until_ready
+from backends.http_pool import (
+    HttpStreamBackend,
+    StreamFailure,
+    StreamJob,
+    sampler_fields,
+)
 from worker.settings import BackendSettings
 
 
 class LlamaServerBackend(HttpStreamBackend):
     name = "llama-server"
+    health_path = "/health"  # 503 while the model loads
 
     def __init__(self, settings: BackendSettings) -> None:
         super().__init__(settings, "llama-server")
-        try:
-            wait_until_ready(self.client, "/health", settings.connect_timeout, self.what)
-            server_slots = self._server_slots()
-        except BackendUnavailable:
-            self.client.close()
-            raise
-        self.server_slots = server_slots
-        self._start_pool(min(server_slots, settings.parallel or server_slots))
+        self.server_slots = 0
+        self._start()
+
+    def _discover_slots(self) -> int:
+        self.server_slots = self._server_slots()
+        return min(self.server_slots, self.settings.parallel or self.server_slots)
 
     def _server_slots(self) -> int:
         """The server's `--parallel`: total_slots from /props, else the length of /slots."""
         try:
-            props = self.client.get("/props", timeout=PROBE_TIMEOUT)
+            props = self._ask("GET", "/props")
             if props.status_code == 200 and isinstance(props.json().get("total_slots"), int):
                 return max(1, int(props.json()["total_slots"]))
-            slots = self.client.get("/slots", timeout=PROBE_TIMEOUT)
+            slots = self._ask("GET", "/slots")
             if slots.status_code == 200 and isinstance(slots.json(), list):
                 return max(1, len(slots.json()))
         except (httpx.HTTPError, ValueError) as e:
             raise BackendUnavailable(f"{self.what}: cannot read its slot count: {e}") from e
         raise BackendUnavailable(f"{self.what}: neither /props nor /slots gives a slot count")
-
-    def probe(self) -> bool:
-        try:
-            return self.client.get("/health", timeout=PROBE_TIMEOUT).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "server_slots": self.server_slots}
@@ -60,16 +58,13 @@ class LlamaServerBackend(HttpStreamBackend):
     def _stream(self, job: StreamJob) -> Iterator[Event]:
         s = job.sampling
         body: dict[str, Any] = {
-            "temperature": s.temperature,
-            "top_k": s.top_k,
-            "top_p": s.top_p,
-            "min_p": s.min_p,
-            "repeat_penalty": s.repeat_penalty,
+            **sampler_fields(s),
             "seed": -1 if s.seed is None else s.seed,
             "stop": s.stop,
             "stream": True,
             "cache_prompt": True,
         }
+        reader: ChatChunkReader | CompletionChunkReader
         if job.request.messages is not None:
             path = "/v1/chat/completions"
             body["messages"] = [m.model_dump() for m in job.request.messages]

@@ -15,7 +15,12 @@ from typing import Any
 import httpx
 
 from backends.base import BackendUnavailable, Done, Event, Token
-from backends.http_pool import PROBE_TIMEOUT, HttpStreamBackend, StreamFailure, StreamJob, wait_until_ready
+from backends.http_pool import (
+    HttpStreamBackend,
+    StreamFailure,
+    StreamJob,
+    sampler_fields,
+)
 from worker.settings import BackendSettings
 
 DEFAULT_OLLAMA_MODEL = "gemma3:270m"
@@ -23,34 +28,27 @@ DEFAULT_OLLAMA_MODEL = "gemma3:270m"
 
 class OllamaBackend(HttpStreamBackend):
     name = "ollama"
+    health_path = "/api/version"
 
     def __init__(self, settings: BackendSettings) -> None:
         super().__init__(settings, "ollama")
         self.model = settings.model or DEFAULT_OLLAMA_MODEL
-        try:
-            wait_until_ready(self.client, "/api/version", settings.connect_timeout, self.what)
-            self._check_model()
-        except BackendUnavailable:
-            self.client.close()
-            raise
-        self._start_pool(settings.parallel or 1)
+        self._start()
 
-    def _check_model(self) -> None:
-        """Fail at start, not per job, when the configured model is not pulled."""
+    def _discover_slots(self) -> int:
+        """Fail at start, not per job, when the configured model is not pulled; Ollama does not
+        tell its OLLAMA_NUM_PARALLEL, so the configured `parallel` (default 1) is the slot count."""
         try:
-            response = self.client.post("/api/show", json={"model": self.model}, timeout=PROBE_TIMEOUT)
+            response = self._ask("POST", "/api/show", json={"model": self.model})
         except httpx.HTTPError as e:
             raise BackendUnavailable(f"{self.what}: cannot ask for model {self.model!r}: {e}") from e
         if response.status_code == 404:
-            raise BackendUnavailable(f"{self.what} has no model {self.model!r} (run `ollama pull {self.model}`)")
+            raise BackendUnavailable(
+                f"{self.what} has no model {self.model!r} (run `ollama pull {self.model}`)"
+            )
         if response.status_code != 200:
             raise BackendUnavailable(f"{self.what}: /api/show answered HTTP {response.status_code}")
-
-    def probe(self) -> bool:
-        try:
-            return self.client.get("/api/version", timeout=PROBE_TIMEOUT).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return self.settings.parallel or 1
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "model": self.model}
@@ -66,14 +64,7 @@ class OllamaBackend(HttpStreamBackend):
 
     def _stream(self, job: StreamJob) -> Iterator[Event]:
         s = job.sampling
-        options: dict[str, Any] = {
-            "num_predict": s.max_tokens,
-            "temperature": s.temperature,
-            "top_k": s.top_k,
-            "top_p": s.top_p,
-            "min_p": s.min_p,
-            "repeat_penalty": s.repeat_penalty,
-        }
+        options: dict[str, Any] = {"num_predict": s.max_tokens, **sampler_fields(s)}
         if s.seed is not None:
             options["seed"] = s.seed
         if s.stop:
@@ -102,7 +93,9 @@ class OllamaBackend(HttpStreamBackend):
                 chunk = json.loads(line)
                 if "error" in chunk:
                     raise StreamFailure(f"{self.what} failed mid-stream: {chunk['error']}", retryable=True)
-                text = chunk["message"].get("content", "") if "message" in chunk else chunk.get("response", "")
+                text = (
+                    chunk["message"].get("content", "") if "message" in chunk else chunk.get("response", "")
+                )
                 if text:
                     yield Token(job.job_id, text)
                 if chunk.get("done"):
