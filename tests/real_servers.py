@@ -1,5 +1,8 @@
 """Real servers for the HTTP-backend tests: a llama-server process (built by
-scripts/build-llama-server, cached) and the in-process Ollama-API test server, both on the real model."""
+scripts/build-llama-server, cached) and the in-process Ollama-API test server, both on the real model.
+
+FLEET_TEST_THREADS sets llama-server's -t (default 2); on a box busy compiling, 1 avoids ggml's
+spinning thread barriers fighting for the two cores."""
 
 from __future__ import annotations
 
@@ -73,7 +76,8 @@ def llama_server(
     port = free_port()
     log = log_dir / f"llama-server-{port}.log"
     args = [str(llama_server_binary()), "-m", str(model_path()), "--parallel", str(parallel), "-c", str(ctx)]
-    args += ["--host", "127.0.0.1", "--port", str(port), "-t", "2", "--slots"]
+    threads = os.environ.get("FLEET_TEST_THREADS", "2")
+    args += ["--host", "127.0.0.1", "--port", str(port), "-t", threads, "--slots"]
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     server = LlamaServer(f"http://127.0.0.1:{port}", process, log)
