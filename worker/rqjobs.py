@@ -45,6 +45,7 @@ class ClaimedJob:
     first_token_at: float | None = None
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
+    timed_out: bool = False
 
 
 def load(redis: Redis, job_id: str, queue: str, job_timeout: int) -> ClaimedJob:
@@ -64,7 +65,7 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int) -> ClaimedJob:
         raise _bad(claimed, f"refused: payload is not a JSON job ({_short(e)})") from None
     if func_name != JOB_FUNCTION:
         raise _bad(claimed, f"refused: job names function {func_name!r}; fleet workers run only {JOB_FUNCTION}")
-    if job.success_callback_name or job.failure_callback_name or job.stopped_callback_name:
+    if any(getattr(job, f"_{kind}_callback_name", None) for kind in ("success", "failure", "stopped")):
         raise _bad(claimed, "refused: fleet jobs may not carry callbacks")
     payload = _request_payload(args, kwargs)
     if payload is None:

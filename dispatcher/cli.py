@@ -1,0 +1,163 @@
+"""The `fleet` command line: worker, submit, status (+ plan, ecosystem, up, down, bench)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rich.console import Console
+from rich.table import Table
+
+from dispatcher import status as fleet_status
+from dispatcher.client import Fleet, JobFailed, JobTimeout
+from worker.settings import FleetSettings, SettingsError, load_settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+config_option = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
+                             help="worker-config.json (default: $FLEET_CONFIG or ./worker-config.json)")
+
+
+def friendly_errors(func: F) -> F:
+    """Settings and Redis problems end in one readable line, not a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except SettingsError as e:
+            raise click.ClickException(str(e)) from None
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            url = click.get_current_context().meta.get("redis_url", "?")
+            raise click.ClickException(f"cannot reach Redis at {fleet_status.redact_url(url)}: {e}") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def settings_and_redis(config: str | None, **overrides: Any) -> tuple[FleetSettings, Redis]:
+    s = load_settings(config, **{k: v for k, v in overrides.items() if v is not None})
+    click.get_current_context().meta["redis_url"] = s.redis_url
+    redis = Redis.from_url(s.redis_url, socket_connect_timeout=3, health_check_interval=30)
+    redis.ping()
+    return s, redis
+
+
+@click.group()
+def cli() -> None:
+    """llama-fleet: batched llama.cpp workers serving generation jobs from Redis."""
+
+
+@cli.command()
+@config_option
+@click.option("--cpus", default=None, help="pin to these CPUs, e.g. 0-3 (overrides config)")
+@click.option("--name", default=None, help="worker name (default: host-pid)")
+@click.option("-v", "--verbose", is_flag=True)
+@friendly_errors
+def worker(config: str | None, cpus: str | None, name: str | None, verbose: bool) -> None:
+    """Run one worker: pin, load the model, serve jobs until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from worker.main import WorkerNameTaken, run_worker
+
+    s, redis = settings_and_redis(config, cpus=cpus, name=name)
+    try:
+        run_worker(s, redis)
+    except (WorkerNameTaken, ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@cli.command()
+@click.argument("prompt")
+@config_option
+@click.option("--max-tokens", type=int, default=None)
+@click.option("--temperature", type=float, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--priority", type=click.Choice(["high", "default", "low"]), default="default")
+@click.option("--stream", "do_stream", is_flag=True, help="print tokens as they arrive")
+@click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
+@click.option("--timeout", type=float, default=300.0)
+@friendly_errors
+def submit(prompt: str, config: str | None, max_tokens: int | None, temperature: float | None,
+           seed: int | None, stop: tuple[str, ...], priority: str, do_stream: bool, as_json: bool,
+           timeout: float) -> None:
+    """Submit one generation job and wait for its result."""
+    s, redis = settings_and_redis(config)
+    fleet = Fleet(redis=redis, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout)
+    fields: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                              "stop": list(stop) or None}
+    try:
+        job = fleet.submit(prompt, priority=priority, **{k: v for k, v in fields.items() if v is not None})
+        if do_stream and not as_json:
+            for text in job.stream(timeout=timeout):
+                click.echo(text, nl=False)
+            click.echo()
+        res = job.result(timeout=timeout)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    except (JobFailed, JobTimeout) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(res))
+    elif not do_stream:
+        click.echo(res["text"])
+    if not as_json:
+        t = res["timings"]
+        click.echo(f"[{res['finish_reason']}, {res['usage']['completion_tokens']} tokens, "
+                   f"worker {res['worker']} ({res['backend']}), ttft {t['ttft_ms']} ms, "
+                   f"{t['tokens_per_s']} tok/s]", err=True)
+
+
+@cli.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True)
+@friendly_errors
+def status(config: str | None, as_json: bool) -> None:
+    """Show workers (cpus, backend, state, in-flight, tok/s, RSS) and queue depths."""
+    s, redis = settings_and_redis(config)
+    snap = fleet_status.snapshot(redis, s.pool)
+    if as_json:
+        click.echo(json.dumps(snap))
+        return
+    console = Console()
+    wt = Table(title=f"workers (pool {s.pool}, redis {fleet_status.redact_url(s.redis_url)})")
+    for col in ("name", "host", "pid", "cpus", "node", "backend", "state", "in-flight", "tokens",
+                "tok/s", "RSS MiB"):
+        wt.add_column(col)
+    for w in snap["workers"]:
+        node = f"{w.get('numa_node', '')} ({w.get('numa_memory', '')})"
+        wt.add_row(str(w["name"]), str(w["host"]), str(w["pid"]), str(w.get("cpus") or "all"), node,
+                   str(w["backend"]), str(w["state"]), f"{w['inflight']}/{w['slots']}", str(w["tokens"]),
+                   str(w["tok_s"]), str(w["rss_mb"]))
+    console.print(wt)
+    qt = Table(title="queues")
+    for col in ("queue", "depth", "started", "finished", "failed"):
+        qt.add_column(col)
+    for q in snap["queues"]:
+        qt.add_row(q["queue"], str(q["depth"]), str(q["started"]), str(q["finished"]), str(q["failed"]))
+    console.print(qt)
+
+
+def _register_extensions() -> None:
+    from ecosystem.cli import register
+
+    register(cli)
+
+
+_register_extensions()
+
+
+def main() -> None:
+    cli(prog_name="fleet")
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

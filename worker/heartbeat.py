@@ -1,0 +1,115 @@
+"""The heartbeat thread: every `heartbeat_interval` seconds, refresh the worker's status hash
+(TTL = 3 intervals: its expiry is how others learn the worker died), RQ's worker heartbeat and
+the RQ executions of in-flight jobs; every few beats, reap dead workers' jobs.
+
+A thread, not the loop, so a long decode step never starves liveness (llama_decode and socket
+reads release the GIL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import psutil
+from redis import Redis
+from redis.exceptions import RedisError
+
+from dispatcher.keys import WORKERS_SET, worker_key
+
+if TYPE_CHECKING:
+    from rq.worker import Worker
+
+    from worker.loop import FleetWorker
+    from worker.reaper import Reaper
+
+log = logging.getLogger("fleet.heartbeat")
+REAP_EVERY = 2  # beats
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, fleet_worker: FleetWorker, rq_worker: Worker, reaper: Reaper,
+                 static: dict[str, Any]) -> None:
+        super().__init__(name="fleet-heartbeat", daemon=True)
+        self.fw = fleet_worker
+        self.rq_worker = rq_worker
+        self.reaper = reaper
+        self.static = static  # host, pid, cpus, numa, backend, slots, ...
+        self.interval = fleet_worker.settings.heartbeat_interval
+        self.ttl_ms = int(self.interval * 3000)
+        self.proc = psutil.Process()
+        self.proc.cpu_percent()  # first call primes the counter
+        self._halt = threading.Event()
+        self.beats = 0
+
+    def halt(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                self.beat()
+                if self.beats % REAP_EVERY == 0:
+                    self.reaper.reap()
+            except RedisError as e:  # Redis away: keep trying, the loop handles its own errors
+                log.warning("heartbeat failed: %s", e)
+            except Exception:
+                log.exception("heartbeat error")
+            self._halt.wait(self.interval)
+
+    def status(self) -> dict[str, Any]:
+        fw = self.fw
+        mem = self.proc.memory_info()
+        return {
+            **self.static,
+            "state": fw.counters.state,
+            "inflight": len(fw.inflight),
+            "jobs_done": fw.counters.jobs_done,
+            "jobs_failed": fw.counters.jobs_failed,
+            "tokens": fw.counters.tokens,
+            "tok_s": round(fw.counters.tokens_per_second(), 1),
+            "rss_mb": round(mem.rss / 2**20, 1),
+            "cpu_pct": round(self.proc.cpu_percent(), 1),
+            "backend_stats": fw.backend.stats(),
+            "updated_at": round(time.time(), 3),
+        }
+
+    def beat(self) -> None:
+        self.beats += 1
+        fw = self.fw
+        status = {k: json.dumps(v) for k, v in self.status().items()}
+        ttl_s = max(int(self.interval * 3), 3)
+        with fw.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(worker_key(fw.name), mapping=status)
+            pipe.pexpire(worker_key(fw.name), self.ttl_ms)
+            pipe.sadd(WORKERS_SET, fw.name)
+            self.rq_worker.heartbeat(timeout=ttl_s + 60, pipeline=pipe)
+            for job in list(fw.inflight.values()):
+                if job.execution is not None and job.job is not None:
+                    job.execution.heartbeat(job.job.started_job_registry, fw.settings.job_timeout + 60, pipe)
+            pipe.execute()
+
+
+def static_status(name: str, settings: Any, backend_name: str, slots: int, pin: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pool": settings.pool,
+        "backend": backend_name,
+        "slots": slots,
+        "started_at": round(time.time(), 3),
+        **pin,
+    }
+
+
+def clear_status(redis: Redis, name: str) -> None:
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.delete(worker_key(name))
+        pipe.srem(WORKERS_SET, name)
+        pipe.execute()

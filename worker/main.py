@@ -1,0 +1,75 @@
+"""`fleet worker`: pin, load the model once, register with RQ, serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from redis import Redis
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from backends import make_backend
+from dispatcher.keys import queue_names, worker_key
+from worker.heartbeat import Heartbeat, clear_status, static_status
+from worker.loop import FleetWorker
+from worker.pinning import pin
+from worker.reaper import Reaper, recover_own
+from worker.settings import FleetSettings
+
+log = logging.getLogger("fleet.worker")
+
+
+class WorkerNameTaken(Exception):
+    pass
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def run_worker(settings: FleetSettings, redis: Redis) -> None:
+    name = settings.name or default_name()
+    if redis.exists(worker_key(name)):
+        raise WorkerNameTaken(f"a live worker named {name!r} is already registered; pick another --name")
+    # pin before the model loads: llama.cpp's threads inherit the mask and the memory policy
+    report = pin(settings.cpu_set(), settings.numa_node)
+    log.info("worker %s: %s", name, report.summary())
+    threads = settings.backend.threads or len(os.sched_getaffinity(0))
+    backend = make_backend(settings.backend, threads=threads)
+    log.info("worker %s: backend %s ready, %d slots, %d threads", name, backend.name, backend.slots, threads)
+
+    queues = queue_names(settings.pool)
+    rq_worker = Worker(queues, name=name, connection=redis, serializer=JSONSerializer)
+    _register_rq(rq_worker, redis)
+    reaper = Reaper(redis, name, settings.max_attempts, settings.result_ttl)
+    recover_own(redis, name, reaper)
+
+    fw = FleetWorker(settings, backend, redis, name)
+    fw.install_signal_handlers()
+    static = static_status(name, settings, backend.name, backend.slots,
+                           {"threads": threads, **report.to_dict()})
+    hb = Heartbeat(fw, rq_worker, reaper, static)
+    hb.beat()  # visible before the first job
+    hb.start()
+    try:
+        fw.run()
+    finally:
+        hb.halt()
+        hb.join(timeout=5)
+        fw.requeue_all("worker exiting")
+        rq_worker.register_death()
+        clear_status(redis, name)
+        backend.close()
+        log.info("worker %s: stopped (%d done, %d failed)", name, fw.counters.jobs_done, fw.counters.jobs_failed)
+
+
+def _register_rq(rq_worker: Worker, redis: Redis) -> None:
+    """Register the RQ way (so `rq info` lists us); a stale key from a killed namesake is cleared."""
+    if redis.exists(rq_worker.key):
+        with redis.pipeline() as pipe:
+            pipe.delete(rq_worker.key)
+            pipe.srem("rq:workers", rq_worker.key)
+            pipe.execute()
+    rq_worker.register_birth()
