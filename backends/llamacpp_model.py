@@ -31,7 +31,6 @@ class LoadedModel:
         ll.llama_log_set(_quiet_log, ctypes.c_void_p())
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
-        mparams.use_extra_bufts = os.environ.get("X_REPACK", "1") == "1"
         model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -46,10 +45,7 @@ class LoadedModel:
         cparams.n_outputs_max = n_seq_max  # logits rows: one per sequence, not n_batch x 262k vocab
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
-        cparams.kv_unified = os.environ.get("X_UNI", "1") == "1"
-        cparams.flash_attn_type = int(os.environ.get("X_FA", "-1"))
-        if os.environ.get("X_KV"):
-            cparams.type_k = cparams.type_v = int(os.environ["X_KV"])
+        cparams.kv_unified = True  # one cell pool for all slots: seq_cp of a prefix is free
         cparams.swa_full = True  # keep sliding-window layers whole, so a copied prefix is complete
         cparams.no_perf = True
         ctx = ll.llama_init_from_model(model, cparams)
