@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,14 +18,9 @@ from pathlib import Path
 import httpx
 
 from backends.model import default_model_path
+from dispatcher.local import ROOT, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["ROOT", "LlamaServer", "free_port", "llama_server", "llama_server_binary", "model_path"]
 
 
 def model_path() -> Path:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from real_servers import LlamaServer, free_port, llama_server, model_path
 
 from backends.base import BackendUnavailable, Done, Event, Failed, GenerateRequest, Message, Restarted, Token
 from backends.fallback import FallbackBackend
 from backends.llama_server import LlamaServerBackend
+from tests.real_servers import LlamaServer, free_port, llama_server, model_path
 from worker.settings import BackendSettings
 
 pytestmark = pytest.mark.timeout(180)
@@ -202,7 +202,7 @@ def test_backend_waits_while_the_server_loads(tmp_path: Path) -> None:
 
 
 def test_server_killed_mid_job_fails_retryable_then_fallback_reruns_it(tmp_path: Path) -> None:
-    from ollama_api_server import serve
+    from tests.ollama_api_server import serve
 
     ollama = serve(str(model_path()), names=("gemma3:270m",))
     try:

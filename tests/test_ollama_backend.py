@@ -9,8 +9,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from ollama_api_server import BUSY_ERROR, RUNNER_ERROR, OllamaApiServer, serve
-from real_servers import free_port, model_path
 
 from backends.base import (
     BackendUnavailable,
@@ -23,6 +21,8 @@ from backends.base import (
     Token,
 )
 from backends.ollama import OllamaBackend
+from tests.ollama_api_server import BUSY_ERROR, RUNNER_ERROR, OllamaApiServer, serve
+from tests.real_servers import free_port, model_path
 from worker.settings import BackendSettings
 
 pytestmark = pytest.mark.timeout(120)
