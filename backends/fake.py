@@ -37,7 +37,6 @@ class FakeJob:
 
 
 class FakeBackend:
-    name = "fake"
 
     def __init__(
         self,
@@ -47,7 +46,9 @@ class FakeBackend:
         fail_after: int | None = None,
         unavailable: bool = False,
         label: str = "fake",
+        name: str = "fake",
     ) -> None:
+        self.name = name  # what results record as the serving backend
         self.slots = slots or (settings.slots if settings else 4)
         self.defaults = settings.sampling if settings else SamplingDefaults.model_validate({})
         self.fail_after = fail_after

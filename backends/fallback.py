@@ -61,17 +61,21 @@ class Route:
 
 
 class FallbackBackend:
-    name = "fallback"
+    """`name` is the chain's backend types, e.g. 'llama-server>llama-cpp' (what `fleet status` shows);
+    each Done carries the name of the backend that served it in `extra["backend"]` (what the result
+    records)."""
 
     def __init__(
         self,
         members: Sequence[tuple[str, Callable[[], Backend]]],
         *,
+        name: str = "fallback",
         clock: Callable[[], float] = time.monotonic,
         background_probes: bool = True,
     ) -> None:
         if not members:
             raise ValueError("a fallback chain needs at least one backend")
+        self.name = name
         self.members = [Member(label, build) for label, build in members]
         self.clock = clock
         self.background_probes = background_probes  # False: probe inside step() (deterministic tests)
@@ -95,7 +99,7 @@ class FallbackBackend:
             single = s.model_copy(update={"fallback": []})
             label = f"{s.type}@{s.endpoint or s.model_path or 'default'}"
             members.append((label, partial(make_backend, single, threads)))
-        return cls(members)
+        return cls(members, name=">".join(s.type for s in chain))
 
     # -- health -------------------------------------------------------------------------------------
 
@@ -239,9 +243,11 @@ class FallbackBackend:
             return [ev]
         m.jobs.discard(ev.job_id)
         if isinstance(ev, Done) or not ev.retryable:
-            if isinstance(ev, Done) and ev.finish_reason != "cancelled":
-                with self._lock:
-                    m.failures = 0
+            if isinstance(ev, Done):
+                ev.extra.setdefault("backend", m.backend.name if m.backend is not None else m.label)
+                if ev.finish_reason != "cancelled":
+                    with self._lock:
+                        m.failures = 0
             del self._routes[ev.job_id]
             return [ev]
         # the backend failed the job: rest it, and run the job on the next one
@@ -280,7 +286,9 @@ class FallbackBackend:
             return
         self._pending.remove(route)  # waiting for a slot: nothing runs, end it here
         del self._routes[job_id]
-        self._ready.append(Done(job_id, "cancelled", prompt_tokens=0, completion_tokens=0))
+        self._ready.append(
+            Done(job_id, "cancelled", prompt_tokens=0, completion_tokens=0, extra={"backend": self.name})
+        )
 
     def stats(self) -> dict[str, object]:
         now = self.clock()

@@ -95,6 +95,19 @@ def test_a_job_failed_mid_stream_restarts_on_the_next_backend() -> None:
     assert member(fb, "primary")["healthy"] is False
 
 
+def test_done_names_the_backend_that_served_the_job() -> None:
+    primary = FakeBackend(label="primary", name="llama-server", fail_after=1)
+    spare = FakeBackend(label="spare", name="llama-cpp")
+    fb = chain(primary, spare)
+    fb.admit("a", GenerateRequest(prompt="x y"))
+    events = run(fb)
+    done = events[-1]
+    assert isinstance(done, Done) and done.extra["backend"] == "llama-cpp"
+    primary.fail_after = None
+    fb.admit("b", GenerateRequest(prompt="x y"))
+    assert isinstance(done := run(fb)[-1], Done) and done.extra["backend"] == "llama-cpp"  # primary rests
+
+
 def test_no_restarted_event_when_the_failed_attempt_produced_nothing() -> None:
     fb = chain(FakeBackend(label="primary", fail_after=0), FakeBackend(label="spare"))
     fb.admit("a", GenerateRequest(prompt="x y"))
@@ -199,6 +212,7 @@ def test_make_backend_wraps_a_fallback_list() -> None:
     settings = BackendSettings(type="fake", slots=2, fallback=[BackendSettings(type="fake", slots=5)])
     backend = make_backend(settings)
     assert isinstance(backend, FallbackBackend)
+    assert backend.name == "fake>fake"  # the chain, as `fleet status` shows it
     members = backend.stats()["members"]
     assert isinstance(members, list) and [m["label"] for m in members] == ["fake@default", "fake@default"]
     assert backend.free_slots() == 2 and backend.slots == 5
