@@ -1,0 +1,109 @@
+"""A local `llama-server` process on the real model, for `fleet bench` and the tests.
+
+The binary is llama.cpp's server built from the llama.cpp vendored in the pinned llama-cpp-python
+(scripts/build-llama-server, cached by version), so the server and the in-process backend run the
+same llama.cpp. $FLEET_LLAMA_SERVER names another binary.
+
+    with start_llama_server(log_dir, parallel=4, ctx=4096, threads=2) as srv:  # waits for /health
+        httpx.post(f"{srv.url}/completion", json={...})
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from backends.model import default_model_path
+from dispatcher.local import ROOT, free_port
+
+
+def llama_server_binary() -> Path:
+    """$FLEET_LLAMA_SERVER, else build once (minutes) and return the cached path (instant)."""
+    if env := os.environ.get("FLEET_LLAMA_SERVER"):
+        return Path(env)
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "build-llama-server")], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"scripts/build-llama-server failed:\n{done.stderr[-3000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class LlamaServer:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, like a crash: no goodbye to open streams."""
+        if self.alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"llama-server exited: {self.log.read_text(errors='replace')[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"llama-server not healthy after {timeout}s: {self.log.read_text()[-2000:]}")
+
+
+def start_llama_server(
+    log_dir: Path,
+    *,
+    parallel: int,
+    ctx: int,
+    threads: int,
+    port: int | None = None,
+    model: Path | None = None,
+    wait: bool = True,
+) -> LlamaServer:
+    """`llama-server -m MODEL -np PARALLEL -c CTX -t THREADS --slots` on 127.0.0.1 (a free port
+    unless given); the log goes to log_dir. Waits for /health unless `wait` is False."""
+    port = port or free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"llama-server-{port}.log"
+    args = [str(llama_server_binary()), "-m", str(model or default_model_path()),
+            "--parallel", str(parallel), "-c", str(ctx), "-t", str(threads),
+            "--host", "127.0.0.1", "--port", str(port), "--slots"]
+    with log.open("ab") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    server = LlamaServer(f"http://127.0.0.1:{port}", port, process, log)
+    if wait:
+        try:
+            server.wait_healthy()
+        except BaseException:
+            server.kill()
+            raise
+    return server
