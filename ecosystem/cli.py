@@ -1,4 +1,5 @@
-"""`fleet plan` and `fleet ecosystem`; dispatcher/cli.py adds them with `register(cli)`."""
+"""`fleet plan` and `fleet ecosystem` (+ `up`/`down` from up_cli); dispatcher/cli.py adds them with
+`register(cli)`."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def plan_options(func: F) -> F:
     return func
 
 
-def _settings(config: Path | None) -> tuple[FleetSettings, Path | None]:
+def plan_settings(config: Path | None) -> tuple[FleetSettings, Path | None]:
     """The settings the workers will read (for slots and drain grace) and the config's path.
     A config that does not exist here (rendering for another host) gives defaults and a warning."""
     path = config_path(config)
@@ -92,7 +93,7 @@ def _settings(config: Path | None) -> tuple[FleetSettings, Path | None]:
         raise click.ClickException(str(e)) from None
 
 
-def _make_plan(
+def make_plan(
     workers: Workers,
     cores_per_worker: int | None,
     slots: int | None,
@@ -125,8 +126,8 @@ def _make_plan(
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan_command(config: Path | None, as_json: bool, **plan_args: Any) -> None:
     """Show how workers would be placed on this machine's cores and NUMA nodes."""
-    settings, _ = _settings(config)
-    result = _make_plan(settings=settings, **plan_args)
+    settings, _ = plan_settings(config)
+    result = make_plan(settings=settings, **plan_args)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
@@ -185,8 +186,8 @@ def ecosystem_command(
     **plan_args: Any,
 ) -> None:
     """Write a PM2, supervisord or systemd config that runs the planned workers."""
-    settings, cfg = _settings(config)
-    result = _make_plan(settings=settings, **plan_args)
+    settings, cfg = plan_settings(config)
+    result = make_plan(settings=settings, **plan_args)
     env: dict[str, str] = {}
     for item in extra_env:
         key, sep, value = item.partition("=")
@@ -237,6 +238,8 @@ def _write(path: Path, text: str) -> None:
 
 
 def register(cli: click.Group) -> None:
-    """Add `plan` and `ecosystem` to the `fleet` group."""
-    cli.add_command(plan_command)
-    cli.add_command(ecosystem_command)
+    """Add `plan`, `ecosystem`, `up` and `down` to the `fleet` group."""
+    from ecosystem.up_cli import down_command, up_command  # imports this module
+
+    for command in (plan_command, ecosystem_command, up_command, down_command):
+        cli.add_command(command)

@@ -39,6 +39,7 @@ class RenderOptions:
     extra_env: Mapping[str, str] = field(default_factory=dict)  # e.g. FLEET_REDIS_URL
     user: str | None = None  # systemd User=
     generated_by: str = "fleet ecosystem"
+    supervisor_socket: str | None = None  # supervisord: default <run_dir>/supervisor.sock
 
     @property
     def stop_timeout(self) -> int:
@@ -121,13 +122,43 @@ def render_pm2(plan: Plan, options: RenderOptions) -> str:
 # --- supervisord ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Service:
+    """A helper program supervisord runs beside the workers (`fleet up`'s private redis-server).
+
+    It gets its own group with a low priority: supervisord starts groups in ascending priority
+    and stops them one group at a time in descending order, so a service starts before the
+    workers and stops only after every worker has drained.
+    """
+
+    name: str
+    command: tuple[str, ...]
+    priority: int = 1
+    stop_timeout: int = 30
+
+
 def _sv(value: str) -> str:
     """Escape for supervisord, which expands %(name)s in values."""
     return value.replace("%", "%%")
 
 
-def render_supervisord(plan: Plan, options: RenderOptions) -> str:
+def _sv_program(name: str, command: str, run: str, settings: list[str]) -> list[str]:
+    return [
+        "",
+        f"[program:{name}]",
+        f"command={command}",
+        *settings,
+        "autostart=true",
+        "autorestart=true",
+        "stopsignal=TERM",
+        "redirect_stderr=true",
+        f"stdout_logfile={run}/{name}.log",
+    ]
+
+
+def render_supervisord(plan: Plan, options: RenderOptions, services: tuple[Service, ...] = ()) -> str:
     run = options.run_dir  # may itself use %(here)s: not escaped
+    socket = options.supervisor_socket or f"{run}/supervisor.sock"
     out = _header(plan, options, ";")
     out += [
         f"; Run dir {run} (%(here)s: this file's directory) must exist. Then, in the foreground:",
@@ -142,11 +173,11 @@ def render_supervisord(plan: Plan, options: RenderOptions) -> str:
         f"identifier={UNIT_PREFIX}",
         "",
         "[unix_http_server]",
-        f"file={run}/supervisor.sock",
+        f"file={socket}",
         "chmod=0700",
         "",
         "[supervisorctl]",
-        f"serverurl=unix://{run}/supervisor.sock",
+        f"serverurl=unix://{socket}",
         "",
         "[rpcinterface:supervisor]",
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
@@ -154,25 +185,24 @@ def render_supervisord(plan: Plan, options: RenderOptions) -> str:
         f"[group:{UNIT_PREFIX}]",
         f"programs={','.join(w.name for w in plan.workers)}",
     ]
+    if services:
+        out.append("priority=999")  # explicit: stopped before the services, started after them
     command = _sv(shlex.join([*options.command, *options.worker_args()]))
     for w in plan.workers:
         env = ",".join(f'{k}="{_sv(v)}"' for k, v in options.env(w).items())
-        out += ["", f"[program:{w.name}]", f"command={command}"]
-        if options.cwd:
-            out.append(f"directory={_sv(options.cwd)}")
-        out += [
+        settings = [f"directory={_sv(options.cwd)}"] if options.cwd else []
+        settings += [
             f"environment={env}",
-            "autostart=true",
-            "autorestart=true",
             "startsecs=5",
             "startretries=10",
-            "stopsignal=TERM",
             f"stopwaitsecs={options.stop_timeout}",
             "stopasgroup=true",
             "killasgroup=true",
-            "redirect_stderr=true",
-            f"stdout_logfile={run}/{w.name}.log",
         ]
+        out += _sv_program(w.name, command, run, settings)
+    for svc in services:
+        settings = [f"priority={svc.priority}", "startsecs=1", f"stopwaitsecs={svc.stop_timeout}"]
+        out += _sv_program(svc.name, _sv(shlex.join(svc.command)), run, settings)
     return "\n".join([*out, ""])
 
 

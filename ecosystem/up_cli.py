@@ -1,0 +1,139 @@
+"""`fleet up` and `fleet down` (added to the `fleet` group by ecosystem.cli.register)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from dispatcher.status import redact_url
+from ecosystem.cli import make_plan, plan_options, plan_settings
+from ecosystem.private_redis import RedisSetupError
+from ecosystem.render import RenderOptions, default_command
+from ecosystem.up import Interrupted, Launch, RunDir, UpError, down
+
+run_dir_option = click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Config, logs and private Redis data [default: $FLEET_RUN_DIR, else "
+    "$XDG_STATE_HOME/llama-fleet/up, i.e. ~/.local/state/llama-fleet/up].",
+)
+
+
+def _run_dir(path: Path | None) -> RunDir:
+    return RunDir(path.absolute()) if path else RunDir.default()
+
+
+def _note(text: str) -> None:
+    click.echo(f"fleet up: {text}", err=True)
+
+
+@click.command("up")
+@plan_options
+@click.option("--daemon", is_flag=True, help="Return once every worker is up; stop with `fleet down`.")
+@run_dir_option
+@click.option(
+    "--start-timeout",
+    type=float,
+    default=180.0,
+    show_default=True,
+    help="Seconds to wait for every worker to register.",
+)
+def up_command(
+    config: Path | None,
+    daemon: bool,
+    run_dir: Path | None,
+    start_timeout: float,
+    sysfs_root: Path | None,
+    **plan_args: Any,
+) -> None:
+    """Run the planned workers here under supervisord (and a private Redis when none answers at a
+    local redis_url). Foreground: Ctrl-C or SIGTERM drains the workers and stops everything."""
+    if sysfs_root is not None:
+        raise click.BadParameter("fleet up places workers on this machine only", param_hint="--sysfs-root")
+    settings, cfg = plan_settings(config)
+    the_plan = make_plan(settings=settings, sysfs_root=None, **plan_args)
+    run = _run_dir(run_dir)
+    options = RenderOptions(
+        command=default_command(),
+        config_path=str(cfg) if cfg else None,
+        cwd=str(Path.cwd()),
+        drain_grace=settings.drain_grace,
+        generated_by="fleet up",
+    )
+    try:
+        launch = Launch.prepare(run, the_plan, options, settings.redis_url)
+    except (UpError, RedisSetupError) as e:
+        raise click.ClickException(str(e)) from None
+    url = redact_url(settings.redis_url)
+    if launch.private:
+        _note(f"nothing answers at {url}: starting a private redis-server there (data in {run.redis_data})")
+    launch.forward_signals(_note)
+    launch.start(daemon)
+    _note(f"supervisord pid {launch.process.pid if launch.process else '?'}, run dir {run.root}")
+    try:
+        rows = launch.wait_ready(start_timeout)
+    except Interrupted:
+        code = launch.wait()
+        _note(f"stopped before the fleet was up (supervisord exit {code})")
+        sys.exit(1)
+    except UpError as e:
+        launch.request_stop()
+        launch.wait()
+        raise click.ClickException(f"{e}\n(stopped everything it had started)") from None
+    _show(rows, url, run)
+    if daemon:
+        _note(
+            f"up in the background; `fleet down{'' if run_dir is None else ' --run-dir ' + str(run.root)}` "
+            "stops it"
+        )
+        return
+    _note("Ctrl-C or SIGTERM drains the workers and stops the fleet")
+    code = launch.wait()
+    left = launch.leftovers()
+    if left:
+        raise click.ClickException(f"still running after supervisord exited: {', '.join(left)}")
+    _note(f"stopped (supervisord exit {code}); logs in {run.root}")
+    if code:
+        sys.exit(code)
+
+
+def _show(rows: list[dict[str, Any]], url: str, run: RunDir) -> None:
+    table = Table(title=f"fleet up: {len(rows)} worker(s), redis {url}")
+    for column in ("worker", "pid", "cpus", "node", "memory", "slots", "log"):
+        table.add_column(column)
+    for w in rows:
+        table.add_row(
+            str(w["name"]),
+            str(w["pid"]),
+            str(w.get("cpus") or "all"),
+            str(w.get("numa_node") or "-"),
+            str(w.get("numa_memory") or "-"),
+            str(w.get("slots")),
+            str(run.program_log(str(w["name"]))),
+        )
+    Console(stderr=True).print(table)
+
+
+@click.command("down")
+@run_dir_option
+@click.option("--timeout", type=float, help="Seconds to wait for the drain [default: from the run's state].")
+def down_command(run_dir: Path | None, timeout: float | None) -> None:
+    """Stop a fleet started with `fleet up --daemon`: the workers drain, then everything stops."""
+    run = _run_dir(run_dir)
+    try:
+        state = down(run, timeout)
+    except UpError as e:
+        raise click.ClickException(str(e)) from None
+    if state is None:
+        click.echo(f"fleet down: no fleet is up from {run.root}")
+        return
+    redis = " and the private Redis" if state.get("private_redis") else ""
+    click.echo(
+        f"fleet down: {len(state.get('workers', []))} worker(s){redis} stopped "
+        f"(supervisord pid {state['pid']}); logs in {run.root}"
+    )
