@@ -23,6 +23,7 @@ from ecosystem.cli import register
 from ecosystem.planner import Plan, plan
 from ecosystem.render import FORMATS, RenderOptions, render, render_pm2, render_supervisord, render_systemd
 from ecosystem.topology import read_topology
+from tests.pm2 import Pm2, pm2_binary
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -56,6 +57,7 @@ def expected_env(name: str, cpus: str, node: int) -> dict[str, str]:
 
 
 def node_require(path: Path) -> object:
+    pm2_binary()  # scripts/install-pm2 installs Node.js where it is missing
     proc = subprocess.run(
         ["node", "-e", f"console.log(JSON.stringify(require({json.dumps(str(path))})))"],
         capture_output=True,
@@ -69,7 +71,6 @@ def node_require(path: Path) -> object:
 # --- PM2 -------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("node") is None, reason="node not installed")
 def test_pm2_config_loads_in_node(tmp_path: Path, two_node_plan: Plan) -> None:
     path = tmp_path / "ecosystem.config.js"
     path.write_text(render_pm2(two_node_plan, OPTIONS))
@@ -92,7 +93,6 @@ def test_pm2_config_loads_in_node(tmp_path: Path, two_node_plan: Plan) -> None:
     }
 
 
-@pytest.mark.skipif(shutil.which("node") is None, reason="node not installed")
 def test_pm2_python_m_launcher_and_awkward_values(tmp_path: Path, two_node_plan: Plan) -> None:
     options = RenderOptions(
         command=("/opt/my venv/bin/python", "-m", "dispatcher.cli"),
@@ -138,15 +138,6 @@ def test_supervisord_config_parses(tmp_path: Path, two_node_plan: Plan) -> None:
     assert {k: v.strip('"') for k, v in env.items()} == expected_env("worker-1", "16-31", 1)
 
 
-def supervisor_available() -> bool:
-    try:
-        import supervisor.options  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not supervisor_available(), reason="supervisor not installed (extra: supervisor)")
 def test_supervisord_loads_its_own_way(tmp_path: Path, two_node_plan: Plan) -> None:
     from supervisor.options import ServerOptions
 
@@ -273,10 +264,12 @@ def test_systemd_quoting() -> None:
     assert envs[1] == 'FLEET_CONFIG=/etc/fleet/50%%.json "FLEET_REDIS_URL=redis://h/0?x=$HOME"'
 
 
-SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+def systemd_analyze() -> str:
+    found = shutil.which("systemd-analyze")
+    assert found, "systemd-analyze is missing: Debian package `systemd` (scripts/setup installs it)"
+    return found
 
 
-@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed")
 def test_systemd_analyze_verify_finds_nothing_to_complain_about(tmp_path: Path) -> None:
     # ExecStart must name a real executable for verify to pass: use this interpreter.
     options = RenderOptions(
@@ -289,7 +282,7 @@ def test_systemd_analyze_verify_finds_nothing_to_complain_about(tmp_path: Path) 
     units = [f"llama-fleet-worker@{w.name}.service" for w in the_plan.workers] + ["llama-fleet.target"]
     env = {**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:", "SYSTEMD_LOG_LEVEL": "warning"}
     proc = subprocess.run(
-        [str(SYSTEMD_ANALYZE), "verify", "--man=no", *units],
+        [systemd_analyze(), "verify", "--man=no", *units],
         capture_output=True,
         text=True,
         env=env,
@@ -303,7 +296,6 @@ def test_systemd_analyze_verify_finds_nothing_to_complain_about(tmp_path: Path) 
     assert proc.returncode == 0 and not ours, proc.stdout + proc.stderr
 
 
-@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed")
 def test_systemd_analyze_does_complain_about_a_bad_dropin(tmp_path: Path) -> None:
     """The verify test above can fail: a broken drop-in is reported."""
     options = RenderOptions(command=(sys.executable,))
@@ -312,7 +304,7 @@ def test_systemd_analyze_does_complain_about_a_bad_dropin(tmp_path: Path) -> Non
         (tmp_path / name).write_text(text.replace("CPUAffinity=0-1", "CPUAffinity=zero-one"))
     env = {**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:", "SYSTEMD_LOG_LEVEL": "warning"}
     proc = subprocess.run(
-        [str(SYSTEMD_ANALYZE), "verify", "--man=no", "llama-fleet-worker@worker-0.service"],
+        [systemd_analyze(), "verify", "--man=no", "llama-fleet-worker@worker-0.service"],
         capture_output=True,
         text=True,
         env=env,
@@ -401,7 +393,6 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.skipif(not supervisor_available(), reason="supervisor not installed (extra: supervisor)")
 def test_supervisord_runs_the_rendered_config(short_tmp: Path) -> None:
     the_plan = live_plan()
     conf = short_tmp / "supervisord.conf"
@@ -430,51 +421,25 @@ def test_supervisord_runs_the_rendered_config(short_tmp: Path) -> None:
             daemon.wait(timeout=30)
 
 
-def find_pm2() -> str | None:
-    """$PM2, pm2 on PATH, or a copy cached under .cache/pm2 (installed with npm on first use)."""
-    if os.environ.get("PM2"):
-        return os.environ["PM2"]
-    if found := shutil.which("pm2"):
-        return found
-    cached = REPO / ".cache" / "pm2" / "node_modules" / ".bin" / "pm2"
-    if not cached.exists() and shutil.which("npm"):
-        subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(cached.parents[2]), "pm2"],
-            capture_output=True,
-            timeout=300,
-        )
-    return str(cached) if cached.exists() else None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("node") is None, reason="node not installed")
 def test_pm2_runs_the_rendered_config(short_tmp: Path) -> None:
-    pm2 = find_pm2()
-    if pm2 is None:
-        pytest.skip("pm2 not available (npm install pm2 failed)")
     the_plan = live_plan()
     config = short_tmp / "ecosystem.config.js"
     config.write_text(render_pm2(the_plan, probe_options(short_tmp)))
-    env = {**os.environ, "PM2_HOME": str(short_tmp / "pm2home")}
-
-    def run_pm2(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([pm2, *args], capture_output=True, text=True, env=env, timeout=120)
-
+    pm2 = Pm2(short_tmp / "pm2home")
     try:
-        started = run_pm2("start", str(config))
-        assert started.returncode == 0, started.stdout + started.stderr
+        pm2.check("start", str(config))
         wait_for([short_tmp / f"{w.name}.json" for w in the_plan.workers])
         check_probes(short_tmp, the_plan)
-        apps = {a["name"]: a for a in json.loads(run_pm2("jlist").stdout)}
+        apps = pm2.apps()
         assert sorted(apps) == sorted(w.name for w in the_plan.workers)
         assert {a["pm2_env"]["status"] for a in apps.values()} == {"online"}
-        stopped = run_pm2("stop", "all")
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        pm2.check("stop", "all")
         wait_for([short_tmp / f"{w.name}.stopped" for w in the_plan.workers])
         # PM2 has no per-app stop signal: the worker must drain on SIGINT as on SIGTERM.
         assert {(short_tmp / f"{w.name}.stopped").read_text() for w in the_plan.workers} == {"SIGINT"}
     finally:
-        run_pm2("kill")
+        pm2.kill()
 
 
 # --- CLI -------------------------------------------------------------------------------------

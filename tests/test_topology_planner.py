@@ -299,7 +299,26 @@ def test_invalid_requests_name_the_numbers(layout: str, kwargs: dict[str, object
 REPO = Path(__file__).resolve().parent.parent
 NODE_ONLINE = Path("/sys/devices/system/node/online")
 LIVE_NODES = parse_cpu_list(NODE_ONLINE.read_text()) if NODE_ONLINE.exists() else []
-ONE_NODE_BOX = LIVE_NODES == [0]
+
+
+def mems_allowed() -> list[int]:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Mems_allowed_list:"):
+            return parse_cpu_list(line.split(":", 1)[1])
+    raise AssertionError("no Mems_allowed_list in /proc/self/status")
+
+
+def sysfs_with_node_beyond_this_box(root: Path) -> int:
+    """A sysfs tree whose nodes 0..N are all online, N being a node this process may not use
+    (outside its cpuset mems, whatever this machine has); node N's CPUs are 1000+."""
+    absent = max(mems_allowed()) + 1
+    node_root = root / "devices" / "system" / "node"
+    node_root.mkdir(parents=True)
+    (node_root / "online").write_text(f"0-{absent}\n")
+    for n in range(absent + 1):
+        (node_root / f"node{n}").mkdir()
+        (node_root / f"node{n}" / "cpulist").write_text(f"{1000 + n}\n")
+    return absent
 
 
 def run_isolated(code: str) -> dict[str, object]:
@@ -387,27 +406,27 @@ def test_pin_binds_memory_for_real_when_sysfs_says_two_nodes() -> None:
     assert out["summary"] == "cpus 0, memory bound to node 0"
 
 
-@pytest.mark.skipif(not ONE_NODE_BOX, reason="relies on node 1 being absent from this machine")
-def test_pin_reports_unavailable_numa_without_raising() -> None:
+def test_pin_reports_unavailable_numa_without_raising(tmp_path: Path) -> None:
+    absent = sysfs_with_node_beyond_this_box(tmp_path)
     out = run_isolated(
         f"""
         import json
         from worker.pinning import bind_memory, pin
         no_nodes = pin(None, 0, sysfs_root="/nonexistent")
-        # node 1 exists in the recorded tree but not on this box: cpuset mems exclude it
-        absent = pin(None, 1, sysfs_root="{FIXTURES / "2node-16core-smt"}")
-        off_node = pin([0], 1, sysfs_root="{FIXTURES / "2node-16core-smt"}")
+        # node {absent} is online in the tree but outside this process's cpuset mems
+        absent = pin(None, {absent}, sysfs_root="{tmp_path}")
+        off_node = pin([0], {absent}, sysfs_root="{tmp_path}")
         print(json.dumps({{"no_nodes": [no_nodes.memory, no_nodes.detail],
                            "absent": [absent.memory, absent.detail],
                            "off_node": off_node.detail,
-                           "syscall": bind_memory(63)}}))
+                           "syscall": bind_memory(1023)}}))
         """
     )
     assert out["no_nodes"] == ["not available", "the kernel exposes no NUMA nodes"]
     assert out["absent"][0] == "not available"  # type: ignore[index]
-    assert "node 1 is outside this process's cpuset mems" in out["absent"][1]  # type: ignore[index]
-    assert "CPU 0 is not on node 1: their memory accesses are remote" in str(out["off_node"])
-    assert "set_mempolicy(MPOL_BIND, node 63) failed: Invalid argument" in str(out["syscall"])
+    assert f"node {absent} is outside this process's cpuset mems" in out["absent"][1]  # type: ignore[index]
+    assert f"CPU 0 is not on node {absent}: their memory accesses are remote" in str(out["off_node"])
+    assert "set_mempolicy(MPOL_BIND, node 1023) failed: Invalid argument" in str(out["syscall"])
 
 
 def test_pin_not_requested() -> None:
