@@ -76,12 +76,13 @@ class LlamaCppBackend:
             settings.model_path,
             n_ctx=self.n_ctx,
             n_batch=self.n_batch,
-            n_seq_max=self.slots + n_prefix,
+            n_seq_max=self.slots + n_prefix + 1,  # + a scratch sequence for batch padding
             threads=threads,
         )
         self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self._free_seq_ids = list(range(self.slots))
         self._free_prefix_ids = list(range(self.slots, self.slots + n_prefix))
+        self._pad_seq = self.slots + n_prefix
         self._prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
         self._active: dict[str, Sequence] = {}  # admission order = prefill order
         self._waiting: list[tuple[str, list[int], Sampling]] = []
@@ -258,10 +259,16 @@ class LlamaCppBackend:
             s.batch_index = n - 1 if last else -1
             fed.append((s, len(chunk)))
             budget -= len(chunk)
+        # Pad to a multiple of 4 rows: llama.cpp's CPU matmul takes a 4-row kernel for full groups
+        # of 4 and a 1-row kernel for the rest, which round differently. Padding puts every row
+        # through the same kernel, so a sequence's tokens do not depend on its batch position.
+        for i in range(-n % 4):
+            add(0, i, self._pad_seq, False)
         batch.n_tokens = n
 
         t0 = time.perf_counter()
         rc = ll.llama_decode(self.model.ctx, batch)
+        ll.llama_memory_seq_rm(self.model.memory, self._pad_seq, -1, -1)
         self.stats_.decode_seconds += time.perf_counter() - t0
         self.stats_.steps += 1
         self.stats_.per_step_decoding = [*self.stats_.per_step_decoding[-63:], len(decoding)]
