@@ -76,7 +76,8 @@ def run(console: Console, fleet: Fleet, args: argparse.Namespace) -> None:
 def print_results(console: Console, jobs: list[FleetJob], results: list[dict], wall: float) -> None:
     table = Table(title="results")
     for col in ("job", "worker", "tokens", "queue wait ms", "TTFT ms", "tok/s", "finish", "text"):
-        table.add_column(col, overflow="ellipsis", no_wrap=col == "text", max_width=40 if col == "text" else None)
+        is_text = col == "text"
+        table.add_column(col, overflow="ellipsis", no_wrap=is_text, max_width=40 if is_text else None)
     for i, r in enumerate(results, 1):
         t = r["timings"]
         table.add_row(str(i), r["worker"], str(r["usage"]["completion_tokens"]), str(t["queue_ms"]),

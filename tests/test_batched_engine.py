@@ -43,7 +43,7 @@ def test_sixteen_jobs_in_flight_complete(engine: LlamaCppBackend) -> None:
     for i in range(16):
         engine.admit(f"j{i}", req(f"Story {i}: the old lighthouse", 24, temperature=0.8, seed=i))
     assert engine.free_slots() == 0 and engine.stats()["active"] == 16
-    texts, ends = run_all(engine)
+    _texts, ends = run_all(engine)
     assert set(ends) == {f"j{i}" for i in range(16)}
     for i in range(16):
         done = ends[f"j{i}"]
@@ -90,7 +90,7 @@ def test_cancel_frees_slot_for_next_job_at_once(engine: LlamaCppBackend) -> None
         events = small.step()
         assert any(isinstance(e, Done) and e.job_id == "x" and e.finish_reason == "cancelled" for e in events)
         assert small.stats()["active"] == 2  # z is in the batch already
-        texts, ends = run_all(small)
+        _texts, ends = run_all(small)
         assert isinstance(ends["z"], Done) and ends["z"].completion_tokens == 4
     finally:
         small.close()
@@ -128,7 +128,7 @@ def test_shared_prefix_is_copied_not_prefilled(engine: LlamaCppBackend) -> None:
     n_prefix = len(engine.model.prompt_tokens(req(system)))
     reused = int(after["prompt_tokens_reused"]) - int(before["prompt_tokens_reused"])
     assert reused >= 4 * (n_prefix - 2), (reused, n_prefix)
-    texts, ends = run_all(engine)
+    _texts, ends = run_all(engine)
     assert all(isinstance(ends[f"p{i}"], Done) for i in range(5))
     assert engine.stats()["prefixes"] >= 1  # kept for the next job with this system prompt
 
@@ -155,7 +155,7 @@ def test_kv_exhaustion_defers_admission_not_running_jobs() -> None:
         for i in range(4):  # each reserves min(prompt + 200, 256) cells: only 2 fit at once
             tiny.admit(f"k{i}", req(f"Count from {i}:", 200))
         assert tiny.stats()["active"] == 2 and tiny.stats()["waiting"] == 2
-        texts, ends = run_all(tiny)
+        _texts, ends = run_all(tiny)
         assert all(isinstance(ends[f"k{i}"], Done) for i in range(4))
         assert not any(isinstance(e, Failed) for e in ends.values())
         assert int(tiny.stats()["deferred_admissions"]) > 0

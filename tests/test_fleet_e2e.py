@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-import threading
-import time
 
-import pytest
 from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from dispatcher import Fleet, JobFailed
+from dispatcher import Fleet
 from dispatcher.keys import JOB_FUNCTION
-from tests.harness import ROOT, wait_for
+from tests.harness import ROOT
 
 
 def test_submit_stream_result(redis_url: str, workers) -> None:

@@ -62,7 +62,8 @@ def run_worker(settings: FleetSettings, redis: Redis) -> None:
         rq_worker.register_death()
         clear_status(redis, name)
         backend.close()
-        log.info("worker %s: stopped (%d done, %d failed)", name, fw.counters.jobs_done, fw.counters.jobs_failed)
+        c = fw.counters
+        log.info("worker %s: stopped (%d done, %d failed)", name, c.jobs_done, c.jobs_failed)
 
 
 def _register_rq(rq_worker: Worker, redis: Redis) -> None:
