@@ -16,15 +16,19 @@ WORKER_FIELDS = ("name", "host", "pid", "cpus", "numa_node", "numa_memory", "bac
 
 
 def workers(redis: Redis) -> list[dict[str, Any]]:
-    names = {n.decode() for n in redis.smembers(WORKERS_SET)}
-    names |= {k.decode().split(":", 2)[2] for k in redis.scan_iter("fleet:worker:*", count=500)}
+    names = {_text(n) for n in redis.smembers(WORKERS_SET)}
+    names |= {_text(k).split(":", 2)[2] for k in redis.scan_iter("fleet:worker:*", count=500)}
     out = []
     for name in sorted(names):
         raw = redis.hgetall(worker_key(name))
         if not raw:
             continue  # registered but dead: the reaper will collect it
-        out.append({k.decode(): json.loads(v) for k, v in raw.items()})
+        out.append({_text(k): json.loads(v) for k, v in raw.items()})
     return out
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def queues(redis: Redis, pool: str) -> list[dict[str, Any]]:
