@@ -12,19 +12,35 @@ tools see it and plain RQ producers can enqueue the same thing.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
-from collections.abc import Iterator
-from typing import Any
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from redis import Redis
+from redis.typing import EncodableT
 from rq import Queue
-from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from backends.base import PRIORITIES, GenerateRequest
 from dispatcher import stream
-from dispatcher.keys import JOB_FUNCTION, cancel_key, queue_key, queue_name, stream_key, wake_key
+from dispatcher.keys import (
+    ATTEMPT_FIELD,
+    JOB_FUNCTION,
+    cancel_key,
+    job_key,
+    queue_key,
+    queue_name,
+    stream_key,
+    wake_key,
+)
+from dispatcher.reconnect import OUTAGE_ERRORS, retry_outage
+from dispatcher.replies import as_int, as_str
 from dispatcher.stream import StreamEvent
+
+T = TypeVar("T")
 
 
 class JobFailed(Exception):
@@ -42,46 +58,86 @@ class JobTimeout(Exception):
 
 
 class Fleet:
+    """Producer handle on one pool. Every call rides out a Redis outage: it retries on a backoff
+    for up to `retry_for` seconds (stream/result: until their own timeout) before raising."""
+
     def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
-                 result_ttl: int = 3600, job_timeout: int = 600) -> None:
+                 result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
+                 retry_for: float = 30.0) -> None:
         if redis is None:
-            redis = Redis.from_url(redis_url or "redis://127.0.0.1:6379/0")
+            # no redis-py retries of its own: this class decides how long to wait (reconnect.py)
+            redis = Redis.from_url(redis_url or "redis://127.0.0.1:6379/0", socket_connect_timeout=5,
+                                   socket_timeout=30, health_check_interval=30)
         self.redis = redis
         self.pool = pool
         self.result_ttl = result_ttl
         self.job_timeout = job_timeout
+        self.queue_ttl = queue_ttl
+        self.retry_for = retry_for
         self._queues = {p: Queue(queue_name(pool, p), connection=redis, serializer=JSONSerializer)
                         for p in PRIORITIES}
+        self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
 
     @classmethod
     def from_settings(cls, config: str | None = None) -> Fleet:
         from worker.settings import load_settings
 
         s = load_settings(config)
-        return cls(s.redis_url, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout)
+        return cls(s.redis_url, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
+                   queue_ttl=s.queue_ttl)
 
     def submit(self, prompt: str | None = None, *, priority: str = "default", queue_ttl: int | None = None,
                job_timeout: int | None = None, **fields: Any) -> FleetJob:
-        """Validate and enqueue one generation job. Raises ValueError naming any bad field."""
+        """Validate and enqueue one generation job. Raises ValueError naming any bad field.
+
+        `queue_ttl`: seconds the job may wait in the queue before its first run; a job claimed
+        later fails with "expired". `job_timeout`: wall seconds one run may take."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
         if prompt is not None:
             fields["prompt"] = prompt
         request = validate_request(fields)
         payload = request.model_dump(exclude_none=True, exclude_defaults=True)
-        meta = {"queue_ttl": queue_ttl} if queue_ttl else {}
-        rq_job = self._queues[priority].enqueue(
-            JOB_FUNCTION, payload, job_timeout=job_timeout or self.job_timeout,
-            result_ttl=self.result_ttl, failure_ttl=self.result_ttl, meta=meta,
-        )
-        with self.redis.pipeline(transaction=False) as pipe:  # wake one idle worker now
+        ttl = queue_ttl or self.queue_ttl
+        meta = {"queue_ttl": ttl} if ttl else {}
+        job_id = uuid.uuid4().hex  # fixed before the first try: a retry never enqueues twice
+
+        def enqueue() -> None:
+            if self.redis.exists(job_key(job_id)):
+                return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
+            self._queues[priority].enqueue(
+                JOB_FUNCTION, payload, job_id=job_id, job_timeout=job_timeout or self.job_timeout,
+                result_ttl=self.result_ttl, failure_ttl=self.result_ttl, meta=meta,
+            )
+
+        self._retry(enqueue)
+        # wake one idle worker now (they also poll, so an outage here costs only latency)
+        with contextlib.suppress(*OUTAGE_ERRORS), self.redis.pipeline(transaction=False) as pipe:
             pipe.lpush(wake_key(self.pool), 1)
             pipe.ltrim(wake_key(self.pool), 0, 63)
             pipe.execute()
-        return FleetJob(self, rq_job.id)
+        return FleetJob(self, job_id)
 
     def job(self, job_id: str) -> FleetJob:
         return FleetJob(self, job_id)
+
+    def _retry(self, call: Callable[[], T]) -> T:
+        return retry_outage(call, time.monotonic() + self.retry_for)
+
+
+# KEYS: queue, job hash, stream, canceled registry   ARGV: job id, result JSON, ttl, now, attempt field
+# Cancels a job that is still queued, in one step: taken off the queue, marked canceled, final
+# stream entry written. Returns 0 when the job was not in the queue (a worker holds it, or it
+# ended), so a retried call after a lost reply cannot cancel twice.
+_CANCEL_QUEUED = """
+if redis.call('LREM', KEYS[1], 0, ARGV[1]) == 0 then return 0 end
+local attempt = tonumber(redis.call('HGET', KEYS[2], ARGV[5]) or '0') or 0
+redis.call('HSET', KEYS[2], 'status', 'canceled')
+redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[1])
+redis.call('XADD', KEYS[3], '*', 'a', attempt + 1, 'k', 'd', 'v', ARGV[2])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return 1
+"""
 
 
 def validate_request(fields: dict[str, Any]) -> GenerateRequest:
@@ -104,73 +160,101 @@ class FleetJob:
         return f"FleetJob({self.id!r})"
 
     def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
-        """Every stream entry from the first, then live ones, until the job ends."""
+        """The job's live stream entries from the first, then new ones, until the job ends.
+
+        Entries of a void attempt are left out; when a new attempt replaces text already yielded,
+        a `restart` event comes first (dispatcher/stream.py has the rules)."""
         deadline = time.monotonic() + timeout if timeout else None
         yield from stream.read_events(self.fleet.redis, self.id, deadline=deadline)
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """Text deltas as they are generated. If the worker dies and the job restarts, the text
-        of the dead attempt is not repeated: deltas continue from where the new attempt passes
-        the point already delivered (when it produces the same text) or raise JobRestarted."""
+        """Text deltas as they are generated; joined, they are the final result's text.
+
+        A job whose worker dies (or whose engine fails) mid-generation runs again as a new
+        attempt, and the dead attempt's text is void. The stream then holds the new attempt's
+        text back until it passes what was already yielded:
+        - if the new attempt reproduces that text (greedy or seeded sampling on the same engine
+          usually does), the deltas just go on: the consumer sees nothing of the restart;
+        - if it diverges, JobRestarted is raised (`.delivered` is the void text). Discard what
+          was shown and call stream() again: a new call starts with the live attempt's first
+          token and never replays a dead attempt.
+        Raises JobFailed if the job fails; returns at the end of the job (or after `timeout`)."""
         delivered = ""
-        attempt = 0
         current = ""
         for ev in self.events(timeout):
-            if ev.attempt > attempt:
-                attempt, current = ev.attempt, ""
-            if ev.kind == "text":
+            if ev.kind == "restart":
+                current = ""
+            elif ev.kind == "text":
                 current += ev.text
+                if not (current.startswith(delivered) or delivered.startswith(current)):
+                    raise JobRestarted(self.id, ev.attempt, delivered)
                 if len(current) > len(delivered):
-                    if not current.startswith(delivered):
-                        raise JobRestarted(self.id, attempt, delivered)
                     yield current[len(delivered):]
                     delivered = current
             elif ev.kind == "error":
                 raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
-            else:
+            else:  # done: the final text may be shorter than the void text yielded before
+                final = str((ev.data or {}).get("text", current))
+                if final != delivered and final.startswith(delivered):
+                    yield final[len(delivered):]
+                elif final != delivered:
+                    raise JobRestarted(self.id, ev.attempt, delivered)
                 return
 
     def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
-        """Block until the job ends; return its result or raise JobFailed / JobTimeout."""
+        """Block until the job ends; return its one final result or raise JobFailed / JobTimeout.
+        Waits through Redis outages (until `timeout`)."""
         for ev in self.events(timeout):
             if ev.kind == "done":
                 return ev.data or {}
             if ev.kind == "error":
                 raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
-        raise JobTimeout(f"job {self.id} did not finish within {timeout}s (status: {self.status()})")
+        status = self._status_or_unknown()
+        raise JobTimeout(f"job {self.id} did not finish within {timeout}s (status: {status})")
 
     def status(self) -> str:
-        raw = self.fleet.redis.hget(f"rq:job:{self.id}", "status")
-        return raw.decode() if raw else "unknown"
+        raw = self.fleet._retry(lambda: self.fleet.redis.hget(job_key(self.id), "status"))
+        return as_str(raw) or "unknown"
+
+    def _status_or_unknown(self) -> str:
+        try:
+            return self.status()
+        except OUTAGE_ERRORS:
+            return "unknown: Redis unreachable"
 
     def cancel(self) -> str:
         """Cancel: a queued job is removed at once; a running one stops at its next step.
         Returns 'cancelled' (was queued), 'cancelling' (running) or the final status."""
+        return self.fleet._retry(self._cancel)
+
+    def _cancel(self) -> str:
         r = self.fleet.redis
-        origin = r.hget(f"rq:job:{self.id}", "origin")
-        if origin is not None and r.lrem(queue_key(origin.decode()), 0, self.id):
-            rq_job = Job.fetch(self.id, connection=r, serializer=JSONSerializer)
-            with r.pipeline() as pipe:
-                rq_job.set_status(JobStatus.CANCELED, pipeline=pipe)
-                result = {"job_id": self.id, "text": "", "finish_reason": "cancelled",
-                          "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-                          "worker": None, "backend": None, "attempt": 0,
-                          "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None,
-                                      "tokens_per_s": None}}
-                pipe.xadd(stream_key(self.id), stream.encode_done(0, result))
-                pipe.expire(stream_key(self.id), self.fleet.result_ttl)
-                pipe.execute()
-            return "cancelled"
-        if self.status() in ("finished", "failed", "canceled"):
-            return self.status()
+        origin, attempts = r.hmget(job_key(self.id), ["origin", ATTEMPT_FIELD])
+        queue = as_str(origin)
+        if queue is not None:
+            result = {"job_id": self.id, "text": "", "finish_reason": "cancelled",
+                      "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                      "worker": None, "backend": None, "attempt": as_int(attempts) + 1,
+                      "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None,
+                                  "tokens_per_s": None}}
+            keys = [queue_key(queue), job_key(self.id), stream_key(self.id), f"rq:canceled:{queue}"]
+            args: list[EncodableT] = [self.id, json.dumps(result), self.fleet.result_ttl, time.time(),
+                                      ATTEMPT_FIELD]
+            if self.fleet._cancel_queued(keys=keys, args=args):
+                return "cancelled"
+        status = self.status()
+        if status in ("finished", "failed", "canceled"):
+            return status
         r.set(cancel_key(self.id), 1, ex=self.fleet.job_timeout + 60)
         return "cancelling"
 
 
 class JobRestarted(Exception):
-    """A worker died mid-job and the new attempt's text diverges from what was already streamed."""
+    """The job restarted (its worker died) and the new attempt's text diverges from what
+    stream() already yielded; call stream() again for the new attempt's text."""
 
     def __init__(self, job_id: str, attempt: int, delivered: str) -> None:
         super().__init__(f"job {job_id} restarted (attempt {attempt}); call stream() again for the new text")
+        self.job_id = job_id
         self.attempt = attempt
         self.delivered = delivered

@@ -1,27 +1,41 @@
 """The per-job token stream: a Redis Stream at fleet:stream:<job_id>.
 
-Every entry carries the attempt number `a`. Kinds (`k`):
-    t  text delta (v = text)
+Every entry carries the attempt number `a` (1 for the first run; a job that restarts because its
+worker died or its engine failed runs again with the next number). Kinds (`k`):
+    t  text delta (v = text, n = its index within the attempt: 0, 1, 2, ...)
     d  done       (v = JSON result, the same object job.result() returns)
     e  error      (v = JSON {"error": reason, ...})
-A reader that sees a higher attempt than the text it holds drops that text: a worker died and
-the job restarted. A late subscriber reads from the start, so it gets every token.
+
+What a reader does (read_events):
+- The highest attempt wins. Text of a lower attempt is void: a dead attempt's partial text, or a
+  straggler that a worker which lost the job during a Redis outage wrote late. When a higher
+  attempt shows up after lower-attempt text was read, the reader yields a `restart` event.
+- A text entry whose `n` was already read for its attempt is a duplicate (a worker re-sends a batch
+  whose acknowledgement was lost when Redis went away) and is skipped.
+- A job has exactly one final entry (d or e): workers write it only while they still hold the job
+  (worker.claim.commit_held), so a job that was taken over never gets a second one.
+A late subscriber reads from the start, so it gets every token.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from redis import Redis
 
-from dispatcher.keys import stream_key
+from dispatcher.keys import ATTEMPT_FIELD, job_key, stream_key
+from dispatcher.reconnect import OUTAGE_ERRORS, Backoff, retry_outage
+from dispatcher.replies import Fields, as_int
 
 STREAM_MAXLEN = 20_000  # approximate cap (tokens + markers) of one job's stream
 
-Kind = Literal["text", "done", "error"]
+# `restart` is never stored: the reader yields it when a higher attempt replaces text it yielded
+Kind = Literal["text", "done", "error", "restart"]
 _KINDS: dict[bytes, Kind] = {b"t": "text", b"d": "done", b"e": "error"}
 
 
@@ -31,17 +45,22 @@ class StreamEvent:
     attempt: int
     text: str = ""
     data: dict[str, Any] | None = None  # result (done) or error details (error)
+    seq: int | None = None  # text: index of the delta within its attempt
+
+    @property
+    def final(self) -> bool:
+        return self.kind in ("done", "error")
 
 
-def encode_text(attempt: int, text: str) -> dict[str, str | int]:
-    return {"a": attempt, "k": "t", "v": text}
+def encode_text(attempt: int, seq: int, text: str) -> Fields:
+    return {"a": attempt, "k": "t", "n": seq, "v": text}
 
 
-def encode_done(attempt: int, result: dict[str, Any]) -> dict[str, str | int]:
+def encode_done(attempt: int, result: dict[str, Any]) -> Fields:
     return {"a": attempt, "k": "d", "v": json.dumps(result)}
 
 
-def encode_error(attempt: int, error: dict[str, Any]) -> dict[str, str | int]:
+def encode_error(attempt: int, error: dict[str, Any]) -> Fields:
     return {"a": attempt, "k": "e", "v": json.dumps(error)}
 
 
@@ -50,32 +69,83 @@ def decode(fields: dict[bytes, bytes]) -> StreamEvent:
     attempt = int(fields[b"a"])
     value = fields[b"v"].decode()
     if kind == "text":
-        return StreamEvent(kind, attempt, text=value)
+        seq = int(fields[b"n"]) if b"n" in fields else None
+        return StreamEvent(kind, attempt, text=value, seq=seq)
     return StreamEvent(kind, attempt, data=json.loads(value))
 
 
-def read_events(redis: Redis, job_id: str, *, block_ms: int = 1000, deadline: float | None = None) -> Iterator[
-    StreamEvent
-]:
-    """Every entry of the job's stream from the start, blocking for new ones, until done/error.
+def live_attempt(redis: Redis, job_id: str) -> int:
+    """The attempt now running (or the last one, if the job ended): entries of earlier attempts
+    are void. The job hash counts the attempts before the current one."""
+    return as_int(redis.hget(job_key(job_id), ATTEMPT_FIELD)) + 1
 
+
+class AttemptFilter:
+    """Applies the reader's rules (module docstring) to entries in stream order."""
+
+    def __init__(self, floor: int) -> None:
+        self.attempt = floor  # the attempt whose entries pass
+        self.next_seq = 0  # the next text index expected in that attempt
+        self.passed_any = False  # something of the current attempt was let through
+
+    def admit(self, ev: StreamEvent) -> list[StreamEvent]:
+        """What to yield for one stored entry: nothing, the entry, or a restart then the entry."""
+        if ev.attempt < self.attempt:
+            return []
+        out: list[StreamEvent] = []
+        if ev.attempt > self.attempt:
+            if self.passed_any:
+                out.append(StreamEvent("restart", ev.attempt))
+            self.attempt, self.next_seq, self.passed_any = ev.attempt, 0, False
+        if ev.kind == "text" and ev.seq is not None:
+            if ev.seq < self.next_seq:
+                return out  # a re-sent duplicate
+            self.next_seq = ev.seq + 1
+        self.passed_any = True
+        return [*out, ev]
+
+
+def read_events(
+    redis: Redis, job_id: str, *, block_ms: int = 1000, deadline: float | None = None
+) -> Iterator[StreamEvent]:
+    """The job's live events from the start, blocking for new ones, until done/error.
+
+    Riding out Redis outages: reads are retried on a backoff, resuming after the last entry read.
     Returns without a final event only when `deadline` (time.monotonic()) passes.
     """
-    import time
-
     key = stream_key(job_id)
+    backoff = Backoff()
+    try:
+        filt = AttemptFilter(retry_outage(lambda: live_attempt(redis, job_id), deadline, backoff))
+    except OUTAGE_ERRORS:
+        if _passed(deadline):
+            return  # Redis stayed away until the deadline: the caller reports a timeout
+        raise
     last = "0-0"
     while True:
+        wait_ms = block_ms
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            block_ms = max(1, min(block_ms, int(left * 1000)))
-        reply = redis.xread({key: last}, block=block_ms, count=512)
-        for _key, entries in reply or []:
+            wait_ms = max(1, min(block_ms, int(left * 1000)))
+        try:
+            read = functools.partial(redis.xread, {key: last}, block=wait_ms, count=512)
+            reply = retry_outage(read, deadline, backoff)
+        except OUTAGE_ERRORS:
+            if _passed(deadline):
+                return
+            raise
+        backoff.reset()
+        streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]], reply or [])
+        for _key, entries in streams:
             for entry_id, fields in entries:
-                last = entry_id
-                ev = decode(fields)
-                yield ev
-                if ev.kind != "text":
-                    return
+                last = entry_id.decode()
+                for ev in filt.admit(decode(fields)):
+                    yield ev
+                    if ev.final:
+                        return
+
+
+def _passed(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline

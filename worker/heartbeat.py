@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 from redis import Redis
-from redis.exceptions import RedisError
 
 from dispatcher.keys import WORKERS_SET, worker_key
+from dispatcher.reconnect import OUTAGE_ERRORS
+from dispatcher.replies import Fields
+from dispatcher.status import redact_url
 
 if TYPE_CHECKING:
     from rq.worker import Worker
@@ -51,13 +53,15 @@ class Heartbeat(threading.Thread):
         self._halt.set()
 
     def run(self) -> None:
+        link = self.fw.link
         while not self._halt.is_set():
             try:
                 self.beat()
+                link.succeeded()
                 if self.beats % REAP_EVERY == 0:
                     self.reaper.reap()
-            except RedisError as e:  # Redis away: keep trying, the loop handles its own errors
-                log.warning("heartbeat failed: %s", e)
+            except OUTAGE_ERRORS as e:  # Redis away: beat again next interval (link logs, rate-limited)
+                link.failed(e, "heartbeating")
             except Exception:
                 log.exception("heartbeat error")
             self._halt.wait(self.interval)
@@ -71,20 +75,23 @@ class Heartbeat(threading.Thread):
             "inflight": len(fw.inflight),
             "jobs_done": fw.counters.jobs_done,
             "jobs_failed": fw.counters.jobs_failed,
+            "jobs_requeued": fw.counters.jobs_requeued,
+            "redis_outages": fw.link.outages,
             "tokens": fw.counters.tokens,
             "tok_s": round(fw.counters.tokens_per_second(), 1),
             "rss_mb": round(mem.rss / 2**20, 1),
             "cpu_pct": round(self.proc.cpu_percent(), 1),
-            "backend_stats": fw.backend.stats(),
+            "backend_stats": redact(fw.backend.stats()),
             "updated_at": round(time.time(), 3),
         }
 
     def beat(self) -> None:
         self.beats += 1
         fw = self.fw
-        status = {k: json.dumps(v) for k, v in self.status().items()}
+        status: Fields = {k: json.dumps(v) for k, v in self.status().items()}
         ttl_s = max(int(self.interval * 3), 3)
         with fw.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(self.rq_worker.key)  # before RQ's heartbeat, which would recreate it
             pipe.hset(worker_key(fw.name), mapping=status)
             pipe.pexpire(worker_key(fw.name), self.ttl_ms)
             pipe.sadd(WORKERS_SET, fw.name)
@@ -92,10 +99,26 @@ class Heartbeat(threading.Thread):
             for job in list(fw.inflight.values()):
                 if job.execution is not None and job.job is not None:
                     job.execution.heartbeat(job.job.started_job_registry, fw.settings.job_timeout + 60, pipe)
-            pipe.execute()
+            rq_registered = pipe.execute()[0]
+        if not rq_registered:  # lost with a Redis that restarted empty, or reaped while we were cut off
+            fw.redis.delete(self.rq_worker.key)
+            self.rq_worker.register_birth()
+            log.warning("re-registered %s with RQ", fw.name)
 
 
-def static_status(name: str, settings: Any, backend_name: str, slots: int, pin: dict[str, Any]) -> dict[str, Any]:
+def redact(value: Any) -> Any:
+    """Backend stats as shown in `fleet status`: URLs (endpoints) without their credentials."""
+    if isinstance(value, dict):
+        return {k: redact(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact(v) for v in value]
+    if isinstance(value, str) and "://" in value and "@" in value:
+        return redact_url(value)
+    return value
+
+
+def static_status(name: str, settings: Any, backend_name: str, slots: int,
+                  pin: dict[str, Any]) -> dict[str, Any]:
     return {
         "name": name,
         "host": socket.gethostname(),

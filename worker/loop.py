@@ -1,10 +1,17 @@
-"""The worker loop: claim -> admit -> step -> stream/store, with up to `slots` jobs in flight.
+"""The worker loop: claim -> admit -> step -> write, with up to `slots` jobs in flight.
 
     while not stopping:
         claim up to backend.free_slots() jobs     (block briefly only when nothing is in flight)
         events = backend.step()                   (one batched decode / drain of HTTP streams)
-        one Redis pipeline per step: token deltas (XADD), finished jobs (RQ result + stream end),
-        cancel checks for everything in flight
+        events change the jobs' state in memory  (text deltas, endings, restarts)
+        flush: one pipeline of text deltas + cancel checks, then the endings in one MULTI that
+               applies only to jobs this worker still holds (worker/claim.py), then requeues
+
+Redis outages: generation does not wait for Redis. Unwritten deltas and endings stay on the jobs
+and are flushed, in order, when Redis answers again (RedisLink paces the retries). Past
+OUTAGE_BUFFER_ENTRIES unwritten deltas the job holding most is cancelled and handed back to its
+queue once Redis is back. After an outage the loop compares its jobs with its in-flight list: a
+job the reaper took meanwhile is dropped here; an id claimed whose reply was lost is started.
 
 A heartbeat thread (worker/heartbeat.py) keeps the worker visibly alive and reaps dead workers'
 jobs, independent of how long one step takes.
@@ -16,21 +23,27 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
 
 from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
-from dispatcher import stream
-from dispatcher.keys import cancel_key, queue_names, stream_key, wake_key
-from worker import rqjobs
-from worker.claim import Claimer
-from worker.rqjobs import BadJob, ClaimedJob
+from dispatcher.keys import cancel_key, job_key, queue_names, wake_key
+from dispatcher.reconnect import OUTAGE_ERRORS, Backoff
+from dispatcher.replies import as_str
+from worker import endings, rqjobs
+from worker.claim import Claimer, Contended
+from worker.link import RedisLink
+from worker.rqjobs import BadJob, ClaimedJob, Ending, NotToRun
 from worker.settings import FleetSettings
 
 log = logging.getLogger("fleet.worker")
 IDLE_WAIT = 0.25  # seconds an idle worker blocks on the wake list before polling the queues
+OUTAGE_BUFFER_ENTRIES = 16_384  # unwritten text deltas held through a Redis outage, all jobs
+RECONCILE_EVERY = 5.0  # seconds between checks that Redis and this loop agree on held jobs
 
 
 @dataclass
@@ -39,6 +52,7 @@ class WorkerCounters:
 
     jobs_done: int = 0
     jobs_failed: int = 0
+    jobs_requeued: int = 0
     tokens: int = 0
     state: str = "starting"
     recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per step
@@ -53,17 +67,24 @@ class WorkerCounters:
 
 
 class FleetWorker:
-    def __init__(self, settings: FleetSettings, backend: Backend, redis: Redis, name: str) -> None:
+    def __init__(self, settings: FleetSettings, backend: Backend, redis: Redis, name: str,
+                 link: RedisLink | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.redis = redis
         self.name = name
+        self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
         self.claimer = Claimer(redis, name, self.queues)
-        self.inflight: dict[str, ClaimedJob] = {}
+        self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
+        self.to_requeue: dict[str, tuple[ClaimedJob, str]] = {}  # handed back once Redis allows
+        self.unstarted: list[tuple[bytes, str]] = []  # claimed; starting it met an outage
         self.counters = WorkerCounters()
         self.stopping = threading.Event()
         self._drain_deadline: float | None = None
+        self._reconcile_at = time.monotonic() + RECONCILE_EVERY
+        self._engine_backoff = Backoff(1.0, 30.0)  # after an engine failure: pause claiming
+        self._engine_hold_until = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -90,46 +111,97 @@ class FleetWorker:
         while not self.stopping.is_set():
             self.run_once()
         self.counters.state = "draining"
-        while self.inflight and time.monotonic() < (self._drain_deadline or 0):
-            self._step()
+        self._hand_back_unstarted()
+        while (self.inflight or self.to_requeue) and time.monotonic() < (self._drain_deadline or 0):
+            self._guarded(self._step)
         self.requeue_all("worker stopped")
         self.counters.state = "stopped"
 
     def run_once(self) -> None:
-        self._claim()
-        if self.inflight:
+        self._guarded(self._serve_once)
+
+    def _serve_once(self) -> None:
+        if self.link.ready():
+            self._talk("claiming", self._claim)
+        if self.inflight or self.to_requeue:
             self.counters.state = "busy"
             self._step()
         else:
-            self.counters.state = "idle"
+            self.counters.state = "idle" if self.link.up else "waiting for redis"
+            if not self.link.up:
+                time.sleep(min(max(self.link.wait_left(), 0.01), IDLE_WAIT))
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        """One turn of the loop; a bug met by one job must not end the worker."""
+        try:
+            work()
+        except Exception:
+            log.exception("worker loop error (continuing)")
+            time.sleep(0.1)
+
+    def _talk(self, doing: str, work: Callable[[], None]) -> bool:
+        """Run a Redis exchange; an outage is recorded (not raised) and retried on the backoff."""
+        try:
+            if self._reconcile_at <= time.monotonic():
+                self._reconcile()
+            work()
+        except OUTAGE_ERRORS as e:
+            self.link.failed(e, doing)
+            self._reconcile_at = 0.0  # once back, first check what Redis says we hold
+            return False
+        self.link.succeeded()
+        return True
 
     # -- claiming ---------------------------------------------------------------------------------
 
     def _claim(self) -> None:
-        free = self.backend.free_slots()
-        if free <= 0:
+        self._start_unstarted()
+        free = self.backend.free_slots() - len(self.unstarted)
+        if free <= 0 or not self._engine_ready():
             return
         claimed = self.claimer.claim(free)
-        if not claimed and not self.inflight:
+        if not claimed and not self.inflight and not self.to_requeue:
             # idle: sleep on the wake list, then look again (plain-RQ producers never push it)
             self.redis.blpop([wake_key(self.settings.pool)], timeout=IDLE_WAIT)
             claimed = self.claimer.claim(free)
-        for job_id, queue in claimed:
-            try:
-                self._start(job_id, queue)
-            except Exception as e:  # one bad job must never take the worker down
-                log.exception("job %s could not start", job_id)
-                job = self.inflight.get(job_id) or ClaimedJob(job_id, queue, attempt=1)
-                self._fail(job, f"internal error starting the job: {type(e).__name__}: {e}")
+        self.unstarted.extend(claimed)
+        self._start_unstarted()
 
-    def _start(self, job_id: str, queue: str) -> None:
+    def _start_unstarted(self) -> None:
+        while self.unstarted:
+            raw_id, queue = self.unstarted[0]
+            try:
+                self._start(raw_id, queue)
+            except OUTAGE_ERRORS:
+                raise  # stays first in line; started once Redis is back
+            except Exception as e:  # one bad job must never take the worker down
+                log.exception("job %r could not start", raw_id)
+                job_id = raw_id.decode("utf-8", "replace")
+                self._end(self.inflight.get(job_id) or ClaimedJob(job_id, queue, attempt=1),
+                          Ending(error=f"internal error starting the job: {type(e).__name__}: {e}"))
+            self.unstarted.pop(0)
+
+    def _start(self, raw_id: bytes, queue: str) -> None:
         try:
-            job = rqjobs.load(self.redis, job_id, queue, self.settings.job_timeout)
+            job_id = raw_id.decode()
+        except UnicodeDecodeError:
+            self._refuse_raw(raw_id, queue)
+            return
+        if job_id in self.inflight or job_id in self.to_requeue:
+            log.warning("job %s was in the queue twice; the second copy is dropped", job_id)
+            self.claimer.drop(job_id)
+            return
+        try:
+            job = rqjobs.load(self.redis, job_id, queue, self.settings.job_timeout, self.settings.queue_ttl)
+        except NotToRun as e:
+            log.warning("claimed %s but not running it: %s", job_id, e)
+            self.claimer.drop(job_id)
+            return
         except BadJob as e:
-            self._fail(e.claimed, str(e))  # type: ignore[attr-defined]
+            self._end(e.claimed, Ending(error=str(e)))
             return
         if self.redis.exists(cancel_key(job_id)):
-            self._finish_cancelled_before_start(job)
+            self._end(job, Ending(result=self._result(job, Done(job.id, "cancelled", 0, 0), time.time())))
             return
         with self.redis.pipeline(transaction=True) as pipe:
             rqjobs.mark_started(job, self.name, self.settings.job_timeout + 60, pipe)
@@ -139,132 +211,210 @@ class FleetWorker:
         try:
             self.backend.admit(job_id, job.request)
         except JobRejected as e:
-            self._fail(job, str(e))
+            job.ending = Ending(error=str(e))
         except BackendUnavailable as e:
-            self._fail(job, f"backend unavailable: {e}")
+            self._retry_or_fail(job, f"backend unavailable: {e}")
+
+    def _refuse_raw(self, raw_id: bytes, queue: str) -> None:
+        reason = "refused: job id is not UTF-8 text"
+        log.warning("job %r: %s", raw_id, reason)
+        with self.redis.pipeline(transaction=True) as pipe:
+            endings.write_refusal(raw_id, queue, reason, self.name, self.settings.result_ttl, pipe)
+            self.claimer.drop(raw_id, pipe)
+            pipe.execute()
+        self.counters.jobs_failed += 1
+
+    def _engine_ready(self) -> bool:
+        """After an engine failure, claim again only once the backoff passed and it answers."""
+        if time.monotonic() < self._engine_hold_until:
+            return False
+        probe = getattr(self.backend, "probe", None)
+        if self._engine_hold_until and callable(probe) and not probe():
+            self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
+            return False
+        self._engine_hold_until = 0.0
+        return True
 
     # -- one step ---------------------------------------------------------------------------------
 
     def _step(self) -> None:
         events = self.backend.step(0.05)
         now = time.time()
-        ids = list(self.inflight)
-        with self.redis.pipeline(transaction=False) as pipe:
-            n_tokens = self._write_events(events, now, pipe)
-            for job_id in ids:
-                pipe.exists(cancel_key(job_id))
-            replies = pipe.execute()
+        n_tokens = self._apply(events, now)
         self.counters.tokens += n_tokens
         self.counters.recent = [*self.counters.recent[-255:], (time.monotonic(), n_tokens)]
-        for job_id, cancelled in zip(ids, replies[-len(ids):] if ids else [], strict=True):
-            job = self.inflight.get(job_id)
-            if job is None:
-                continue
-            if cancelled:
-                self.backend.cancel(job_id)
-            elif now > job.deadline and not job.timed_out:
+        for job in self.inflight.values():
+            if job.ending is None and now > job.deadline and not job.timed_out:
                 job.timed_out = True  # the Done(cancelled) that follows becomes a failure
-                self.backend.cancel(job_id)
+                self.backend.cancel(job.id)
+        if self.link.ready():
+            self._talk("writing results", self._flush)
+        if not self.link.up:
+            self._bound_buffer()
 
-    def _write_events(self, events: list[Event], now: float, pipe: Any) -> int:
+    def _apply(self, events: list[Event], now: float) -> int:
         n_tokens = 0
         for ev in events:
             job = self.inflight.get(ev.job_id)
-            if job is None:
-                continue
+            if job is None or job.ending is not None:
+                continue  # a late event of a job handed back or already ended
             if isinstance(ev, Token):
                 if job.first_token_at is None:
                     job.first_token_at = now
-                job.text.append(ev.text)
                 job.completion_tokens += ev.n_tokens
                 n_tokens += ev.n_tokens
                 if ev.text:
-                    pipe.xadd(stream_key(job.id), stream.encode_text(job.attempt, ev.text),
-                              maxlen=stream.STREAM_MAXLEN, approximate=True)
-            elif isinstance(ev, Restarted):
+                    job.text.append(ev.text)
+                    job.unsent.append(ev.text)
+            elif isinstance(ev, Restarted):  # e.g. moved to a fallback engine: a new attempt
                 job.attempt += 1
                 job.text.clear()
-                job.first_token_at = None
+                job.unsent.clear()
+                job.sent, job.attempt_dirty, job.first_token_at = 0, True, None
             elif isinstance(ev, Done):
+                self._engine_backoff.reset()
                 if job.timed_out:
-                    self._fail(job, f"timed out: ran longer than {job.deadline - job.claimed_at:.0f}s", pipe)
+                    limit = job.deadline - job.claimed_at
+                    job.ending = Ending(error=f"timed out: ran longer than {limit:.0f}s (job timeout)")
                 else:
-                    self._succeed(job, ev, now, pipe)
+                    job.ending = Ending(result=self._result(job, ev, now))
             elif isinstance(ev, Failed):
-                self._fail(job, ev.error, pipe)
+                if ev.retryable:
+                    self._retry_or_fail(job, ev.error)
+                else:
+                    job.ending = Ending(error=ev.error)
         return n_tokens
 
-    # -- endings ----------------------------------------------------------------------------------
+    def _result(self, job: ClaimedJob, done: Done, now: float) -> dict[str, Any]:
+        return endings.result_of(job, done, now, self.name, self.backend.name)
 
-    def result_of(self, job: ClaimedJob, done: Done, now: float) -> dict[str, Any]:
-        queue_ms = (job.claimed_at - job.enqueued_at) * 1000 if job.enqueued_at else None
-        ttft_ms = (job.first_token_at - job.claimed_at) * 1000 if job.first_token_at else None
-        total_s = now - job.claimed_at
-        gen_s = now - job.first_token_at if job.first_token_at else 0.0
-        return {
-            "job_id": job.id,
-            "text": "".join(job.text),
-            "finish_reason": done.finish_reason,
-            "usage": {
-                "prompt_tokens": done.prompt_tokens,
-                "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-            },
-            "worker": self.name,
-            "backend": str(done.extra.get("backend", self.backend.name)),
-            "attempt": job.attempt,
-            "timings": {
-                "queue_ms": _round(queue_ms),
-                "ttft_ms": _round(ttft_ms),
-                "total_ms": _round(total_s * 1000),
-                "tokens_per_s": _round(done.completion_tokens / gen_s if gen_s > 0 else None),
-            },
-        }
+    def _retry_or_fail(self, job: ClaimedJob, reason: str) -> None:
+        """The engine (not the job) failed: hand the job back for another attempt, and pause
+        claiming until the engine looks healthy; after max_attempts, fail it."""
+        self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
+        if job.attempt >= self.settings.max_attempts:
+            job.ending = Ending(error=f"{reason} (gave up after {job.attempt} attempts)")
+        else:
+            log.warning("job %s: %s; retrying it (attempt %d)", job.id, reason, job.attempt + 1)
+            self._hand_back(job, reason)
 
-    def _succeed(self, job: ClaimedJob, done: Done, now: float, pipe: Any) -> None:
-        result = self.result_of(job, done, now)
-        rqjobs.store_success(job, result, self.name, self.settings.result_ttl, pipe)
-        self._close_stream(job, stream.encode_done(job.attempt, result), pipe)
-        self.inflight.pop(job.id, None)
-        self.counters.jobs_done += 1
+    # -- writing ----------------------------------------------------------------------------------
 
-    def _fail(self, job: ClaimedJob, reason: str, pipe: Any | None = None) -> None:
-        """Fail one job with a readable reason; never raises for the job's sake."""
-        log.warning("job %s failed: %s", job.id, reason)
-        own = pipe is None
-        p = self.redis.pipeline(transaction=False) if own else pipe
-        rqjobs.store_failure(job, reason, self.name, self.settings.result_ttl, p)
-        err = rqjobs.error_payload(reason, job, self.name, self.backend.name)
-        self._close_stream(job, stream.encode_error(job.attempt, err), p)
-        if own:
-            p.execute()
-        self.inflight.pop(job.id, None)
-        self.counters.jobs_failed += 1
-
-    def _finish_cancelled_before_start(self, job: ClaimedJob) -> None:
+    def _flush(self) -> None:
+        """Everything Redis has not seen yet, in order: deltas, then endings, then hand-backs."""
+        jobs = list(self.inflight.values())
+        running = [j for j in jobs if j.ending is None]
         with self.redis.pipeline(transaction=False) as pipe:
-            self._succeed(job, Done(job.id, "cancelled", 0, 0), time.time(), pipe)
-            pipe.execute()
+            counts = [endings.write_text(job, pipe) for job in jobs]
+            for job in running:
+                pipe.exists(cancel_key(job.id))
+            replies = pipe.execute(raise_on_error=False)
+        for job, count in zip(jobs, counts, strict=True):
+            endings.mark_text_sent(job, count)
+        for job, cancelled in zip(running, replies[len(replies) - len(running):], strict=True):
+            if cancelled is True or cancelled == 1:
+                self.backend.cancel(job.id)
+        self._write_endings()
+        self._write_requeues()
 
-    def _close_stream(self, job: ClaimedJob, entry: dict[str, Any], pipe: Any) -> None:
-        key = stream_key(job.id)
-        pipe.xadd(key, entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
-        pipe.expire(key, self.settings.result_ttl)
-        pipe.delete(cancel_key(job.id))
-        self.claimer.release(job.id, pipe)
+    def _write_endings(self) -> None:
+        ended = [j for j in self.inflight.values() if j.ending is not None]
+        if not ended:
+            return
+        try:
+            written = self.claimer.commit_held(
+                [j.id for j in ended],
+                lambda pipe, job_id: endings.write_ending(self.inflight[job_id], pipe, self.name,
+                                                          self.backend.name, self.settings.result_ttl))
+        except Contended as e:
+            log.warning("final writes postponed: %s", e)
+            return
+        for job in ended:
+            del self.inflight[job.id]
+            if job.id not in written:
+                log.warning("job %s was taken over while this worker was cut off; attempt %d's "
+                            "result is dropped", job.id, job.attempt)
+            elif job.ending is not None and job.ending.error is None:
+                self.counters.jobs_done += 1
+            else:
+                self.counters.jobs_failed += 1
 
-    def requeue_all(self, why: str) -> None:
-        """Put every in-flight job back at the front of its queue (drain timeout, shutdown)."""
-        for job_id, job in list(self.inflight.items()):
-            self.backend.cancel(job_id)
+    def _write_requeues(self) -> None:
+        for job_id, (job, why) in list(self.to_requeue.items()):
+            attempt = self.claimer.requeue(job_id, job.queue, bump_attempt=True)
+            del self.to_requeue[job_id]
+            if attempt < 0:
+                continue  # no longer ours: the reaper already handed it back
             if job.execution is not None and job.job is not None:
                 with self.redis.pipeline(transaction=False) as pipe:
                     job.execution.delete(job.job, pipe)
                     pipe.execute()
-            self.claimer.requeue(job_id, job.queue, bump_attempt=True)
-            log.info("requeued %s (%s)", job_id, why)
-            self.inflight.pop(job_id, None)
+            self.counters.jobs_requeued += 1
+            log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
+    def _end(self, job: ClaimedJob, ending: Ending) -> None:
+        """A job that ends before reaching the engine; written with the next flush."""
+        job.ending = ending
+        self.inflight[job.id] = job
 
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 1)
+    def _hand_back(self, job: ClaimedJob, why: str) -> None:
+        if job.ending is None:
+            self.backend.cancel(job.id)  # its late Done is ignored: the job is no longer in flight
+        job.unsent.clear()
+        self.inflight.pop(job.id, None)
+        self.to_requeue[job.id] = (job, why)
+
+    # -- Redis outages ----------------------------------------------------------------------------
+
+    def _bound_buffer(self) -> None:
+        buffered = sum(len(j.unsent) for j in self.inflight.values())
+        while buffered > OUTAGE_BUFFER_ENTRIES:
+            biggest = max(self.inflight.values(), key=lambda j: len(j.unsent))
+            buffered -= len(biggest.unsent)
+            log.warning("job %s: Redis unreachable and the outage buffer is full; it will be requeued",
+                        biggest.id)
+            self._hand_back(biggest, "outage buffer full")
+
+    def _reconcile(self) -> None:
+        """Agree with Redis on what this worker holds (after an outage, and every few seconds)."""
+        self._reconcile_at = time.monotonic() + RECONCILE_EVERY
+        held = Counter(self.claimer.held_raw())
+        for job_id in list(self.inflight):
+            if job_id.encode() not in held:
+                job = self.inflight.pop(job_id)
+                if job.ending is None:
+                    self.backend.cancel(job_id)
+                log.warning("job %s was taken over (this worker was presumed dead); dropped here", job_id)
+        for job_id in list(self.to_requeue):
+            if job_id.encode() not in held:
+                del self.to_requeue[job_id]
+        known = {j.encode() for j in (*self.inflight, *self.to_requeue)} | {raw for raw, _ in self.unstarted}
+        for raw_id, copies in held.items():
+            if raw_id not in known:  # claimed, but the reply never arrived: start it now
+                origin = as_str(self.redis.hget(job_key("").encode() + raw_id, "origin"))
+                self.unstarted.append((raw_id, origin or self.queues[0]))
+                log.warning("%r is in this worker's in-flight list but never started; starting it", raw_id)
+            for _ in range(copies - 1):  # the same id pushed twice: one copy runs
+                self.claimer.drop(raw_id)
+
+    # -- shutdown ---------------------------------------------------------------------------------
+
+    def _hand_back_unstarted(self) -> None:
+        for raw_id, queue in self.unstarted:
+            try:
+                self.claimer.requeue(raw_id.decode(), queue, bump_attempt=False)
+            except UnicodeDecodeError:
+                pass  # never ran; the reaper fails it
+            except OUTAGE_ERRORS:
+                pass  # stays in the in-flight list: the reaper hands it back
+        self.unstarted.clear()
+
+    def requeue_all(self, why: str) -> None:
+        """Hand every unfinished job back to the front of its queue (drain timeout, shutdown) and
+        write what finished. With Redis away, they stay in this worker's in-flight list, where the
+        reaper of another worker (or this one's next life) finds them."""
+        for job in [j for j in self.inflight.values() if j.ending is None]:
+            self._hand_back(job, why)
+        if not self._talk("handing jobs back", self._flush):
+            log.warning("Redis unreachable at exit: %d jobs stay in %s for the reaper",
+                        len(self.inflight) + len(self.to_requeue), self.claimer.inflight)

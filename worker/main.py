@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -12,7 +13,9 @@ from rq.worker import Worker
 
 from backends import make_backend
 from dispatcher.keys import queue_names, worker_key
+from dispatcher.reconnect import OUTAGE_ERRORS
 from worker.heartbeat import Heartbeat, clear_status, static_status
+from worker.link import RedisLink
 from worker.loop import FleetWorker
 from worker.pinning import pin
 from worker.reaper import Reaper, recover_own
@@ -43,10 +46,12 @@ def run_worker(settings: FleetSettings, redis: Redis) -> None:
     queues = queue_names(settings.pool)
     rq_worker = Worker(queues, name=name, connection=redis, serializer=JSONSerializer)
     _register_rq(rq_worker, redis)
-    reaper = Reaper(redis, name, settings.max_attempts, settings.result_ttl)
+    link = RedisLink()  # one view of Redis for the loop, the heartbeat and the reaper
+    reaper = Reaper(redis, name, settings.max_attempts, settings.result_ttl, link=link,
+                    hold_off=3 * settings.heartbeat_interval)
     recover_own(redis, name, reaper)
 
-    fw = FleetWorker(settings, backend, redis, name)
+    fw = FleetWorker(settings, backend, redis, name, link)
     fw.install_signal_handlers()
     static = static_status(name, settings, backend.name, backend.slots,
                            {"threads": threads, **report.to_dict()})
@@ -59,8 +64,9 @@ def run_worker(settings: FleetSettings, redis: Redis) -> None:
         hb.halt()
         hb.join(timeout=5)
         fw.requeue_all("worker exiting")
-        rq_worker.register_death()
-        clear_status(redis, name)
+        with contextlib.suppress(*OUTAGE_ERRORS):  # Redis away: our key expires, the reaper cleans up
+            rq_worker.register_death()
+            clear_status(redis, name)
         backend.close()
         c = fw.counters
         log.info("worker %s: stopped (%d done, %d failed)", name, c.jobs_done, c.jobs_failed)

@@ -1,104 +1,132 @@
 """Recovery of dead workers' jobs. Runs in every worker's heartbeat thread; a Redis lock makes
-sure only one worker reaps at a time, so a job is never requeued twice.
+sure only one worker reaps at a time, and every requeue/failure is itself atomic and checks the
+job is still in the dead worker's in-flight list, so a job is never handed back twice.
 
 A worker is dead when its status key fleet:worker:<name> (TTL = 3 heartbeats) is gone. Each job
 id in its in-flight list goes back to the FRONT of its queue with attempt + 1, or, once it has
-used `max_attempts`, fails with a reason naming the worker. Delivery is at-least-once; stream
-entries carry the attempt, so readers drop a dead attempt's partial text.
+used `max_attempts`, fails with a reason naming the workers that died running it. Delivery is
+at-least-once; stream entries carry the attempt, so readers drop a dead attempt's partial text.
+
+Right after this worker's own Redis connection comes back, it waits one heartbeat TTL before
+reaping: the others were cut off too, and their keys may have expired in the meantime.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from redis import Redis
+from redis.client import Pipeline
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
-from dispatcher import stream
-from dispatcher.keys import ATTEMPT_FIELD, REAPER_LOCK, WORKERS_SET, inflight_key, job_key, stream_key, worker_key
-from worker import claim, rqjobs
+from dispatcher.keys import ATTEMPT_FIELD, REAPER_LOCK, WORKERS_SET, inflight_key, job_key, worker_key
+from dispatcher.replies import as_int, as_str
+from worker import claim, endings
+from worker.link import RedisLink
+from worker.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.reaper")
+LOCK_MS = 10_000
 
 
 class Reaper:
-    def __init__(self, redis: Redis, me: str, max_attempts: int, result_ttl: int) -> None:
+    def __init__(self, redis: Redis, me: str, max_attempts: int, result_ttl: int,
+                 link: RedisLink | None = None, hold_off: float = 3.0) -> None:
         self.redis = redis
         self.me = me
         self.max_attempts = max_attempts
         self.result_ttl = result_ttl
+        self.link = link
+        self.hold_off = hold_off  # seconds after our own reconnect before declaring others dead
         self._requeue = claim.requeue_script(redis)
+        self._unlock = claim.unlock_script(redis)
 
     def dead_workers(self) -> list[str]:
-        names = {n.decode() for n in self.redis.smembers(WORKERS_SET)}
-        names |= {k.decode().split(":", 2)[2] for k in self.redis.scan_iter("fleet:inflight:*", count=500)}
+        names = {as_str(n) or "" for n in self.redis.smembers(WORKERS_SET)}
+        lists = self.redis.scan_iter(inflight_key("*"), count=500)
+        names |= {(as_str(k) or "").split(":", 2)[2] for k in lists}
         names.discard(self.me)
-        return sorted(n for n in names if not self.redis.exists(worker_key(n)))
+        return sorted(n for n in names if n and not self.redis.exists(worker_key(n)))
 
     def reap(self) -> int:
         """Recover every dead worker's jobs. Returns how many jobs were requeued or failed."""
-        if not self.redis.set(REAPER_LOCK, self.me, nx=True, px=10_000):
+        if self.link is not None and self.link.since_recovery() < self.hold_off:
+            return 0
+        if not self.redis.set(REAPER_LOCK, self.me, nx=True, px=LOCK_MS):
             return 0
         try:
             return sum(self.reap_worker(name) for name in self.dead_workers())
         finally:
-            if self.redis.get(REAPER_LOCK) == self.me.encode():
-                self.redis.delete(REAPER_LOCK)
+            self._unlock(keys=[REAPER_LOCK], args=[self.me])
 
-    def reap_worker(self, name: str) -> int:
+    def reap_worker(self, name: str, *, gone: bool = True) -> int:
+        """Hand back (or fail) every job `name` held; `gone`: it also leaves RQ's worker registry."""
         inflight = inflight_key(name)
         n = 0
         for raw in self.redis.lrange(inflight, 0, -1):
-            job_id = raw.decode()
-            origin, attempts = self.redis.hmget(job_key(job_id), ["origin", ATTEMPT_FIELD])
-            used = int(attempts or 0) + 1
-            self._end_execution(job_id, origin)
-            if origin is None:  # job hash gone (expired/deleted): nothing to run
-                self.redis.lrem(inflight, 1, job_id)
+            job_id = as_str(raw) or ""
+            origin, attempts, died_on = (as_str(v) for v in self.redis.hmget(
+                job_key(job_id), ["origin", ATTEMPT_FIELD, claim.DIED_ON_FIELD]))
+            used = as_int(attempts) + 1
+            if origin is None:  # job hash gone (expired/deleted, or an id that is not text)
+                self.redis.lrem(inflight, 1, raw)  # type: ignore[arg-type]  # raw bytes as stored
+                log.warning("worker %s is dead: dropped %r (no job hash)", name, raw)
             elif used >= self.max_attempts:
-                self._fail(job_id, origin.decode(), name, used, inflight)
+                self._end_execution(job_id, origin)
+                self._fail(job_id, origin, name, used, died_on)
             else:
-                attempt = claim.requeue(self._requeue, inflight, job_id, origin.decode(), bump_attempt=True)
-                log.warning("worker %s is dead: requeued %s (attempt %d)", name, job_id, attempt + 1)
+                self._end_execution(job_id, origin)
+                attempt = claim.requeue(self._requeue, inflight, job_id, origin, bump_attempt=True,
+                                        died_on=name)
+                if attempt >= 0:
+                    log.warning("worker %s is dead: requeued %s at the front (attempt %d)", name, job_id,
+                                attempt + 1)
             n += 1
-        if not self.redis.llen(inflight):
+        if gone and not self.redis.llen(inflight):
             self.redis.srem(WORKERS_SET, name)
+            self._forget_rq_worker(name)
         return n
 
-    def _end_execution(self, job_id: str, origin: bytes | None) -> None:
+    def _end_execution(self, job_id: str, origin: str) -> None:
         """Drop the dead attempt from RQ's wip registry so RQ does not fail it as abandoned later."""
-        if origin is None:
-            return
-        key = StartedJobRegistry(origin.decode(), connection=self.redis, serializer=JSONSerializer).key
+        key = StartedJobRegistry(origin, connection=self.redis, serializer=JSONSerializer).key
         for member, _score in self.redis.zscan_iter(key, match=f"{job_id}*"):
             self.redis.zrem(key, member)
 
-    def _fail(self, job_id: str, queue: str, worker: str, used: int, inflight: str) -> None:
-        reason = (f"gave up after {used} attempts: the worker running it died each time "
-                  f"(last: {worker}); raise max_attempts to retry more")
-        log.warning("job %s: %s", job_id, reason)
-        claimed = rqjobs.ClaimedJob(job_id, queue, attempt=used)
-        try:
-            claimed.job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
-        except Exception:
-            claimed.job = None
+    def _forget_rq_worker(self, name: str) -> None:
+        """Keep `rq info` truthful: a dead worker leaves RQ's worker registry now, not in a minute."""
+        rq_key = f"rq:worker:{name}"
+        queues = (as_str(self.redis.hget(rq_key, "queues")) or "").split(",")
         with self.redis.pipeline(transaction=False) as pipe:
-            rqjobs.store_failure(claimed, reason, worker, self.result_ttl, pipe)
-            err: dict[str, Any] = rqjobs.error_payload(reason, claimed, worker, "")
-            pipe.xadd(stream_key(job_id), stream.encode_error(used, err))
-            pipe.expire(stream_key(job_id), self.result_ttl)
-            pipe.lrem(inflight, 1, job_id)
+            pipe.delete(rq_key)
+            pipe.srem(REDIS_WORKER_KEYS, rq_key)
+            for queue in filter(None, queues):
+                pipe.srem(WORKERS_BY_QUEUE_KEY % queue, rq_key)
             pipe.execute()
+
+    def _fail(self, job_id: str, queue: str, worker: str, used: int, died_on: str | None) -> None:
+        workers = [*filter(None, (died_on or "").split(",")), worker]
+        reason = (f"gave up after {used} attempts: the worker running it died each time "
+                  f"({', '.join(workers)}); raise max_attempts to retry more")
+        job = ClaimedJob(job_id, queue, attempt=used, ending=Ending(error=reason))
+        try:
+            job.job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
+        except Exception:
+            job.job = None
+        def write(pipe: Pipeline, _job_id: str) -> None:
+            endings.write_ending(job, pipe, worker, "", self.result_ttl)
+
+        if claim.commit_held(self.redis, inflight_key(worker), [job_id], write):
+            log.warning("job %s: %s", job_id, reason)
 
 
 def recover_own(redis: Redis, name: str, reaper: Reaper) -> int:
     """A worker restarting under its old name first requeues what its previous life held."""
     if redis.llen(inflight_key(name)):
-        n = reaper.reap_worker(name)
+        n = reaper.reap_worker(name, gone=False)
         log.warning("requeued %d jobs left in flight by a previous process named %s", n, name)
         return n
     return 0
-

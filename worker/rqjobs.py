@@ -9,6 +9,7 @@ results in RQ's result stream, so `rq info`, rq-dashboard and `job.latest_result
 from __future__ import annotations
 
 import json
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -24,11 +25,31 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
 from backends.base import GenerateRequest
-from dispatcher.keys import ATTEMPT_FIELD, JOB_FUNCTION, job_key
+from dispatcher.keys import ATTEMPT_FIELD, JOB_FUNCTION, inflight_key, job_key
+from dispatcher.replies import as_int
+
+log = logging.getLogger("fleet.worker")
 
 
 class BadJob(Exception):
     """The job can never run: the message says why, in words a producer understands."""
+
+    def __init__(self, claimed: ClaimedJob, reason: str) -> None:
+        super().__init__(reason)
+        self.claimed = claimed
+
+
+class NotToRun(Exception):
+    """A claimed id that must not run and gets no result of its own: the job already ended, or
+    the id is a second copy of a job that is running (a duplicate push)."""
+
+
+@dataclass
+class Ending:
+    """The one final entry a job gets: a result (finished or cancelled) or a failure reason."""
+
+    result: dict[str, Any] | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -46,40 +67,85 @@ class ClaimedJob:
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     timed_out: bool = False
+    # What Redis has not seen yet (kept through a Redis outage, written in order when it is back):
+    unsent: list[str] = field(default_factory=list)  # text deltas of this attempt
+    sent: int = 0  # deltas of this attempt already written: the stream index of the next one
+    attempt_dirty: bool = False  # the engine restarted the job: write the new attempt first
+    started_written: bool = False  # RQ knows it started (mark_started applied)
+    ending: Ending | None = None
 
 
-def load(redis: Redis, job_id: str, queue: str, job_timeout: int) -> ClaimedJob:
-    """Fetch and check a claimed job. Raises BadJob (with .claimed set) for anything refused."""
+ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
+
+
+def load(redis: Redis, job_id: str, queue: str, job_timeout: int,
+         queue_ttl: float | None = None) -> ClaimedJob:
+    """Fetch and check a claimed job. Raises BadJob for anything refused, NotToRun for an id that
+    must be dropped without a result. `job_timeout`/`queue_ttl` apply when the job sets none."""
     raw_attempt = redis.hget(job_key(job_id), ATTEMPT_FIELD)
-    claimed = ClaimedJob(job_id, queue, attempt=int(raw_attempt or 0) + 1)
+    claimed = ClaimedJob(job_id, queue, attempt=as_int(raw_attempt) + 1)
     try:
         job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except Exception as e:  # missing or unreadable hash: still fail it visibly
-        raise _bad(claimed, f"job {job_id} cannot be read: {_short(e)}") from None
+        raise BadJob(claimed, f"job {job_id} cannot be read: {_short(e)}") from None
     claimed.job = job
+    _check_not_elsewhere(redis, job)
+    if raw_attempt is not None and as_int(raw_attempt, -1) < 0:
+        raise BadJob(claimed, f"refused: job field {ATTEMPT_FIELD} is not a count ({_clip(raw_attempt)})")
     claimed.enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else None
-    claimed.deadline = claimed.claimed_at + (job.timeout or job_timeout)
-    try:
-        func_name, args, kwargs = job.func_name, job.args, job.kwargs
-    except Exception as e:
-        raise _bad(claimed, f"refused: payload is not a JSON job ({_short(e)})") from None
-    if func_name != JOB_FUNCTION:
-        raise _bad(claimed, f"refused: job names function {func_name!r}; fleet workers run only {JOB_FUNCTION}")
-    if any(getattr(job, f"_{kind}_callback_name", None) for kind in ("success", "failure", "stopped")):
-        raise _bad(claimed, "refused: fleet jobs may not carry callbacks")
-    payload = _request_payload(args, kwargs)
-    if payload is None:
-        raise _bad(claimed, f"refused: {JOB_FUNCTION} takes one argument, the request object")
-    try:
-        claimed.request = GenerateRequest.model_validate(payload)
-    except ValidationError as e:
-        raise _bad(claimed, "invalid request: " + describe_validation_error(e)) from None
-    queue_ttl = (job.meta or {}).get("queue_ttl")
-    if isinstance(queue_ttl, int | float) and claimed.enqueued_at is not None:
-        waited = claimed.claimed_at - claimed.enqueued_at
-        if waited > queue_ttl:
-            raise _bad(claimed, f"expired: waited {waited:.1f}s in the queue, queue_ttl is {queue_ttl}s")
+    timeout = job.timeout if isinstance(job.timeout, int | float) and job.timeout > 0 else job_timeout
+    claimed.deadline = claimed.claimed_at + timeout
+    _check_code(claimed, job)
+    claimed.request = _request(claimed, job)
+    _check_queue_ttl(claimed, job.meta, queue_ttl)
     return claimed
+
+
+def _check_not_elsewhere(redis: Redis, job: Job) -> None:
+    status = job.get_status(refresh=False)
+    if status in ENDED:
+        raise NotToRun(f"job {job.id} already {status.value}")
+    # a second copy of an id that another worker's in-flight list holds: that one is the run
+    running = status == JobStatus.STARTED and job.worker_name
+    if running and redis.lpos(inflight_key(str(job.worker_name)), job.id) is not None:
+        raise NotToRun(f"job {job.id} is already running on {job.worker_name}")
+
+
+def _check_code(claimed: ClaimedJob, job: Job) -> None:
+    """Only the allow-listed function, only JSON, no callbacks: nothing a producer sends runs code."""
+    try:
+        func_name = job.func_name
+    except Exception as e:
+        raise BadJob(claimed, f"refused: payload is not a JSON job ({_short(e)})") from None
+    if func_name != JOB_FUNCTION:
+        raise BadJob(claimed, f"refused: job names function {_clip(func_name)}; fleet workers run only "
+                              f"{JOB_FUNCTION}")
+    if any(getattr(job, f"_{kind}_callback_name", None) for kind in ("success", "failure", "stopped")):
+        raise BadJob(claimed, "refused: fleet jobs may not carry callbacks")
+    if getattr(job, "webhooks", None):
+        raise BadJob(claimed, "refused: fleet jobs may not carry webhooks")
+
+
+def _request(claimed: ClaimedJob, job: Job) -> GenerateRequest:
+    payload = _request_payload(job.args, job.kwargs)
+    if payload is None:
+        raise BadJob(claimed, f"refused: {JOB_FUNCTION} takes one argument, the request object")
+    try:
+        return GenerateRequest.model_validate(payload)
+    except ValidationError as e:
+        raise BadJob(claimed, "invalid request: " + describe_validation_error(e)) from None
+
+
+def _check_queue_ttl(claimed: ClaimedJob, meta: Any, default: float | None) -> None:
+    """A job may wait `queue_ttl` seconds for its first run (a requeued job already had its turn)."""
+    ttl = meta.get("queue_ttl", default) if isinstance(meta, dict) else default
+    if ttl is None or claimed.attempt > 1 or claimed.enqueued_at is None:
+        return
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise BadJob(claimed, f"refused: meta.queue_ttl must be a number of seconds, not {_clip(ttl)}")
+    waited = claimed.claimed_at - claimed.enqueued_at
+    if waited > ttl:
+        raise BadJob(claimed, f"expired: waited {waited:.1f}s in the queue, queue_ttl is {ttl}s")
 
 
 def _request_payload(args: Any, kwargs: Any) -> Any:
@@ -102,10 +168,8 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
 
-def _bad(claimed: ClaimedJob, reason: str) -> BadJob:
-    err = BadJob(reason)
-    err.claimed = claimed  # type: ignore[attr-defined]
-    return err
+def _clip(value: Any) -> str:
+    return repr(value)[:120]
 
 
 def mark_started(claimed: ClaimedJob, worker_name: str, ttl: int, pipe: Any) -> None:
@@ -122,7 +186,8 @@ def store_success(claimed: ClaimedJob, result: dict[str, Any], worker_name: str,
     job._result = result
     if result.get("finish_reason") == "cancelled":
         job.set_status(JobStatus.CANCELED, pipeline=pipe)
-        CanceledJobRegistry(job.origin, connection=job.connection, serializer=JSONSerializer).add(job, ttl, pipe)
+        registry = CanceledJobRegistry(job.origin, connection=job.connection, serializer=JSONSerializer)
+        registry.add(job, ttl, pipe)
         Result.create(job, Result.Type.SUCCESSFUL, ttl=ttl, return_value=result, pipeline=pipe,
                       worker_name=worker_name)
     else:
@@ -132,21 +197,31 @@ def store_success(claimed: ClaimedJob, result: dict[str, Any], worker_name: str,
 
 def store_failure(claimed: ClaimedJob, reason: str, worker_name: str, ttl: int, pipe: Any) -> None:
     job = claimed.job
-    if job is None:  # unreadable hash: record what we can without RQ's Job object
-        pipe.hset(job_key(claimed.id), mapping={
-            "status": JobStatus.FAILED.value,
-            "exc_info": zlib.compress(reason.encode()),
-            "ended_at": utcformat(now()),
-        })
-        pipe.expire(job_key(claimed.id), ttl)
-        pipe.zadd(f"rq:failed:{claimed.queue}", {claimed.id: time.time() + ttl})
-        return
-    job.ended_at = now()
-    job.set_status(JobStatus.FAILED, pipeline=pipe)
-    pipe.hset(job.key, "ended_at", utcformat(job.ended_at))
-    job.failure_ttl = ttl
-    job._handle_failure(reason, pipe, worker_name=worker_name, **_execution_args(claimed))
-    _end_execution(claimed, pipe)
+    if job is not None:
+        try:
+            job.ended_at = now()
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            pipe.hset(job.key, "ended_at", utcformat(job.ended_at))
+            job.failure_ttl = ttl
+            job._handle_failure(reason, pipe, worker_name=worker_name, **_execution_args(claimed))
+            _end_execution(claimed, pipe)
+            return
+        except Exception:  # a hash odd enough to trip RQ's bookkeeping: record the failure plainly
+            log.exception("job %s: RQ failure bookkeeping failed; recording the failure plainly", claimed.id)
+    store_plain_failure(job_key(claimed.id), claimed.id, claimed.queue, reason, ttl, pipe)
+
+
+def store_plain_failure(key: str | bytes, member: str | bytes, queue: str, reason: str, ttl: int,
+                        pipe: Any) -> None:
+    """A failure recorded without RQ's Job object (the hash is unreadable, or the id is not
+    text): status, reason and the queue's failed registry, as `rq info` reads them."""
+    pipe.hset(key, mapping={
+        "status": JobStatus.FAILED.value,
+        "exc_info": zlib.compress(reason.encode()),
+        "ended_at": utcformat(now()),
+    })
+    pipe.expire(key, ttl)
+    pipe.zadd(f"rq:failed:{queue}", {member: time.time() + ttl})
 
 
 def _execution_args(claimed: ClaimedJob) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""Riding out a Redis outage: which errors mean "Redis is away for now", and how long to wait
+before asking again. Shared by producers (dispatcher.client) and workers (worker.link).
+
+Clients are made with `Redis.from_url`, which does not retry by itself, so a failed call returns at
+once and the caller decides: producers retry until their own deadline, workers keep generating
+and retry their writes on a backoff (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+T = TypeVar("T")
+
+# Connection refused or reset, a read timeout, LOADING while Redis replays its AOF: all pass.
+OUTAGE_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+
+
+def is_outage(error: BaseException) -> bool:
+    """True for errors that go away when Redis comes back. A wrong password or a missing ACL
+    permission is a configuration error: retrying it only hides it."""
+    config_error = isinstance(error, AuthenticationError | AuthorizationError)
+    return isinstance(error, OUTAGE_ERRORS) and not config_error
+
+
+class Backoff:
+    """Exponential delays between reconnect attempts: first, 2*first, ... capped at `cap`."""
+
+    def __init__(self, first: float = 0.1, cap: float = 2.0) -> None:
+        self.first = first
+        self.cap = cap
+        self._delay = first
+
+    def next(self) -> float:
+        delay = self._delay
+        self._delay = min(self._delay * 2, self.cap)
+        return delay
+
+    def reset(self) -> None:
+        self._delay = self.first
+
+
+def retry_outage(call: Callable[[], T], deadline: float | None, backoff: Backoff | None = None) -> T:
+    """`call()`, retried on a backoff while Redis is unreachable, until `deadline`
+    (time.monotonic(); None: forever). The last outage error is raised at the deadline."""
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            return call()
+        except OUTAGE_ERRORS as e:
+            if not is_outage(e):
+                raise
+            delay = backoff.next()
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                delay = min(delay, left)
+            time.sleep(delay)
