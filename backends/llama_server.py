@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
-from backends.base import BackendUnavailable, Done, Event, FinishReason, Token
+from backends.base import BackendUnavailable, Done, Event, FinishReason, Sampling, Token
 from backends.http_pool import (
     HttpStreamBackend,
     StreamFailure,
@@ -57,24 +57,20 @@ class LlamaServerBackend(HttpStreamBackend):
 
     def _stream(self, job: StreamJob) -> Iterator[Event]:
         s = job.sampling
-        body: dict[str, Any] = {
-            **sampler_fields(s),
-            "seed": -1 if s.seed is None else s.seed,
-            "stop": s.stop,
-            "stream": True,
-            "cache_prompt": True,
-        }
         reader: ChatChunkReader | CompletionChunkReader
         if job.request.messages is not None:
             path = "/v1/chat/completions"
-            body["messages"] = [m.model_dump() for m in job.request.messages]
-            body["max_tokens"] = s.max_tokens
-            body["stream_options"] = {"include_usage": True}
+            body = {
+                **common_fields(s),
+                "messages": [m.model_dump() for m in job.request.messages],
+                "max_tokens": s.max_tokens,
+                "stream_options": {"include_usage": True},
+            }
             reader = ChatChunkReader(job.job_id)
         else:
+            assert job.request.prompt is not None
             path = "/completion"
-            body["prompt"] = job.request.prompt
-            body["n_predict"] = s.max_tokens
+            body = completion_body(job.request.prompt, s)
             reader = CompletionChunkReader(job.job_id)
         with connect_sse(self.client, "POST", path, json=body) as source:
             job.response = source.response
@@ -98,6 +94,17 @@ class LlamaServerBackend(HttpStreamBackend):
             code = error.get("code")
             return self._status_failure(code if isinstance(code, int) else 500, str(error.get("message")))
         return StreamFailure(f"{self.what} failed mid-stream: {error}", retryable=True)
+
+
+def common_fields(s: Sampling) -> dict[str, Any]:
+    return {**sampler_fields(s), "seed": -1 if s.seed is None else s.seed, "stop": s.stop,
+            "stream": True, "cache_prompt": True}
+
+
+def completion_body(prompt: str, s: Sampling) -> dict[str, Any]:
+    """The streaming `/completion` request this backend sends for a prompt job (`fleet bench` sends
+    the very same to llama-server directly)."""
+    return {**common_fields(s), "prompt": prompt, "n_predict": s.max_tokens}
 
 
 class CompletionChunkReader:

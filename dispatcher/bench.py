@@ -1,0 +1,288 @@
+"""`fleet bench` (also `scripts/bench`): the fleet against llama-server, in ONE run, same machine.
+
+It starts a private redis-server and a fleet (by default one worker on the in-process llama.cpp
+backend, threads = cores, slots = the largest user count), and for every user count C a real
+`llama-server -np C -t <threads> -c <C * ctx-per-user>` on the same model. C closed-loop users
+then run the same greedy requests (same prompts, same max_tokens) through the fleet (Fleet.submit
++ the job's stream) and directly against llama-server (`/completion` SSE, the body the
+llama-server backend sends). The two systems alternate (which goes first flips per level and per
+round) so machine noise falls on both.
+
+`--fleet-backend llama-server`: the fleet's worker uses the llama-server backend on that same
+server, so the comparison is fleet-in-front-of-llama-server vs direct clients.
+
+Prints a table (users, system, tok/s, ratio fleet/peer, TTFT and end-to-end p50/p95, CPU seconds
+per 1k tokens by process group) and writes JSON (and a PNG when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import psutil
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from backends.model import default_model_path
+from dispatcher.bench_load import FleetTarget, LlamaServerTarget, Sample, Target, closed_loop
+from dispatcher.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
+from dispatcher.local import ROOT, RedisServer, WorkerProcess, start_worker
+from dispatcher.local_llama_server import LlamaServer, llama_server_binary, start_llama_server
+from worker.settings import format_cpu_list
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "List five surprising facts about octopuses and explain each one.",
+    "Describe a busy market in a small coastal town at sunrise.",
+    "What are the main differences between a comet and an asteroid?",
+    "Write a letter from a young dragon to its grandmother.",
+    "Give practical advice for someone learning to cook at home.",
+    "Tell the story of a robot that wants to become a gardener.",
+    "Why do leaves change colour in autumn? Explain it simply.",
+    "Write a poem about the first snow of winter in a big city.",
+    "Describe how bread is made, from the field to the bakery.",
+    "Invent a new board game and explain its rules.",
+    "Summarise the life cycle of a star in a few paragraphs.",
+    "Write a dialogue between a cat and a dog about their owner.",
+    "Explain what makes a good friend, with examples.",
+    "Describe a journey by train across snowy mountains.",
+]
+
+
+@dataclass
+class BenchConfig:
+    users: list[int]
+    requests_per_user: int
+    max_tokens: int
+    prompts: list[str]
+    fleet_backend: str  # "llama-cpp" | "llama-server"
+    workers: int
+    threads: int
+    ctx_per_user: int
+    rounds: int
+    warmup: bool
+
+
+class Bench:
+    """One benchmark run: owns every process it starts, stops them all on the way out."""
+
+    def __init__(self, cfg: BenchConfig, console: Console, workdir: Path) -> None:
+        self.cfg = cfg
+        self.console = console
+        self.logs = workdir / "logs"
+        self.workdir = workdir
+        self.runs: list[Run] = []
+        self.me = psutil.Process()
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def _start_workers(self, redis_url: str, tag: str, **backend: Any) -> list[WorkerProcess]:
+        """`workers` fleet workers; with several, each pinned to its share of the cores."""
+        n = self.cfg.workers
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, self.cfg.threads // n)
+        started = []
+        for i in range(n):
+            extra: dict[str, Any] = {f"backend__{k}": v for k, v in backend.items()}
+            if n > 1:
+                extra["cpus"] = format_cpu_list(cores[i * per:(i + 1) * per] or cores)
+            started.append(start_worker(redis_url, f"bench-{tag}-{i}", self.logs, backend__threads=per,
+                                        timeout=180, **extra))
+        return started
+
+    def _llama_cpp_fleet(self, redis_url: str) -> list[WorkerProcess]:
+        slots = -(-max(self.cfg.users) // self.cfg.workers)
+        self.console.log(f"starting {self.cfg.workers} fleet worker(s): llama-cpp, {slots} slots, "
+                         f"{self.cfg.threads} threads")
+        return self._start_workers(redis_url, "cpp", type="llama-cpp", slots=slots,
+                                   n_ctx=slots * self.cfg.ctx_per_user, n_ctx_per_seq=self.cfg.ctx_per_user)
+
+    def _server(self, users: int) -> LlamaServer:
+        ctx = users * self.cfg.ctx_per_user
+        self.console.log(f"starting llama-server -np {users} -c {ctx} -t {self.cfg.threads}")
+        return start_llama_server(self.logs, parallel=users, ctx=ctx, threads=self.cfg.threads)
+
+    # -- measuring --------------------------------------------------------------------------------
+
+    def _cpu(self, groups: dict[str, list[int]]) -> dict[str, float]:
+        out = {}
+        for name, pids in groups.items():
+            total = 0.0
+            for pid in pids:
+                with contextlib.suppress(psutil.Error):
+                    t = psutil.Process(pid).cpu_times()
+                    total += t.user + t.system
+            out[name] = total
+        return out
+
+    def _measure(self, progress: Progress, users: int, role: str, system: str, round_: int,
+                 target: Target, groups: dict[str, list[int]]) -> None:
+        cfg = self.cfg
+        task = progress.add_task(f"{users:>3} users  {system}", total=users * cfg.requests_per_user)
+        before = self._cpu(groups)
+
+        def tick(_s: Sample) -> None:
+            progress.advance(task)
+
+        load = closed_loop(target, users, cfg.requests_per_user, cfg.prompts, cfg.max_tokens, tick)
+        after = self._cpu(groups)
+        cpu = {k: round(after[k] - before[k], 3) for k in groups}
+        self.runs.append(Run.of(users, role, system, round_, load, cpu))
+
+    def _level(self, progress: Progress, index: int, users: int, redis: RedisServer,
+               fleet_workers: list[WorkerProcess]) -> None:
+        cfg = self.cfg
+        with contextlib.ExitStack() as stack:
+            server = stack.enter_context(self._server(users))
+            workers = fleet_workers
+            if cfg.fleet_backend == "llama-server":
+                workers = self._start_workers(redis.url, f"srv{users}", type="llama-server",
+                                              endpoint=server.url)
+                for w in workers:
+                    stack.callback(w.stop)
+            peer = LlamaServerTarget(server.url, users)
+            stack.callback(peer.close)
+            fleet = FleetTarget(redis.url)
+            me, rs, srv = [self.me.pid], [redis.process.pid], [server.process.pid]
+            fleet_pids = {"worker": [w.process.pid for w in workers], "redis": rs, "client": me}
+            if cfg.fleet_backend == "llama-server":
+                fleet_pids["llama-server"] = srv
+                names = {FLEET: "fleet -> llama-server", PEER: "direct -> llama-server"}
+            else:
+                names = {FLEET: "fleet (llama-cpp)", PEER: f"llama-server -np {users}"}
+            plan: dict[str, tuple[Target, dict[str, list[int]]]] = {
+                FLEET: (fleet, fleet_pids), PEER: (peer, {"llama-server": srv, "client": me})}
+            if cfg.warmup:  # every slot once, a few tokens: allocations and caches off the clock
+                for target, _ in plan.values():
+                    closed_loop(target, users, 1, cfg.prompts, 8)
+            for rnd in range(cfg.rounds):
+                order = [FLEET, PEER] if (index + rnd) % 2 == 0 else [PEER, FLEET]
+                for role in order:
+                    target, groups = plan[role]
+                    self._measure(progress, users, role, names[role], rnd, target, groups)
+
+    def run(self) -> list[Run]:
+        with contextlib.ExitStack() as stack:
+            redis = stack.enter_context(RedisServer.start(self.workdir / "redis"))
+            fleet_workers: list[WorkerProcess] = []
+            if self.cfg.fleet_backend == "llama-cpp":
+                fleet_workers = self._llama_cpp_fleet(redis.url)
+                for w in fleet_workers:
+                    stack.callback(w.stop)
+            progress = stack.enter_context(Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=self.console))
+            for i, users in enumerate(self.cfg.users):
+                self._level(progress, i, users, redis, fleet_workers)
+        return self.runs
+
+
+# -- the command -------------------------------------------------------------------------------------
+
+
+def _user_counts(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]:
+    try:
+        counts = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected e.g. 1,4,16,32, not {value!r}") from None
+    if not counts or min(counts) < 1:
+        raise click.BadParameter("user counts must be positive")
+    return counts
+
+
+def machine_meta() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), "")
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()
+    return {"cores": len(os.sched_getaffinity(0)), "cpu": model, "loadavg": os.getloadavg(),
+            "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+@contextlib.contextmanager
+def workdir(keep: bool) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
+    ok = False
+    try:
+        yield path
+        ok = True
+    finally:
+        if ok and not keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@click.command("bench")
+@click.option("--users", default="1,4,16,32", callback=_user_counts, show_default=True,
+              help="closed-loop user counts, one level each")
+@click.option("--requests-per-user", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a file of prompts, one a line (default: 16 built-in ones)")
+@click.option("--fleet-backend", type=click.Choice(["llama-cpp", "llama-server"]), default="llama-cpp",
+              show_default=True, help="llama-server: the fleet worker fronts the same llama-server")
+@click.option("--workers", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--threads", type=click.IntRange(1), default=None, help="default: the cores we may run on")
+@click.option("--ctx-per-user", type=click.IntRange(64), default=512, show_default=True,
+              help="KV cells per sequence (llama-server -c = users x this)")
+@click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
+              help="repeat each level, flipping which system goes first")
+@click.option("--warmup/--no-warmup", default=True, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="JSON file (default <repo>/bench-results/fleet-bench-<time>.json); a .png beside it")
+@click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")
+def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_file: str | None,
+          fleet_backend: str, workers: int, threads: int | None, ctx_per_user: int, rounds: int,
+          warmup: bool, out: Path | None, keep_logs: bool) -> None:
+    """Benchmark the fleet against llama-server -np C on the same model and machine, in one run."""
+    console = Console()
+    if not console.is_terminal:  # a log file: no need to squeeze the table into 80 columns
+        console = Console(width=150)
+    prompts = PROMPTS
+    if prompts_file:
+        prompts = [ln.strip() for ln in Path(prompts_file).read_text().splitlines() if ln.strip()]
+        if not prompts:
+            raise click.BadParameter("the prompts file has no prompts", param_hint="--prompts")
+    cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers,
+                      threads or len(os.sched_getaffinity(0)), ctx_per_user, rounds, warmup)
+    config = {k: v for k, v in vars(cfg).items() if k != "prompts"}
+    meta: dict[str, Any] = {**machine_meta(), "config": config, "prompts": len(prompts),
+                            "llama_server": str(llama_server_binary()), "model": str(default_model_path())}
+    if meta["loadavg"][0] > 0.5 * meta["cores"]:
+        console.print(f"[yellow]load average {meta['loadavg'][0]:.2f} on {meta['cores']} cores: "
+                      "other work is running, the numbers will be noisy")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = out or ROOT / "bench-results" / f"fleet-bench-{stamp}.json"
+    started = time.monotonic()
+    with workdir(keep_logs) as tmp:
+        console.log(f"logs in {tmp / 'logs'}")
+        runs = Bench(cfg, console, tmp).run()
+    meta["seconds"] = round(time.monotonic() - started, 1)
+    meta["loadavg_after"] = os.getloadavg()
+    rows = summaries(runs)
+    title = (f"fleet bench: {max_tokens} tokens/request, {requests_per_user} requests/user, "
+             f"{cfg.threads} threads, fleet backend {fleet_backend}")
+    print_report(console, rows, title)
+    write_json(out, meta, runs, rows)
+    console.print(f"JSON: {out}")
+    if write_plot(out.with_suffix(".png"), rows, title):
+        console.print(f"plot: {out.with_suffix('.png')}")
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(bench)
+
+if __name__ == "__main__":
+    bench()

@@ -1,0 +1,146 @@
+"""Closed-loop load for `fleet bench`: C users, each sending its next request as soon as the last
+one ended, against one target: the fleet (Fleet.submit + the job's stream) or a llama-server
+directly (`/completion` SSE, the very body the llama-server backend sends).
+
+Every time is taken client-side: TTFT from just before submit/POST to the first text delta,
+end-to-end to the final event. Tokens are the completion tokens the system reports.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+from httpx_sse import connect_sse
+from redis import Redis
+
+from backends.base import GenerateRequest, Sampling, SamplingDefaults
+from backends.llama_server import completion_body
+from dispatcher.client import Fleet
+
+REQUEST_TIMEOUT = 600.0
+
+
+@dataclass
+class Sample:
+    ttft: float | None  # seconds, submit -> first text
+    e2e: float  # seconds, submit -> end
+    tokens: int  # completion tokens
+    error: str | None = None
+
+
+class Target(Protocol):
+    def request(self, prompt: str, max_tokens: int) -> Sample: ...
+
+
+def greedy(prompt: str, max_tokens: int) -> GenerateRequest:
+    """Temperature 0: both systems decode the same tokens for the same prompt."""
+    return GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+
+
+class FleetTarget:
+    """Jobs through Redis: submit, then read the job's stream once (text deltas, then done/error)."""
+
+    def __init__(self, redis_url: str, pool: str = "llm") -> None:
+        self.fleet = Fleet(redis=Redis.from_url(redis_url), pool=pool)
+
+    def request(self, prompt: str, max_tokens: int) -> Sample:
+        req = greedy(prompt, max_tokens)
+        t0 = time.perf_counter()
+        job = self.fleet.submit(prompt=req.prompt, max_tokens=req.max_tokens, temperature=req.temperature)
+        ttft = None
+        for ev in job.events(timeout=REQUEST_TIMEOUT):
+            if ev.kind == "text" and ttft is None and ev.text:
+                ttft = time.perf_counter() - t0
+            elif ev.kind == "done":
+                tokens = int((ev.data or {}).get("usage", {}).get("completion_tokens", 0))
+                return Sample(ttft, time.perf_counter() - t0, tokens)
+            elif ev.kind == "error":
+                return Sample(ttft, time.perf_counter() - t0, 0, str((ev.data or {}).get("error")))
+        return Sample(ttft, time.perf_counter() - t0, 0, f"no result within {REQUEST_TIMEOUT:g}s")
+
+
+class LlamaServerTarget:
+    """Straight to llama-server's `/completion`, one SSE stream per request."""
+
+    def __init__(self, url: str, users: int) -> None:
+        self.client = httpx.Client(
+            base_url=url,
+            timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=10),
+            limits=httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4),
+        )
+        self.defaults = SamplingDefaults()
+
+    def request(self, prompt: str, max_tokens: int) -> Sample:
+        sampling: Sampling = greedy(prompt, max_tokens).sampling(self.defaults)
+        body = completion_body(prompt, sampling)
+        t0 = time.perf_counter()
+        ttft = None
+        try:
+            with connect_sse(self.client, "POST", "/completion", json=body) as source:
+                if source.response.status_code != 200:
+                    source.response.read()
+                    return Sample(None, time.perf_counter() - t0, 0,
+                                  f"HTTP {source.response.status_code}: {source.response.text[:200]}")
+                for sse in source.iter_sse():
+                    chunk = json.loads(sse.data)
+                    if chunk.get("content") and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    if chunk.get("stop"):
+                        return Sample(ttft, time.perf_counter() - t0, int(chunk.get("tokens_predicted") or 0))
+        except httpx.HTTPError as e:
+            return Sample(ttft, time.perf_counter() - t0, 0, f"{type(e).__name__}: {e}")
+        return Sample(ttft, time.perf_counter() - t0, 0, "stream ended without a final chunk")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@dataclass
+class LoadResult:
+    samples: list[Sample]
+    wall: float  # seconds from the users' start to the last request's end
+
+
+def prompt_for(prompts: Sequence[str], user: int, n: int, requests_per_user: int) -> str:
+    """The same user and request number get the same prompt on every system."""
+    return prompts[(user * requests_per_user + n) % len(prompts)]
+
+
+def closed_loop(
+    target: Target,
+    users: int,
+    requests_per_user: int,
+    prompts: Sequence[str],
+    max_tokens: int,
+    on_sample: Callable[[Sample], None] = lambda s: None,
+) -> LoadResult:
+    """Run `users` threads, each sending `requests_per_user` requests back to back."""
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    start = threading.Barrier(users + 1)
+
+    def user(u: int) -> None:
+        start.wait()
+        for n in range(requests_per_user):
+            try:
+                s = target.request(prompt_for(prompts, u, n, requests_per_user), max_tokens)
+            except Exception as e:  # a broken request is a data point, not the end of the run
+                s = Sample(None, 0.0, 0, f"{type(e).__name__}: {e}")
+            with lock:
+                samples.append(s)
+            on_sample(s)
+
+    threads = [threading.Thread(target=user, args=(u,), daemon=True, name=f"user-{u}") for u in range(users)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return LoadResult(samples, time.perf_counter() - t0)

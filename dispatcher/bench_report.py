@@ -1,0 +1,204 @@
+"""Numbers and output of `fleet bench`: per-run summaries, the rich table, JSON and an optional plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dispatcher.bench_load import LoadResult, Sample
+
+FLEET, PEER = "fleet", "peer"  # the two roles compared in every row pair
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000, 1)
+
+
+@dataclass
+class Run:
+    """One closed-loop run of one system at one user count."""
+
+    users: int
+    role: str  # FLEET or PEER
+    system: str  # human name, e.g. "fleet (llama-cpp)" or "llama-server -np 16"
+    round: int
+    wall_s: float
+    samples: list[Sample]
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process group
+
+    @classmethod
+    def of(cls, users: int, role: str, system: str, round_: int, load: LoadResult,
+           cpu_s: dict[str, float]) -> Run:
+        return cls(users, role, system, round_, load.wall, load.samples, cpu_s)
+
+
+@dataclass
+class Summary:
+    users: int
+    role: str
+    system: str
+    requests: int
+    errors: int
+    tokens: int
+    wall_s: float
+    tok_s: float
+    tokens_per_request: float
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    e2e_p50_ms: float | None
+    e2e_p95_ms: float | None
+    cpu_s_per_1k_tokens: dict[str, float]
+    first_error: str | None
+
+
+def summarise(runs: Sequence[Run]) -> Summary:
+    """Pool the rounds of one (users, role): tok/s = all tokens / all wall time."""
+    first = runs[0]
+    samples = [s for r in runs for s in r.samples]
+    ok = [s for s in samples if s.error is None]
+    tokens = sum(s.tokens for s in ok)
+    wall = sum(r.wall_s for r in runs)
+    ttfts = [s.ttft for s in ok if s.ttft is not None]
+    e2es = [s.e2e for s in ok]
+    cpu: dict[str, float] = {}
+    for r in runs:
+        for k, v in r.cpu_s.items():
+            cpu[k] = cpu.get(k, 0.0) + v
+    errors = [s.error for s in samples if s.error is not None]
+    return Summary(
+        users=first.users, role=first.role, system=first.system, requests=len(samples),
+        errors=len(errors), tokens=tokens, wall_s=round(wall, 3),
+        tok_s=round(tokens / wall, 1) if wall > 0 else 0.0,
+        tokens_per_request=round(tokens / len(ok), 1) if ok else 0.0,
+        ttft_p50_ms=_ms(percentile(ttfts, 50)), ttft_p95_ms=_ms(percentile(ttfts, 95)),
+        e2e_p50_ms=_ms(percentile(e2es, 50)), e2e_p95_ms=_ms(percentile(e2es, 95)),
+        cpu_s_per_1k_tokens={k: round(v * 1000 / tokens, 2) for k, v in cpu.items()} if tokens else {},
+        first_error=errors[0] if errors else None,
+    )
+
+
+def summaries(runs: Sequence[Run]) -> list[Summary]:
+    keys = sorted({(r.users, r.role) for r in runs}, key=lambda k: (k[0], k[1] != FLEET))
+    return [summarise([r for r in runs if (r.users, r.role) == k]) for k in keys]
+
+
+def ratios(rows: Sequence[Summary]) -> dict[int, dict[str, float | None]]:
+    """Per user count: fleet/peer for tok/s, TTFT p95 and end-to-end p50."""
+    out: dict[int, dict[str, float | None]] = {}
+    for users in sorted({r.users for r in rows}):
+        pair = {r.role: r for r in rows if r.users == users}
+        if FLEET not in pair or PEER not in pair:
+            continue
+        f, p = pair[FLEET], pair[PEER]
+        out[users] = {
+            "tok_s": _ratio(f.tok_s, p.tok_s),
+            "ttft_p95": _ratio(f.ttft_p95_ms, p.ttft_p95_ms),
+            "e2e_p50": _ratio(f.e2e_p50_ms, p.e2e_p50_ms),
+        }
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def table(rows: Sequence[Summary], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("users", "system", "tok/s", "fleet/peer", "TTFT p50", "TTFT p95", "e2e p50", "e2e p95",
+                "tok/req", "errors"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    by_users = ratios(rows)
+    for r in rows:
+        ratio = by_users.get(r.users, {}).get("tok_s") if r.role == FLEET else None
+        t.add_row(str(r.users), r.system, f"{r.tok_s:.1f}", f"{ratio:.2f}x" if ratio else "",
+                  _fmt_ms(r.ttft_p50_ms), _fmt_ms(r.ttft_p95_ms), _fmt_ms(r.e2e_p50_ms),
+                  _fmt_ms(r.e2e_p95_ms), f"{r.tokens_per_request:g}", str(r.errors) if r.errors else "",
+                  end_section=r.role == PEER)
+    return t
+
+
+def cpu_table(rows: Sequence[Summary]) -> Table:
+    """Where the CPU went: seconds per 1,000 generated tokens, by process group."""
+    groups = list(dict.fromkeys(k for r in rows for k in r.cpu_s_per_1k_tokens))
+    t = Table(title="CPU seconds per 1,000 tokens")
+    for col in ("users", "system", *groups, "total"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        cpu = r.cpu_s_per_1k_tokens
+        t.add_row(str(r.users), r.system, *(f"{cpu[g]:.1f}" if g in cpu else "" for g in groups),
+                  f"{sum(cpu.values()):.1f}", end_section=r.role == PEER)
+    return t
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f} ms"
+
+
+def print_report(console: Console, rows: Sequence[Summary], title: str) -> None:
+    console.print(table(rows, title))
+    console.print(cpu_table(rows))
+    for r in rows:
+        if r.first_error:
+            console.print(f"[red]{r.system} at {r.users} users: {r.errors} errors, e.g. {r.first_error}")
+
+
+def write_json(path: Path, meta: dict[str, Any], runs: Sequence[Run], rows: Sequence[Summary]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "meta": meta,
+        "summary": [asdict(r) for r in rows],
+        "ratios_fleet_over_peer": {str(k): v for k, v in ratios(rows).items()},
+        "runs": [
+            {**{k: v for k, v in asdict(r).items() if k != "samples"},
+             "samples": [[_ms(s.ttft), _ms(s.e2e), s.tokens, s.error] for s in r.samples]}
+            for r in runs
+        ],
+    }
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def write_plot(path: Path, rows: Sequence[Summary], title: str) -> bool:
+    """tok/s and TTFT p95 against users, one line per system; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for role in (FLEET, PEER):
+        mine = [r for r in rows if r.role == role]
+        if not mine:
+            continue
+        label = mine[0].system.split(" -np")[0]
+        users = [r.users for r in mine]
+        ax1.plot(users, [r.tok_s for r in mine], marker="o", label=label)
+        ax2.plot(users, [r.ttft_p95_ms or 0 for r in mine], marker="o", label=label)
+    ax1.set(xlabel="users", ylabel="tok/s", title="throughput")
+    ax2.set(xlabel="users", ylabel="ms", title="TTFT p95")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,50 @@
+"""`fleet bench`: its arithmetic, and one tiny real run (redis-server, a fleet worker, llama-server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dispatcher.bench import bench
+from dispatcher.bench_load import Sample
+from dispatcher.bench_report import FLEET, PEER, Run, percentile, ratios, summaries
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([float(x) for x in range(1, 101)], 95) == pytest.approx(95.05)
+
+
+def test_summaries_pool_rounds_and_ratio_is_fleet_over_peer() -> None:
+    def run(role: str, round_: int, wall: float, tokens: int) -> Run:
+        samples = [Sample(0.1, 1.0, tokens), Sample(0.3, 2.0, tokens), Sample(None, 0.5, 0, "boom")]
+        return Run(4, role, role, round_, wall, samples, {"client": 0.5})
+
+    rows = summaries([run(PEER, 0, 2.0, 50), run(FLEET, 0, 2.0, 40), run(FLEET, 1, 2.0, 60)])
+    fleet, peer = rows  # the fleet row first
+    assert (fleet.role, fleet.requests, fleet.errors, fleet.tokens) == (FLEET, 6, 2, 200)
+    assert fleet.tok_s == 50.0 and peer.tok_s == 50.0  # 200 tokens / 4 s, 100 / 2 s
+    assert fleet.cpu_s_per_1k_tokens == {"client": 5.0}
+    assert fleet.first_error == "boom" and fleet.tokens_per_request == 50.0
+    assert ratios(rows)[4]["tok_s"] == 1.0
+
+
+@pytest.mark.timeout(300)
+def test_one_small_run_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench, ["--users", "1,2", "--requests-per-user", "1", "--max-tokens", "4",
+                                        "--ctx-per-user", "256", "--no-warmup", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "fleet (llama-cpp)" in result.output and "llama-server -np 2" in result.output
+    doc = json.loads(out.read_text())
+    assert [(r["users"], r["role"]) for r in doc["summary"]] == [(1, FLEET), (1, PEER), (2, FLEET), (2, PEER)]
+    for row in doc["summary"]:
+        assert row["errors"] == 0 and row["tokens"] == 4 * row["users"] and row["tok_s"] > 0
+        assert row["ttft_p50_ms"] > 0 and row["e2e_p95_ms"] >= row["ttft_p95_ms"]
+    assert set(doc["ratios_fleet_over_peer"]) == {"1", "2"}
+    assert doc["meta"]["config"]["fleet_backend"] == "llama-cpp"
