@@ -1,0 +1,172 @@
+"""`fleet up` for real: supervisord, real `fleet worker` processes on the real model, and a private
+redis-server (the configured URL points at a free local port). SIGTERM drains the workers, then
+Redis and supervisord stop, and nothing is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from dispatcher import Fleet
+from dispatcher.cli import cli
+from tests.fleet_checks import alive, cpus_allowed, registered, submit, wait_streaming
+from tests.harness import ROOT, wait_for
+from tests.real_servers import free_port
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="fleet-up-"))  # short: supervisord's socket lives here
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def fleet_env(redis_url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update(
+        FLEET_REDIS_URL=redis_url,
+        FLEET_CONFIG=str(ROOT / "worker-config.json"),
+        FLEET_BACKEND__N_CTX="2048",
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
+    return env
+
+
+def fleet(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dispatcher.cli", *args]
+
+
+def tree(pid: int) -> list[int]:
+    """supervisord and everything it runs (workers, redis-server)."""
+    proc = psutil.Process(pid)
+    return [pid, *(c.pid for c in proc.children(recursive=True))]
+
+
+def test_fleet_up_serves_drains_on_sigterm_and_leaves_nothing(run_dir: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    out = run_dir / "fleet-up.out"
+    up = subprocess.Popen(
+        fleet("up", "--workers", "2", "--slots", "4", "--run-dir", str(run_dir)),
+        env=fleet_env(url),
+        cwd=ROOT,
+        stdout=out.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: "drains the workers" in out.read_text(), 120, "fleet up to report ready", 0.2)
+        rows = registered(url, ["worker-0", "worker-1"])
+        for name, cpus in (("worker-0", "0"), ("worker-1", "1")):
+            assert cpus_allowed(int(rows[name]["pid"])) == cpus == rows[name]["cpus"]
+        state = json.loads((run_dir / "fleet-up.json").read_text())
+        assert state["private_redis"] is True and state["workers"] == ["worker-0", "worker-1"]
+        pids = tree(state["pid"])
+        assert len(pids) == 4  # supervisord, 2 workers, redis-server
+
+        producer = Fleet(url)
+        warm = [j.result(timeout=120) for j in submit(producer, 6, 16, "warm-up")]
+        assert {r["worker"] for r in warm} == {"worker-0", "worker-1"}
+
+        # 8 jobs = 2 workers x 4 slots, all in flight when SIGTERM arrives: the drain finishes them
+        jobs = submit(producer, 8, 48, "drain")
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            waiting = [pool.submit(j.result, 90) for j in jobs]  # listening before Redis goes away
+            wait_streaming(url, jobs)
+            up.send_signal(signal.SIGTERM)
+            results = [f.result() for f in waiting]
+        assert up.wait(90) == 0, out.read_text()
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert all(r["attempt"] == 1 for r in results)  # finished in the drain, not requeued
+    assert all(r["usage"]["completion_tokens"] == 48 or r["finish_reason"] == "stop" for r in results)
+    assert [p for p in pids if alive(p)] == []
+    text = out.read_text()
+    assert "SIGTERM: draining workers" in text and "stopped (supervisord exit 0)" in text
+    for name in ("worker-0", "worker-1"):
+        assert re.search(r"signal 15: draining [1-4] jobs", (run_dir / f"{name}.log").read_text())
+    log = (run_dir / "supervisord.log").read_text()
+    stops = [log.index(f"stopped: {p} (exit status 0)") for p in ("worker-0", "worker-1", "redis")]
+    assert stops[2] > max(stops[:2])  # Redis stops only after both workers drained
+
+
+def test_fleet_up_daemon_then_down(run_dir: Path) -> None:
+    port = free_port()
+    url = f"redis://:s3cret%25pw@127.0.0.1:{port}/0"  # private Redis with the URL's password
+    env = fleet_env(url)
+    up = subprocess.run(
+        fleet("up", "--daemon", "--workers", "1", "--run-dir", str(run_dir)),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "up in the background" in up.stderr
+    conf = run_dir / "redis.conf"
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600 and 'requirepass "s3cret%pw"' in conf.read_text()
+    assert (
+        "s3cret" not in (run_dir / "supervisord.conf").read_text() + (run_dir / "fleet-up.json").read_text()
+    )
+
+    again = subprocess.run(
+        fleet("up", "--daemon", "--run-dir", str(run_dir)),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 1 and "a fleet is already up" in again.stderr
+
+    pids = tree(json.loads((run_dir / "fleet-up.json").read_text())["pid"])
+    result = Fleet(url).submit(prompt="Hello", max_tokens=8).result(timeout=120)
+    assert result["worker"] == "worker-0"
+
+    down = subprocess.run(
+        fleet("down", "--run-dir", str(run_dir)), env=env, capture_output=True, text=True, timeout=120
+    )
+    assert down.returncode == 0 and "1 worker(s) and the private Redis stopped" in down.stdout, down.stderr
+    assert [p for p in pids if alive(p)] == []
+    twice = subprocess.run(fleet("down", "--run-dir", str(run_dir)), env=env, capture_output=True, text=True)
+    assert twice.returncode == 0 and "no fleet is up" in twice.stdout
+
+
+def test_fleet_up_fails_fast_on_a_worker_that_cannot_start(run_dir: Path) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    env = fleet_env(url, FLEET_BACKEND__MODEL_PATH="/nonexistent/model.gguf")
+    up = subprocess.run(
+        fleet("up", "--workers", "1", "--run-dir", str(run_dir)),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert up.returncode == 1
+    assert "worker-0 keeps exiting" in up.stderr and "model file not found" in up.stderr, up.stderr
+    assert "stopped everything it had started" in up.stderr
+    assert not alive(json.loads((run_dir / "fleet-up.json").read_text())["pid"])
+
+
+def test_fleet_up_will_not_stand_in_for_a_remote_redis(run_dir: Path) -> None:
+    env = {"FLEET_REDIS_URL": "redis://192.0.2.1:6379/0", "FLEET_CONFIG": str(ROOT / "worker-config.json")}
+    result = CliRunner().invoke(cli, ["up", "--run-dir", str(run_dir)], env=env)
+    assert result.exit_code == 1
+    assert "it is not on this machine, so fleet up will not start one" in result.output
+    assert not (run_dir / "fleet-up.json").exists()
