@@ -291,7 +291,8 @@ class FleetWorker:
     def _retry_or_fail(self, job: ClaimedJob, reason: str) -> None:
         """The engine (not the job) failed: hand the job back for another attempt, and pause
         claiming until the engine looks healthy; after max_attempts, fail it."""
-        self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
+        if time.monotonic() >= self._engine_hold_until:  # one incident fails many jobs: one step back
+            self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
         if job.attempt >= self.settings.max_attempts:
             job.ending = Ending(error=f"{reason} (gave up after {job.attempt} attempts)")
         else:

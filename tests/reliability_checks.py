@@ -1,0 +1,108 @@
+"""Shared by the chaos, recovery, fuzz and security tests: what a job left in Redis, and
+workers that are always stopped at the end of a test."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from dispatcher import FleetJob, stream
+from dispatcher.keys import inflight_key, stream_key
+from tests.harness import WorkerProcess, start_worker, wait_for
+
+
+def stream_events(redis: Redis, job_id: str) -> list[stream.StreamEvent]:
+    """Every stored entry of the job's stream, void attempts included."""
+    return [stream.decode(fields) for _id, fields in redis.xrange(stream_key(job_id))]
+
+
+def final_entries(redis: Redis, job_id: str) -> list[stream.StreamEvent]:
+    return [ev for ev in stream_events(redis, job_id) if ev.final]
+
+
+def assert_exactly_one_final(redis: Redis, job_ids: list[str]) -> None:
+    """One final stream entry and one RQ result per job: nothing lost, nothing finished twice."""
+    problems = {}
+    for job_id in job_ids:
+        finals = len(final_entries(redis, job_id))
+        rq_results = redis.xlen(f"rq:results:{job_id}")
+        if (finals, rq_results) != (1, 1):
+            problems[job_id] = {"final stream entries": finals, "RQ results": rq_results}
+    assert not problems, f"{len(problems)} jobs without exactly one final result: {problems}"
+
+
+def held(redis: Redis, worker: str) -> list[str]:
+    return [raw.decode() for raw in redis.lrange(inflight_key(worker), 0, -1)]
+
+
+def streaming(redis: Redis, worker: str) -> list[str]:
+    """Jobs the worker holds that have text in their stream already (mid-generation)."""
+    return [j for j in held(redis, worker) if any(ev.kind == "text" for ev in stream_events(redis, j))]
+
+
+def wait_streaming(redis: Redis, worker: str, at_least: int, timeout: float = 120) -> list[str]:
+    return list(wait_for(lambda: (s := streaming(redis, worker)) and len(s) >= at_least and s, timeout,
+                         f"{worker} to be generating {at_least} jobs"))
+
+
+class BackgroundResults:
+    """job.result() for each job on a thread, while the test breaks things: the producer side
+    must ride out what happens meanwhile."""
+
+    def __init__(self, jobs: list[FleetJob], timeout: float) -> None:
+        self.jobs = jobs
+        self.timeout = timeout
+        self.results: dict[str, dict[str, Any]] = {}
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        try:
+            for job in self.jobs:
+                self.results[job.id] = job.result(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException as e:
+            self.error = e
+
+    def join(self) -> dict[str, dict[str, Any]]:
+        self._thread.join(self.timeout + 5)
+        if self.error is not None:
+            raise self.error
+        assert len(self.results) == len(self.jobs), f"only {len(self.results)}/{len(self.jobs)} results"
+        return self.results
+
+
+class Workers:
+    """`start(name, **settings)` real `fleet worker` processes; all killed at the end."""
+
+    def __init__(self, redis_url: str, log_dir: Path) -> None:
+        self.redis_url = redis_url
+        self.log_dir = log_dir
+        self.started: list[WorkerProcess] = []
+
+    def start(self, name: str, **settings: Any) -> WorkerProcess:
+        w = start_worker(self.redis_url, name, self.log_dir, **settings)
+        self.started.append(w)
+        return w
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.name}\n{w.output()[-4000:]}" for w in self.started)
+
+
+@contextmanager
+def fleet_workers(redis_url: str, log_dir: Path) -> Iterator[Workers]:
+    workers = Workers(redis_url, log_dir)
+    try:
+        yield workers
+    finally:
+        for w in workers.started:
+            if w.alive():
+                w.stop(signal.SIGKILL)

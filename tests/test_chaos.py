@@ -1,0 +1,110 @@
+"""Chaos with real processes on loopback: a worker killed with SIGKILL mid-generation, Redis
+restarted under load (AOF on), and a Redis outage longer than the worker's write buffer.
+Every job must end with exactly one final result; recovery is timed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from dispatcher import Fleet
+from dispatcher.keys import ATTEMPT_FIELD, job_key
+from tests.harness import RedisServer, wait_for
+from tests.reliability_checks import (
+    BackgroundResults,
+    assert_exactly_one_final,
+    fleet_workers,
+    held,
+    streaming,
+    wait_streaming,
+)
+
+pytestmark = pytest.mark.timeout(240)
+RECOVERY_LIMIT_S = 15.0
+
+
+def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, tmp_path: Path) -> None:
+    fleet = Fleet(redis_url)
+    with fleet_workers(redis_url, tmp_path / "logs") as workers:
+        workers.start("w1", backend__slots=16, backend__threads=1)
+        w2 = workers.start("w2", backend__slots=16, backend__threads=1)
+        jobs = [fleet.submit(prompt=f"Story {i}: the", max_tokens=16, temperature=0.7, seed=i)
+                for i in range(200)]
+        wait_streaming(redis, "w2", at_least=4)
+        os.kill(w2.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        w2.process.wait(10)
+        victims = held(redis, "w2")  # frozen now: what the dead worker was generating
+        assert victims, "w2 held nothing when it was killed"
+
+        def restarted(job_id: str) -> bool:
+            attempts, worker = redis.hmget(job_key(job_id), [ATTEMPT_FIELD, "worker_name"])
+            return int(attempts or 0) >= 1 and worker == b"w1"
+
+        wait_for(lambda: all(restarted(j) for j in victims), 60, "the dead worker's jobs to restart on w1")
+        recovery = time.monotonic() - killed_at
+        print(f"\nkill -9 recovery: the dead worker's {len(victims)} jobs restarted on w1 in {recovery:.2f}s")
+
+        results = {job.id: job.result(timeout=180) for job in jobs}
+    assert len(results) == 200
+    assert_exactly_one_final(redis, [j.id for j in jobs])
+    for job_id in victims:
+        assert results[job_id]["attempt"] == 2 and results[job_id]["worker"] == "w1", results[job_id]
+        # a late reader skips the dead attempt: its text is exactly the final text
+        assert "".join(fleet.job(job_id).stream(timeout=5)) == results[job_id]["text"]
+    assert recovery <= RECOVERY_LIMIT_S, f"recovery took {recovery:.1f}s"
+    assert not redis.exists("rq:worker:w2"), "the dead worker is still registered with RQ"
+
+
+def test_redis_restart_mid_run_with_aof(tmp_path: Path) -> None:
+    with RedisServer.start(tmp_path / "redis", extra=["--appendonly", "yes"]) as server, \
+            fleet_workers(server.url, tmp_path / "logs") as workers:
+        redis = server.client()
+        w1 = workers.start("r1", backend__slots=4, backend__threads=1)
+        w2 = workers.start("r2", backend__slots=4, backend__threads=1)
+        fleet = Fleet(server.url)
+        jobs = [fleet.submit(prompt=f"Note {i}: today", max_tokens=24, temperature=0.0) for i in range(40)]
+        background = BackgroundResults(jobs, timeout=180)
+        wait_streaming(redis, "r1", at_least=2)
+        in_flight = held(redis, "r1") + held(redis, "r2")
+        server.stop()
+        time.sleep(3)  # both workers keep generating into their buffers; heartbeat keys expire
+        server.restart()
+        results = background.join()
+        assert w1.alive() and w2.alive(), workers.logs()
+        assert_exactly_one_final(redis, [j.id for j in jobs])
+        for job in jobs:
+            assert "".join(fleet.job(job.id).stream(timeout=5)) == results[job.id]["text"]
+        # generation went on through the outage: jobs in flight then finished in their first attempt
+        assert any(results[j]["attempt"] == 1 for j in in_flight), [results[j] for j in in_flight]
+        logs = workers.logs()
+        assert "Redis unreachable" in logs and "Redis reachable again" in logs, logs
+
+
+def test_outage_longer_than_the_write_buffer_requeues(tmp_path: Path) -> None:
+    """Fake engine, fast tokens: during a 3 s outage the buffer (16k deltas) overflows, the
+    biggest jobs are handed back and run again once Redis is back; none is lost or doubled."""
+    words = [f"w{i}" for i in range(9000)]
+    with RedisServer.start(tmp_path / "redis", extra=["--appendonly", "yes"]) as server, \
+            fleet_workers(server.url, tmp_path / "logs") as workers:
+        redis = server.client()
+        worker = workers.start("f1", backend__type="fake", backend__slots=8)
+        fleet = Fleet(server.url)
+        jobs = [fleet.submit(prompt=" ".join(words), max_tokens=8192) for _ in range(8)]
+        wait_for(lambda: len(streaming(redis, "f1")) == 8, 60, "8 jobs generating")
+        server.stop()
+        time.sleep(3)
+        server.restart()
+        results = {job.id: job.result(timeout=120) for job in jobs}
+        assert worker.alive(), worker.output()
+        assert_exactly_one_final(redis, [j.id for j in jobs])
+    assert all(r["text"] == " ".join(words[:8192]) for r in results.values())
+    requeued = [r for r in results.values() if r["attempt"] > 1]
+    print(f"\n{len(requeued)} of 8 jobs handed back when the outage outgrew the buffer")
+    assert requeued, "no job was handed back although the outage outgrew the buffer"
+    assert "outage buffer is full" in worker.output()

@@ -1,0 +1,57 @@
+"""Chaos on the engine side: the llama-server a worker streams from is killed mid-run (SIGKILL)
+and comes back a few seconds later on the same port. Jobs cut off are retried (attempt + 1) or
+fail with a reason naming the engine; the worker stays up and serves new jobs afterwards."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from dispatcher import Fleet, JobFailed
+from dispatcher.keys import worker_key
+from dispatcher.local import free_port
+from dispatcher.local_llama_server import start_llama_server
+from tests.reliability_checks import assert_exactly_one_final, fleet_workers, wait_streaming
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_engine_killed_mid_run(redis_url: str, redis: Redis, tmp_path: Path) -> None:
+    port = free_port()
+    engine = start_llama_server(tmp_path / "engine", parallel=4, ctx=4096, threads=1, port=port)
+    fleet = Fleet(redis_url)
+    try:
+        with fleet_workers(redis_url, tmp_path / "logs") as workers:
+            worker = workers.start("e1", backend__type="llama-server", backend__endpoint=engine.url,
+                                   backend__connect_timeout=5, max_attempts=3)
+            jobs = [fleet.submit(prompt=f"List {i}: one,", max_tokens=48, temperature=0.0) for i in range(8)]
+            cut_off = wait_streaming(redis, "e1", at_least=2)
+            engine.kill()
+            time.sleep(2)
+            assert worker.alive() and redis.exists(worker_key("e1")), worker.output()
+            engine = start_llama_server(tmp_path / "engine", parallel=4, ctx=4096, threads=1, port=port)
+
+            outcomes: dict[str, dict | str] = {}
+            for job in jobs:
+                try:
+                    outcomes[job.id] = job.result(timeout=150)
+                except JobFailed as e:
+                    outcomes[job.id] = e.error
+            failed = {j: o for j, o in outcomes.items() if isinstance(o, str)}
+            assert all("llama-server" in reason for reason in failed.values()), failed
+            retried = [o for o in outcomes.values() if isinstance(o, dict) and o["attempt"] > 1]
+            assert retried or failed, "killing the engine mid-run went unnoticed"
+            assert all(isinstance(outcomes[j], dict) or j in failed for j in cut_off)
+            assert_exactly_one_final(redis, [j.id for j in jobs])
+            print(f"\nengine killed: {len(retried)} jobs retried and completed, {len(failed)} failed")
+
+            # the same worker process serves on once its engine is back
+            after = fleet.submit(prompt="After the crash:", max_tokens=8, temperature=0.0).result(timeout=60)
+            assert after["worker"] == "e1" and after["usage"]["completion_tokens"] > 0
+            assert worker.alive()
+            assert "retrying it (attempt 2)" in worker.output()
+    finally:
+        engine.kill()
