@@ -4,9 +4,10 @@ workers that are always stopped at the end of a test."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from redis import Redis
 
 from dispatcher import FleetJob, stream
 from dispatcher.keys import inflight_key, stream_key
-from tests.harness import WorkerProcess, start_worker, wait_for
+from dispatcher.local import free_port, redis_server_binary
+from tests.harness import RedisServer, WorkerProcess, start_worker, wait_for
 
 
 def stream_events(redis: Redis, job_id: str) -> list[stream.StreamEvent]:
@@ -50,6 +52,30 @@ def streaming(redis: Redis, worker: str) -> list[str]:
 def wait_streaming(redis: Redis, worker: str, at_least: int, timeout: float = 120) -> list[str]:
     return list(wait_for(lambda: (s := streaming(redis, worker)) and len(s) >= at_least and s, timeout,
                          f"{worker} to be generating {at_least} jobs"))
+
+
+def start_guarded_redis(dir: Path, extra: list[str], url: Callable[[int], str]) -> RedisServer:
+    """A redis-server that wants credentials or TLS (RedisServer.start pings without them):
+    `url(port)` is what the readiness check connects with."""
+    port = free_port()
+    dir.mkdir(parents=True, exist_ok=True)
+    args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(dir),
+            "--save", "", "--appendonly", "no", *extra]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisServer(port, dir, process, extra)
+
+    def pings() -> bool:
+        try:
+            return bool(Redis.from_url(url(port), socket_connect_timeout=0.5).ping())
+        except Exception:
+            return False
+
+    try:
+        wait_for(pings, 10, "redis-server to start")
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
 
 
 class BackgroundResults:
