@@ -139,8 +139,14 @@ def commit_held(redis: Redis, inflight: str, job_ids: Sequence[str],
                 replies = pipe.execute(raise_on_error=False)
             except WatchError:
                 continue
-            for reply in replies:
-                if isinstance(reply, Exception):  # e.g. WRONGTYPE on a tampered key: the rest applied
-                    log.warning("a final write for %s was refused by Redis: %s", inflight, reply)
+            log_refusals(replies, f"a final write for {inflight}")
             return set(mine)
     raise Contended(f"{inflight} kept changing during {tries} tries")
+
+
+def log_refusals(replies: list[Any], what: str) -> None:
+    """Commands Redis refused inside an applied MULTI or pipeline (e.g. WRONGTYPE on a tampered
+    key): the others applied, so these are reported, not retried."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            log.warning("%s was partly refused by Redis: %s", what, reply)

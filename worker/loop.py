@@ -35,7 +35,7 @@ from dispatcher.keys import cancel_key, job_key, queue_names, wake_key
 from dispatcher.reconnect import OUTAGE_ERRORS, Backoff
 from dispatcher.replies import as_str
 from worker import endings, rqjobs
-from worker.claim import Claimer, Contended
+from worker.claim import Claimer, Contended, log_refusals
 from worker.link import RedisLink
 from worker.rqjobs import BadJob, ClaimedJob, Ending, NotToRun
 from worker.settings import FleetSettings
@@ -221,7 +221,7 @@ class FleetWorker:
         with self.redis.pipeline(transaction=True) as pipe:
             endings.write_refusal(raw_id, queue, reason, self.name, self.settings.result_ttl, pipe)
             self.claimer.drop(raw_id, pipe)
-            pipe.execute()
+            log_refusals(pipe.execute(raise_on_error=False), f"the refusal of {raw_id!r}")
         self.counters.jobs_failed += 1
 
     def _engine_ready(self) -> bool:

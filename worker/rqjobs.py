@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis import Redis
+from redis.exceptions import ResponseError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry
@@ -82,7 +83,11 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int,
          queue_ttl: float | None = None) -> ClaimedJob:
     """Fetch and check a claimed job. Raises BadJob for anything refused, NotToRun for an id that
     must be dropped without a result. `job_timeout`/`queue_ttl` apply when the job sets none."""
-    raw_attempt = redis.hget(job_key(job_id), ATTEMPT_FIELD)
+    try:
+        raw_attempt = redis.hget(job_key(job_id), ATTEMPT_FIELD)
+    except ResponseError as e:  # e.g. WRONGTYPE: the key is not a hash
+        unreadable = ClaimedJob(job_id, queue, attempt=1)
+        raise BadJob(unreadable, f"job {job_id} cannot be read: {_short(e)}") from None
     claimed = ClaimedJob(job_id, queue, attempt=as_int(raw_attempt) + 1)
     try:
         job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
