@@ -98,7 +98,8 @@ def test_pm2_fleet_pinned_serves_and_loses_no_job(pm2: Pm2, redis_url: str) -> N
         log = "".join(f.read_text() for f in (pm2.home / "logs").glob(f"{name}-error*.log"))
         assert re.search(r"signal 2: draining [1-3] jobs", log), log[-2000:]
     redis = Redis.from_url(redis_url)
-    queued = redis.lrange(queue_key(queue_name("llm", "default")), 0, -1)
+    raw = redis.lrange(queue_key(queue_name("llm", "default")), 0, -1)
+    queued = [q if isinstance(q, str) else q.decode() for q in raw]
     finished = [j for j in long_jobs if j.status() == "finished"]
     assert len(queued) + len(finished) == len(long_jobs)  # each job either done or back in line
     assert queued, "the drain grace is shorter than a long job: some must have been requeued"
@@ -109,7 +110,7 @@ def test_pm2_fleet_pinned_serves_and_loses_no_job(pm2: Pm2, redis_url: str) -> N
     registered(redis_url, names)
     done = [j.result(timeout=180) for j in long_jobs]
     assert [r["job_id"] for r in done] == [j.id for j in long_jobs]
-    requeued_ids = {q.decode() for q in queued}
+    requeued_ids = set(queued)
     for r in done:
         assert r["attempt"] == (2 if r["job_id"] in requeued_ids else 1), r
         assert r["usage"]["completion_tokens"] == 200 or r["finish_reason"] == "stop"
