@@ -16,6 +16,7 @@ a fleet that drains and stops rather than an orphan.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -152,7 +153,7 @@ class Launch:
     private: PrivateRedis | None
     stop_timeout: int
     process: subprocess.Popen[bytes] | None = None
-    pids: dict[str, int] = field(default_factory=dict)  # program -> pid, as supervisord reported
+    procs: dict[str, psutil.Process] = field(default_factory=dict)  # program -> its process
     stop_requested: bool = False
 
     @classmethod
@@ -211,12 +212,12 @@ class Launch:
         """SIGINT/SIGTERM/SIGHUP to `fleet up` become one SIGTERM to supervisord."""
 
         def handler(signum: int, _frame: object) -> None:
-            if not self.stop_requested:
-                note(
-                    f"{signal.Signals(signum).name}: draining workers (up to {self.stop_timeout}s), "
-                    "then stopping"
-                )
-                self.request_stop()
+            if self.stop_requested:
+                note(f"still stopping: workers drain for up to {self.stop_timeout}s")
+                return
+            name = signal.Signals(signum).name
+            note(f"{name}: draining workers (up to {self.stop_timeout}s), then stopping")
+            self.request_stop()
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, handler)
@@ -275,8 +276,10 @@ class Launch:
         except (OSError, xmlrpc.client.Error):
             return []
         for info in infos:
-            if info.get("pid"):
-                self.pids[info["name"]] = int(info["pid"])
+            pid, known = int(info.get("pid") or 0), self.procs.get(info["name"])
+            if pid and (known is None or known.pid != pid):
+                with contextlib.suppress(psutil.Error):
+                    self.procs[info["name"]] = psutil.Process(pid)
         return infos
 
     def _registered(self) -> list[dict[str, Any]] | None:
@@ -289,7 +292,8 @@ class Launch:
         rows = []
         for w in self.plan.workers:
             row = live.get(w.name)
-            if row is None or int(row.get("pid", -1)) != self.pids.get(w.name):
+            proc = self.procs.get(w.name)
+            if row is None or proc is None or int(row.get("pid", -1)) != proc.pid:
                 return None
             rows.append(row)
         return rows
@@ -299,9 +303,24 @@ class Launch:
         assert self.process is not None
         return self.process.wait()
 
-    def leftovers(self) -> list[str]:
-        """Programs whose last known process is still alive (should be none after supervisord exits)."""
-        return [f"{name} (pid {pid})" for name, pid in sorted(self.pids.items()) if pid_alive(pid)]
+    def stop_leftovers(self) -> list[str]:
+        """After supervisord has exited: stop what it left running (it only does that when it was
+        killed): workers first, with SIGTERM so they drain while Redis is still up, then Redis.
+        Returns the programs that had to be stopped."""
+        left = {name: proc for name, proc in self.procs.items() if _alive(proc)}
+        workers = [proc for name, proc in left.items() if name != REDIS_PROGRAM]
+        redis = [proc for name, proc in left.items() if name == REDIS_PROGRAM]
+        for group in (workers, redis):
+            for proc in group:
+                with contextlib.suppress(psutil.Error):
+                    proc.terminate()
+            deadline = time.monotonic() + self.stop_timeout
+            while any(_alive(p) for p in group) and time.monotonic() < deadline:
+                time.sleep(POLL)
+            for proc in group:
+                if _alive(proc):
+                    proc.kill()
+        return [f"{name} (pid {proc.pid})" for name, proc in sorted(left.items())]
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -94,9 +94,12 @@ def up_command(
         return
     _note("Ctrl-C or SIGTERM drains the workers and stops the fleet")
     code = launch.wait()
-    left = launch.leftovers()
+    left = launch.stop_leftovers()
     if left:
-        raise click.ClickException(f"still running after supervisord exited: {', '.join(left)}")
+        raise click.ClickException(
+            f"supervisord exited ({code}) and left {', '.join(left)} running: stopped them "
+            "(workers drained first, then Redis)"
+        )
     _note(f"stopped (supervisord exit {code}); logs in {run.root}")
     if code:
         sys.exit(code)

@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,25 @@ def fleet(*args: str) -> list[str]:
     return [sys.executable, "-m", "dispatcher.cli", *args]
 
 
+def start_up(run_dir: Path, url: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """`fleet up` in the foreground, once it reports ready; its output file."""
+    out = run_dir / "fleet-up.out"
+    up = subprocess.Popen(
+        fleet("up", *args, "--run-dir", str(run_dir)),
+        env=fleet_env(url),
+        cwd=ROOT,
+        stdout=out.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: "drains the workers" in out.read_text() or up.poll() is not None, 120, "fleet up")
+    except TimeoutError:
+        up.kill()
+        raise
+    assert up.poll() is None, f"fleet up exited ({up.returncode}):\n{out.read_text()}"
+    return up, out
+
+
 def tree(pid: int) -> list[int]:
     """supervisord and everything it runs (workers, redis-server)."""
     proc = psutil.Process(pid)
@@ -59,16 +79,8 @@ def tree(pid: int) -> list[int]:
 
 def test_fleet_up_serves_drains_on_sigterm_and_leaves_nothing(run_dir: Path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    out = run_dir / "fleet-up.out"
-    up = subprocess.Popen(
-        fleet("up", "--workers", "2", "--slots", "4", "--run-dir", str(run_dir)),
-        env=fleet_env(url),
-        cwd=ROOT,
-        stdout=out.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    up, out = start_up(run_dir, url, "--workers", "2", "--slots", "4")
     try:
-        wait_for(lambda: "drains the workers" in out.read_text(), 120, "fleet up to report ready", 0.2)
         rows = registered(url, ["worker-0", "worker-1"])
         for name, cpus in (("worker-0", "0"), ("worker-1", "1")):
             assert cpus_allowed(int(rows[name]["pid"])) == cpus == rows[name]["cpus"]
@@ -170,3 +182,25 @@ def test_fleet_up_will_not_stand_in_for_a_remote_redis(run_dir: Path) -> None:
     assert result.exit_code == 1
     assert "it is not on this machine, so fleet up will not start one" in result.output
     assert not (run_dir / "fleet-up.json").exists()
+
+
+def test_fleet_up_stops_what_a_killed_supervisord_left(run_dir: Path) -> None:
+    """supervisord killed -9: its programs survive it; fleet up stops them (workers drain first)."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    up, out = start_up(run_dir, url, "--workers", "1")
+    try:
+        supervisord = json.loads((run_dir / "fleet-up.json").read_text())["pid"]
+        pids = tree(supervisord)
+        assert len(pids) == 3  # supervisord, worker, redis-server
+        os.kill(supervisord, signal.SIGKILL)
+        killed = time.monotonic()
+        assert up.wait(90) == 1
+        # well inside the 30 s stop timeout: the worker left on SIGTERM, no SIGKILL was needed
+        # (its log cannot show the drain: its stdout was a pipe to the dead supervisord)
+        assert time.monotonic() - killed < 25
+    finally:
+        if up.poll() is None:
+            up.kill()
+    text = out.read_text()
+    assert "supervisord exited (-9) and left redis" in text and "worker-0 (pid" in text, text
+    assert [p for p in pids if alive(p)] == []
