@@ -50,7 +50,7 @@ class PrivateRedis:
         if self.password is not None:
             lines.append(f"requirepass {_quote(self.password)}")
             if self.username and self.username != "default":
-                lines.append(f"user {self.username} on >{self.password} ~* &* +@all")
+                lines.append(f"user {_quote(self.username)} on {_quote('>' + self.password)} ~* &* +@all")
         return "\n".join([*lines, ""])
 
 

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -24,6 +25,8 @@ from click.testing import CliRunner
 
 from dispatcher import Fleet
 from dispatcher.cli import cli
+from ecosystem.private_redis import PrivateRedis, RedisSetupError, private_redis_for
+from ecosystem.up import RunDir
 from tests.fleet_checks import alive, cpus_allowed, registered, submit, wait_streaming
 from tests.harness import ROOT, wait_for
 from tests.real_servers import free_port
@@ -204,3 +207,31 @@ def test_fleet_up_stops_what_a_killed_supervisord_left(run_dir: Path) -> None:
     text = out.read_text()
     assert "supervisord exited (-9) and left redis" in text and "worker-0 (pid" in text, text
     assert [p for p in pids if alive(p)] == []
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://127.0.0.1:{port}/0", PrivateRedis("127.0.0.1", 0)),
+        ("redis://localhost:{port}/3", PrivateRedis("localhost", 0)),
+        ("redis://app:p%40ss@127.0.0.1:{port}/0", PrivateRedis("127.0.0.1", 0, "app", "p@ss")),
+        ("rediss://127.0.0.1:{port}/0", "starts a private Redis only for redis:// URLs"),
+        ("redis://10.255.255.1:{port}/0", "it is not on this machine"),
+    ],
+)
+def test_when_fleet_up_starts_its_own_redis(url: str, expected: PrivateRedis | str) -> None:
+    port = free_port()  # nothing listens there
+    if isinstance(expected, str):
+        with pytest.raises(RedisSetupError, match=expected):
+            private_redis_for(url.format(port=port))
+        return
+    assert private_redis_for(url.format(port=port)) == replace(expected, port=port)
+
+
+def test_private_redis_config_and_a_long_run_dir(tmp_path: Path) -> None:
+    conf = PrivateRedis("127.0.0.1", 7000, "app", 'p"w').config(tmp_path / "my data")
+    assert f'dir "{tmp_path}/my data"' in conf and "appendonly yes" in conf and "port 7000" in conf
+    assert 'requirepass "p\\"w"' in conf and 'user "app" on ">p\\"w" ~* &* +@all' in conf
+    long = RunDir(tmp_path / ("x" * 120))
+    assert len(str(long.socket)) <= 100 and long.socket != long.root / "supervisor.sock"
+    assert RunDir(Path("/tmp/r")).socket == Path("/tmp/r/supervisor.sock")
