@@ -101,9 +101,12 @@ class Fleet:
         ttl = queue_ttl or self.queue_ttl
         meta = {"queue_ttl": ttl} if ttl else {}
         job_id = uuid.uuid4().hex  # fixed before the first try: a retry never enqueues twice
+        tries = 0
 
         def enqueue() -> None:
-            if self.redis.exists(job_key(job_id)):
+            nonlocal tries
+            tries += 1
+            if tries > 1 and self.redis.exists(job_key(job_id)):
                 return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
             self._queues[priority].enqueue(
                 JOB_FUNCTION, payload, job_id=job_id, job_timeout=job_timeout or self.job_timeout,

@@ -145,3 +145,17 @@ def test_a_job_pushed_twice_runs_once(redis_url: str, redis: Redis, tmp_path: Pa
         wait_for(lambda: not redis.llen(queue_key(QUEUE)) and not held(redis, "p1"), 10, "copies dropped")
         time.sleep(0.5)
     assert_exactly_one_final(redis, [job.id])
+
+
+def test_a_live_worker_registers_with_rq_again_when_its_registration_is_lost(
+    redis_url: str, redis: Redis, tmp_path: Path
+) -> None:
+    """E.g. Redis restarted without persistence, or a reaper took it for dead while it was cut off:
+    `rq info` must list it again within a heartbeat or two."""
+    with fleet_workers(redis_url, tmp_path / "logs") as workers:
+        worker = workers.start("rr1", backend__type="fake")
+        redis.delete("rq:worker:rr1")
+        redis.srem("rq:workers", "rq:worker:rr1")
+        wait_for(lambda: redis.sismember("rq:workers", "rq:worker:rr1"), 10, "RQ registration again")
+        assert redis.hget("rq:worker:rr1", "queues") == b"llm:high,llm:default,llm:low"
+        assert "re-registered rr1 with RQ" in worker.output()
