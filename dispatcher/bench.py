@@ -72,6 +72,7 @@ class BenchConfig:
     ctx_per_user: int
     rounds: int
     warmup: bool
+    server_args: tuple[str, ...] = ()
 
 
 class Bench:
@@ -110,8 +111,10 @@ class Bench:
 
     def _server(self, users: int) -> LlamaServer:
         ctx = users * self.cfg.ctx_per_user
-        self.console.log(f"starting llama-server -np {users} -c {ctx} -t {self.cfg.threads}")
-        return start_llama_server(self.logs, parallel=users, ctx=ctx, threads=self.cfg.threads)
+        extra = self.cfg.server_args
+        self.console.log(f"starting llama-server -np {users} -c {ctx} -t {self.cfg.threads}", *extra)
+        return start_llama_server(self.logs, parallel=users, ctx=ctx, threads=self.cfg.threads,
+                                  extra_args=extra)
 
     # -- measuring --------------------------------------------------------------------------------
 
@@ -240,12 +243,14 @@ def workdir(keep: bool) -> Iterator[Path]:
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
               help="repeat each level, flipping which system goes first")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
+@click.option("--server-arg", "server_args", multiple=True,
+              help="extra llama-server argument (repeatable), e.g. --server-arg=--kv-unified")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="JSON file (default <repo>/bench-results/fleet-bench-<time>.json); a .png beside it")
 @click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")
 def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_file: str | None,
           fleet_backend: str, workers: int, threads: int | None, ctx_per_user: int, rounds: int,
-          warmup: bool, out: Path | None, keep_logs: bool) -> None:
+          warmup: bool, server_args: tuple[str, ...], out: Path | None, keep_logs: bool) -> None:
     """Benchmark the fleet against llama-server -np C on the same model and machine, in one run."""
     console = Console()
     if not console.is_terminal:  # a log file: no need to squeeze the table into 80 columns
@@ -256,7 +261,7 @@ def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_fil
         if not prompts:
             raise click.BadParameter("the prompts file has no prompts", param_hint="--prompts")
     cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers,
-                      threads or len(os.sched_getaffinity(0)), ctx_per_user, rounds, warmup)
+                      threads or len(os.sched_getaffinity(0)), ctx_per_user, rounds, warmup, server_args)
     config = {k: v for k, v in vars(cfg).items() if k != "prompts"}
     meta: dict[str, Any] = {**machine_meta(), "config": config, "prompts": len(prompts),
                             "llama_server": str(llama_server_binary()), "model": str(default_model_path())}

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,15 +89,16 @@ def start_llama_server(
     port: int | None = None,
     model: Path | None = None,
     wait: bool = True,
+    extra_args: Sequence[str] = (),
 ) -> LlamaServer:
-    """`llama-server -m MODEL -np PARALLEL -c CTX -t THREADS --slots` on 127.0.0.1 (a free port
-    unless given); the log goes to log_dir. Waits for /health unless `wait` is False."""
+    """`llama-server -m MODEL -np PARALLEL -c CTX -t THREADS --slots [EXTRA_ARGS]` on 127.0.0.1 (a
+    free port unless given); the log goes to log_dir. Waits for /health unless `wait` is False."""
     port = port or free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"llama-server-{port}.log"
     args = [str(llama_server_binary()), "-m", str(model or default_model_path()),
             "--parallel", str(parallel), "-c", str(ctx), "-t", str(threads),
-            "--host", "127.0.0.1", "--port", str(port), "--slots"]
+            "--host", "127.0.0.1", "--port", str(port), "--slots", *extra_args]
     with log.open("ab") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     server = LlamaServer(f"http://127.0.0.1:{port}", port, process, log)
