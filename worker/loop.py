@@ -123,13 +123,18 @@ class FleetWorker:
     def _serve_once(self) -> None:
         if self.link.ready():
             self._talk("claiming", self._claim)
-        if self.inflight or self.to_requeue:
+        # the engine may still hold jobs this loop let go of (cancelled, awaiting their Done)
+        engine_busy = self.backend.free_slots() < self.backend.slots
+        if self.inflight or self.to_requeue or engine_busy:
             self.counters.state = "busy"
             self._step()
+        elif not self.link.up:
+            self.counters.state = "waiting for redis"
+            time.sleep(min(max(self.link.wait_left(), 0.01), IDLE_WAIT))
         else:
-            self.counters.state = "idle" if self.link.up else "waiting for redis"
-            if not self.link.up:
-                time.sleep(min(max(self.link.wait_left(), 0.01), IDLE_WAIT))
+            self.counters.state = "idle"
+            if self._engine_hold_until:  # the engine failed: nothing to do until the backoff passes
+                time.sleep(min(max(self._engine_hold_until - time.monotonic(), 0.01), IDLE_WAIT))
 
     def _guarded(self, work: Callable[[], None]) -> None:
         """One turn of the loop; a bug met by one job must not end the worker."""
