@@ -98,7 +98,7 @@ def test_cancel_frees_slot_for_next_job_at_once(engine: LlamaCppBackend) -> None
 
 def test_long_prompt_prefills_in_chunks_without_stalling_decoders(engine: LlamaCppBackend) -> None:
     for i in range(8):
-        engine.admit(f"d{i}", req(f"Decoder {i} says", 60, temperature=0.0))
+        engine.admit(f"d{i}", req(f"Decoder {i} says", 20, temperature=0.0))
     for _ in range(3):
         engine.step()  # all 8 are decoding now
     long_prompt = " ".join(f"word{i}" for i in range(390))  # ~1,500 tokens
@@ -150,11 +150,11 @@ def test_prompt_longer_than_context_is_rejected_clearly(engine: LlamaCppBackend)
 
 
 def test_kv_exhaustion_defers_admission_not_running_jobs() -> None:
-    tiny = LlamaCppBackend(BackendSettings(slots=4, n_ctx=512, n_ctx_per_seq=256, prefix_cache=0), threads=2)
+    tiny = LlamaCppBackend(BackendSettings(slots=4, n_ctx=256, n_ctx_per_seq=128, prefix_cache=0), threads=2)
     try:
-        for i in range(4):  # each reserves min(prompt + 200, 256) cells: only 2 fit at once
-            tiny.admit(f"k{i}", req(f"Count from {i}:", 200))
-        assert tiny.stats()["active"] == 2 and tiny.stats()["waiting"] == 2
+        for i in range(4):  # each reserves prompt + 60 cells of 256: only 3 fit at once
+            tiny.admit(f"k{i}", req(f"Count from {i}:", 60))
+        assert tiny.stats()["active"] == 3 and tiny.stats()["waiting"] == 1
         _texts, ends = run_all(tiny)
         assert all(isinstance(ends[f"k{i}"], Done) for i in range(4))
         assert not any(isinstance(e, Failed) for e in ends.values())

@@ -16,7 +16,7 @@ from rq.serializers import JSONSerializer
 
 from dispatcher import Fleet, JobFailed
 from dispatcher.keys import JOB_FUNCTION, queue_key
-from tests.harness import ROOT
+from tests.harness import ROOT, wait_for
 
 LONG = 150  # tokens: long enough to still be running when we act on it
 
@@ -134,9 +134,14 @@ def test_sigterm_with_job_in_flight_loses_nothing(redis_url: str, workers) -> No
 def test_status_json_fields(redis_url: str, workers) -> None:
     workers.start("w-status", backend__slots=3)
     Fleet(redis_url).submit(prompt="Count:", max_tokens=4).result(timeout=60)
-    out = fleet_cli("status", "--json", env_url=redis_url)
-    assert out.returncode == 0, out.stderr
-    snap = json.loads(out.stdout)
+
+    def snapshot_after_next_beat() -> dict | None:  # the status hash refreshes every second
+        out = fleet_cli("status", "--json", env_url=redis_url)
+        assert out.returncode == 0, out.stderr
+        snap = json.loads(out.stdout)
+        return snap if snap["workers"] and snap["workers"][0]["tokens"] >= 4 else None
+
+    snap = wait_for(snapshot_after_next_beat, 30, "the worker's status to count the tokens")
     (w,) = snap["workers"]
     for field in ("name", "host", "pid", "cpus", "backend", "state", "inflight", "tokens", "tok_s", "rss_mb"):
         assert field in w, field
