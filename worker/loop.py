@@ -81,6 +81,7 @@ class FleetWorker:
         self.unstarted: list[tuple[bytes, str]] = []  # claimed; starting it met an outage
         self.counters = WorkerCounters()
         self.stopping = threading.Event()
+        self.jobs_ended = threading.Event()  # tells the heartbeat to refresh the status now
         self._drain_deadline: float | None = None
         self._reconcile_at = time.monotonic() + RECONCILE_EVERY
         self._engine_backoff = Backoff(1.0, 30.0)  # after an engine failure: pause claiming
@@ -344,6 +345,7 @@ class FleetWorker:
                 self.counters.jobs_done += 1
             else:
                 self.counters.jobs_failed += 1
+        self.jobs_ended.set()
 
     def _write_requeues(self) -> None:
         for job_id, (job, why) in list(self.to_requeue.items()):
