@@ -146,9 +146,11 @@ def status(config: str | None, as_json: bool) -> None:
 
 
 def _register_extensions() -> None:
+    from dispatcher import bench
     from ecosystem.cli import register
 
     register(cli)
+    bench.register(cli)
 
 
 _register_extensions()
