@@ -25,7 +25,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
@@ -36,6 +35,7 @@ from dispatcher.reconnect import OUTAGE_ERRORS, Backoff
 from dispatcher.replies import as_str
 from worker import endings, rqjobs
 from worker.claim import Claimer, Contended, log_refusals
+from worker.counters import WorkerCounters
 from worker.link import RedisLink
 from worker.rqjobs import BadJob, ClaimedJob, Ending, NotToRun
 from worker.settings import FleetSettings
@@ -44,26 +44,6 @@ log = logging.getLogger("fleet.worker")
 IDLE_WAIT = 0.25  # seconds an idle worker blocks on the wake list before polling the queues
 OUTAGE_BUFFER_ENTRIES = 16_384  # unwritten text deltas held through a Redis outage, all jobs
 RECONCILE_EVERY = 5.0  # seconds between checks that Redis and this loop agree on held jobs
-
-
-@dataclass
-class WorkerCounters:
-    """Read by the heartbeat thread for `fleet status`."""
-
-    jobs_done: int = 0
-    jobs_failed: int = 0
-    jobs_requeued: int = 0
-    tokens: int = 0
-    state: str = "starting"
-    recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per step
-
-    def tokens_per_second(self, window: float = 10.0) -> float:
-        now = time.monotonic()
-        pts = [(t, n) for t, n in self.recent if now - t <= window]
-        if not pts:
-            return 0.0
-        span = max(now - pts[0][0], 1.0)
-        return sum(n for _, n in pts) / span
 
 
 class FleetWorker:
