@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -66,6 +67,7 @@ class Summary:
     e2e_p95_ms: float | None
     cpu_s_per_1k_tokens: dict[str, float]
     first_error: str | None
+    round_tok_s: list[float]  # each round on its own: the spread says how noisy the machine was
 
 
 def summarise(runs: Sequence[Run]) -> Summary:
@@ -91,7 +93,13 @@ def summarise(runs: Sequence[Run]) -> Summary:
         e2e_p50_ms=_ms(percentile(e2es, 50)), e2e_p95_ms=_ms(percentile(e2es, 95)),
         cpu_s_per_1k_tokens={k: round(v * 1000 / tokens, 2) for k, v in cpu.items()} if tokens else {},
         first_error=errors[0] if errors else None,
+        round_tok_s=[round(_tok_s(r), 1) for r in sorted(runs, key=lambda r: r.round)],
     )
+
+
+def _tok_s(run: Run) -> float:
+    tokens = sum(s.tokens for s in run.samples if s.error is None)
+    return tokens / run.wall_s if run.wall_s > 0 else 0.0
 
 
 def summaries(runs: Sequence[Run]) -> list[Summary]:
@@ -100,15 +108,18 @@ def summaries(runs: Sequence[Run]) -> list[Summary]:
 
 
 def ratios(rows: Sequence[Summary]) -> dict[int, dict[str, float | None]]:
-    """Per user count: fleet/peer for tok/s, TTFT p95 and end-to-end p50."""
+    """Per user count: fleet/peer for tok/s (pooled, and the median of the rounds' own ratios: each
+    round ran both systems back to back, so its ratio saw the same machine), TTFT p95, e2e p50."""
     out: dict[int, dict[str, float | None]] = {}
     for users in sorted({r.users for r in rows}):
         pair = {r.role: r for r in rows if r.users == users}
         if FLEET not in pair or PEER not in pair:
             continue
         f, p = pair[FLEET], pair[PEER]
+        per_round = [x for a, b in zip(f.round_tok_s, p.round_tok_s, strict=False) if (x := _ratio(a, b))]
         out[users] = {
             "tok_s": _ratio(f.tok_s, p.tok_s),
+            "tok_s_median_of_rounds": round(statistics.median(per_round), 3) if per_round else None,
             "ttft_p95": _ratio(f.ttft_p95_ms, p.ttft_p95_ms),
             "e2e_p50": _ratio(f.e2e_p50_ms, p.e2e_p50_ms),
         }
@@ -126,12 +137,18 @@ def table(rows: Sequence[Summary], title: str) -> Table:
         t.add_column(col, justify="left" if col == "system" else "right")
     by_users = ratios(rows)
     for r in rows:
-        ratio = by_users.get(r.users, {}).get("tok_s") if r.role == FLEET else None
-        t.add_row(str(r.users), r.system, f"{r.tok_s:.1f}", f"{ratio:.2f}x" if ratio else "",
+        t.add_row(str(r.users), r.system, f"{r.tok_s:.1f}", _ratio_cell(r, by_users.get(r.users, {})),
                   _fmt_ms(r.ttft_p50_ms), _fmt_ms(r.ttft_p95_ms), _fmt_ms(r.e2e_p50_ms),
                   _fmt_ms(r.e2e_p95_ms), f"{r.tokens_per_request:g}", str(r.errors) if r.errors else "",
                   end_section=r.role == PEER)
     return t
+
+
+def _ratio_cell(r: Summary, ratio: dict[str, float | None]) -> str:
+    pooled, median = ratio.get("tok_s"), ratio.get("tok_s_median_of_rounds")
+    if r.role != FLEET or not pooled:
+        return ""
+    return f"{pooled:.2f}x" + (f" (rounds: med {median:.2f}x)" if len(r.round_tok_s) > 1 and median else "")
 
 
 def cpu_table(rows: Sequence[Summary]) -> Table:
