@@ -44,7 +44,9 @@ def friendly_errors(func: F) -> F:
 def settings_and_redis(config: str | None, **overrides: Any) -> tuple[FleetSettings, Redis]:
     s = load_settings(config, **{k: v for k, v in overrides.items() if v is not None})
     click.get_current_context().meta["redis_url"] = s.redis_url
-    redis = Redis.from_url(s.redis_url, socket_connect_timeout=3, health_check_interval=30)
+    # a socket timeout and keepalive so a half-open connection cannot block the worker loop
+    redis = Redis.from_url(s.redis_url, socket_connect_timeout=3, socket_timeout=10, socket_keepalive=True,
+                           health_check_interval=30)
     redis.ping()
     return s, redis
 
@@ -83,18 +85,22 @@ def worker(config: str | None, cpus: str | None, name: str | None, verbose: bool
 @click.option("--priority", type=click.Choice(["high", "default", "low"]), default="default")
 @click.option("--stream", "do_stream", is_flag=True, help="print tokens as they arrive")
 @click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
-@click.option("--timeout", type=float, default=300.0)
+@click.option("--timeout", type=float, default=300.0, help="seconds to wait for the result")
+@click.option("--queue-ttl", type=int, default=None, help="fail the job if it waits longer in the queue")
+@click.option("--job-timeout", type=int, default=None, help="fail the job if it runs longer")
 @friendly_errors
 def submit(prompt: str, config: str | None, max_tokens: int | None, temperature: float | None,
            seed: int | None, stop: tuple[str, ...], priority: str, do_stream: bool, as_json: bool,
-           timeout: float) -> None:
+           timeout: float, queue_ttl: int | None, job_timeout: int | None) -> None:
     """Submit one generation job and wait for its result."""
     s, redis = settings_and_redis(config)
-    fleet = Fleet(redis=redis, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout)
+    fleet = Fleet(redis=redis, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
+                  queue_ttl=s.queue_ttl)
     fields: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                               "stop": list(stop) or None}
     try:
-        job = fleet.submit(prompt, priority=priority, **{k: v for k, v in fields.items() if v is not None})
+        job = fleet.submit(prompt, priority=priority, queue_ttl=queue_ttl, job_timeout=job_timeout,
+                           **{k: v for k, v in fields.items() if v is not None})
         if do_stream and not as_json:
             for text in job.stream(timeout=timeout):
                 click.echo(text, nl=False)
