@@ -262,7 +262,8 @@ class LlamaCppBackend:
         # Pad to a multiple of 4 rows: llama.cpp's CPU matmul takes a 4-row kernel for full groups
         # of 4 and a 1-row kernel for the rest, which round differently. Padding puts every row
         # through the same kernel, so a sequence's tokens do not depend on its batch position.
-        for i in range(-n % 4):
+        # A lone row has no neighbour to differ from: no padding, so one user decodes at full speed.
+        for i in range(-n % 4 if n > 1 else 0):
             add(0, i, self._pad_seq, False)
         batch.n_tokens = n
 
