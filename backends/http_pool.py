@@ -34,6 +34,7 @@ from worker.settings import BackendSettings
 # A stream silent for this long is treated as dead (the worker's job_timeout cancels sooner).
 READ_TIMEOUT = 600.0
 PROBE_TIMEOUT = 2.0
+STEP_LINGER = 0.003  # seconds step() keeps gathering events after the first one
 
 
 class StreamFailure(Exception):
@@ -204,8 +205,13 @@ class HttpStreamBackend(ABC):
         queued: list[tuple[StreamJob, Event]] = []
         try:
             queued.append(self._events.get(timeout=timeout) if timeout > 0 else self._events.get_nowait())
+            # The server decodes all its slots in one step and sends their chunks in a burst: gather
+            # the burst (a few ms) so the worker makes one Redis round trip per server step, not one
+            # per token.
+            linger_until = time.monotonic() + STEP_LINGER if timeout > 0 else 0.0
             while True:
-                queued.append(self._events.get_nowait())
+                left = linger_until - time.monotonic()
+                queued.append(self._events.get(timeout=left) if left > 0 else self._events.get_nowait())
         except queue.Empty:
             pass
         events: list[Event] = []
