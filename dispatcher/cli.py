@@ -66,12 +66,13 @@ def worker(config: str | None, cpus: str | None, name: str | None, verbose: bool
     """Run one worker: pin, load the model, serve jobs until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from backends.base import BackendUnavailable
     from worker.main import WorkerNameTaken, run_worker
 
     s, redis = settings_and_redis(config, cpus=cpus, name=name)
     try:
         run_worker(s, redis)
-    except (WorkerNameTaken, ValueError, FileNotFoundError) as e:
+    except (WorkerNameTaken, BackendUnavailable, ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 
 
