@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import llama_cpp as ll
 
@@ -59,7 +59,6 @@ class EngineStats:
     tokens_generated: int = 0
     decode_seconds: float = 0.0
     deferred_admissions: int = 0
-    per_step_decoding: list[int] = field(default_factory=list)  # last steps: sequences decoded
 
 
 class LlamaCppBackend:
@@ -143,6 +142,7 @@ class LlamaCppBackend:
             "prompt_tokens_reused": s.prompt_tokens_reused,
             "tokens_generated": s.tokens_generated,
             "deferred_admissions": s.deferred_admissions,
+            "decode_seconds": round(s.decode_seconds, 3),
         }
 
     def close(self) -> None:
@@ -272,7 +272,6 @@ class LlamaCppBackend:
         ll.llama_memory_seq_rm(self.model.memory, self._pad_seq, -1, -1)
         self.stats_.decode_seconds += time.perf_counter() - t0
         self.stats_.steps += 1
-        self.stats_.per_step_decoding = [*self.stats_.per_step_decoding[-63:], len(decoding)]
         if rc != 0:
             return self._fail_step(rc, decoding, [s for s, _ in fed])
 

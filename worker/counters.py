@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -16,11 +17,17 @@ class WorkerCounters:
     jobs_requeued: int = 0
     tokens: int = 0
     state: str = "starting"
-    recent: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per step
+    # (time, tokens) of the last steps; appended in place: no copy on the loop's hot path
+    recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+
+    def record_step(self, n_tokens: int) -> None:
+        self.tokens += n_tokens
+        self.recent.append((time.monotonic(), n_tokens))
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         now = time.monotonic()
-        pts = [(t, n) for t, n in self.recent if now - t <= window]
+        snapshot = list(self.recent)  # one C-level copy: safe while the loop appends
+        pts = [(t, n) for t, n in snapshot if now - t <= window]
         if not pts:
             return 0.0
         span = max(now - pts[0][0], 1.0)

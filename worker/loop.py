@@ -227,8 +227,7 @@ class FleetWorker:
         events = self.backend.step(0.05)
         now = time.time()
         n_tokens = self._apply(events, now)
-        self.counters.tokens += n_tokens
-        self.counters.recent = [*self.counters.recent[-255:], (time.monotonic(), n_tokens)]
+        self.counters.record_step(n_tokens)
         for job in self.inflight.values():
             if job.ending is None and now > job.deadline and not job.timed_out:
                 job.timed_out = True  # the Done(cancelled) that follows becomes a failure
