@@ -4,13 +4,17 @@ Each step() is one llama_decode over a batch that holds the next token of every 
 sequence plus, within the token budget (n_batch), a chunk of each newcomer's prompt. So streams
 keep producing tokens while a long prompt prefills, and new jobs join between steps.
 
-KV budget: all slots share one unified KV cache of n_ctx cells. A job reserves
-prompt + max_tokens cells (capped by n_ctx_per_seq) when it starts; when the cache cannot hold
-it yet, it waits in `_waiting` (admission deferred), it never evicts a running job.
+KV layout (backend.batch_invariant):
+- true (default): every sequence id has its own KV stream of n_ctx_per_seq cells and ggml runs
+  batch-invariant kernels, so a job's greedy text is the same alone or in any batch. A slot's
+  stream is its budget: admission only waits for a free slot.
+- false: all slots share one unified pool of n_ctx cells. A job reserves prompt + max_tokens
+  cells (capped by n_ctx_per_seq) when it starts; when the pool cannot hold it yet it waits in
+  `_waiting` (admission deferred), it never evicts a running job.
 
 Shared prefixes (a common system prompt): a newcomer copies the KV of the longest prompt prefix
-it shares with a cached prefix or a running job (llama_memory_seq_cp, free in a unified cache)
-and prefills only the rest. Copied prefixes are kept in a small LRU of spare sequence ids.
+it shares with a cached prefix or a running job (llama_memory_seq_cp) and prefills only the
+rest. Copied prefixes are kept in a small LRU of spare sequence ids.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from backends.text import TextAssembler
 from worker.settings import BackendSettings
 
 MIN_SHARED_PREFIX = 16  # tokens; below this a copy is not worth the bookkeeping
+FA_TILE_ROWS = 64  # ggml CPU flash attention: a tiled kernel from this many rows of one stream
+SPLIT_KV_CELLS = 512  # ... and a KV scan split across threads for a lone row from this many cells
+Row = tuple[int, int, int, bool]  # token, position, sequence id, wants logits
 
 
 @dataclass
@@ -54,6 +61,7 @@ class PrefixEntry:
 @dataclass
 class EngineStats:
     steps: int = 0
+    decode_calls: int = 0
     prompt_tokens_prefilled: int = 0
     prompt_tokens_reused: int = 0
     tokens_generated: int = 0
@@ -67,21 +75,23 @@ class LlamaCppBackend:
     def __init__(self, settings: BackendSettings, threads: int | None = None) -> None:
         self.settings = settings
         self.slots = settings.slots
-        self.n_ctx = settings.n_ctx
-        self.n_ctx_per_seq = min(settings.n_ctx_per_seq, settings.n_ctx)
+        self.invariant = settings.batch_invariant
         self.n_batch = settings.n_batch
         n_prefix = settings.prefix_cache
+        streams = self.slots + n_prefix
         self.model = LoadedModel(
             settings.model_path,
-            n_ctx=self.n_ctx,
+            n_ctx=settings.n_ctx_per_seq * streams if self.invariant else settings.n_ctx,
             n_batch=self.n_batch,
-            n_seq_max=self.slots + n_prefix + 1,  # + a scratch sequence for batch padding
+            n_seq_max=streams,
             threads=threads,
+            batch_invariant=self.invariant,
         )
+        self.n_ctx = ll.llama_n_ctx(self.model.ctx)  # llama.cpp rounds streams up to 256 cells
+        self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self._free_seq_ids = list(range(self.slots))
-        self._free_prefix_ids = list(range(self.slots, self.slots + n_prefix))
-        self._pad_seq = self.slots + n_prefix
+        self._free_prefix_ids = list(range(self.slots, streams))
         self._prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
         self._active: dict[str, Sequence] = {}  # admission order = prefill order
         self._waiting: list[tuple[str, list[int], Sampling]] = []
@@ -138,6 +148,7 @@ class LlamaCppBackend:
             "kv_cells": self.n_ctx,
             "prefixes": len(self._prefixes),
             "steps": s.steps,
+            "decode_calls": s.decode_calls,
             "prompt_tokens_prefilled": s.prompt_tokens_prefilled,
             "prompt_tokens_reused": s.prompt_tokens_reused,
             "tokens_generated": s.tokens_generated,
@@ -165,7 +176,7 @@ class LlamaCppBackend:
             self._waiting.pop(0)
             seq = Sequence(
                 job_id=job_id,
-                seq_id=self._free_seq_ids.pop(0),
+                seq_id=self._take_seq_id(),
                 tokens=tokens,
                 sampling=sampling,
                 chain=self.model.sampler_chain(sampling),
@@ -176,7 +187,15 @@ class LlamaCppBackend:
             self._reuse_prefix(seq)
             self._active[job_id] = seq
 
+    def _take_seq_id(self) -> int:
+        # lowest first: busy ids stay consecutive, so the decoders fill one ubatch (see _decoder_rows)
+        seq_id = min(self._free_seq_ids)
+        self._free_seq_ids.remove(seq_id)
+        return seq_id
+
     def _fits(self, need: int) -> bool:
+        if self.invariant:
+            return True  # each slot owns its KV stream
         # admit() capped `need` at n_ctx_per_seq <= n_ctx, so an idle engine always fits a job
         return self._reserved + need + self._prefix_cells() <= self.n_ctx
 
@@ -203,10 +222,11 @@ class LlamaCppBackend:
             if n > best_len:
                 best_len, best_src, from_entry = n, other.seq_id, False
         best_len = min(best_len, len(seq.tokens) - 1)  # the last prompt token must run for logits
+        if self.invariant:
+            best_len = self._invariant_prefix(best_len, len(seq.tokens))
         if best_len < MIN_SHARED_PREFIX:
             return
-        mem = self.model.memory
-        ll.llama_memory_seq_cp(mem, best_src, seq.seq_id, 0, best_len)
+        self._copy_prefix(best_src, seq.seq_id, best_len)
         seq.n_past = best_len
         self.stats_.prompt_tokens_reused += best_len
         if from_entry:
@@ -214,8 +234,29 @@ class LlamaCppBackend:
         elif self._free_prefix_ids or self._evict_prefix():
             # a prefix two live jobs share is likely shared by the next one too: keep it
             entry_id = self._free_prefix_ids.pop()
-            ll.llama_memory_seq_cp(mem, best_src, entry_id, 0, best_len)
+            self._copy_prefix(best_src, entry_id, best_len)
             self._prefixes[entry_id] = PrefixEntry(entry_id, seq.tokens[:best_len])
+
+    def _invariant_prefix(self, reuse: int, n_prompt: int) -> int:
+        """Shorten a reused prefix so the rest of the prompt meets the same attention kernel as
+        the same chunk would alone: chunks start at multiples of n_batch, and a chunk's rows take
+        ggml's tiled kernel from FA_TILE_ROWS rows, the one-row-at-a-time kernel below that, a
+        split KV scan for a single row."""
+        start = reuse - reuse % self.n_batch
+        if reuse == start:
+            return reuse
+        end = min(start + self.n_batch, n_prompt)
+        rows_alone = end - start
+        need = FA_TILE_ROWS if rows_alone >= FA_TILE_ROWS else min(rows_alone, 2)
+        return min(reuse, end - need)
+
+    def _copy_prefix(self, src: int, dst: int, n_tokens: int) -> None:
+        mem = self.model.memory
+        if self.invariant:  # across streams llama.cpp copies a whole stream: copy, then cut
+            ll.llama_memory_seq_cp(mem, src, dst, -1, -1)
+            ll.llama_memory_seq_rm(mem, dst, n_tokens, -1)
+        else:  # one pool: the cells just gain a sequence id
+            ll.llama_memory_seq_cp(mem, src, dst, 0, n_tokens)
 
     def _release(self, seq: Sequence) -> None:
         """Free a finished/cancelled sequence's KV cells and slot at once."""
@@ -230,64 +271,128 @@ class LlamaCppBackend:
     # -- one decode step ----------------------------------------------------------------------
 
     def _decode_step(self) -> list[Event]:
-        batch = self._batch
-        n = 0
-
-        def add(token: int, pos: int, seq_id: int, logits: bool) -> None:
-            nonlocal n
-            batch.token[n] = token
-            batch.pos[n] = pos
-            batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = seq_id
-            batch.logits[n] = logits
-            n += 1
-
-        decoding = [s for s in self._active.values() if s.next_token is not None]
-        for s in decoding:
-            s.batch_index = n
-            add(s.next_token, s.n_past, s.seq_id, True)  # type: ignore[arg-type]
-        prefilling = [s for s in self._active.values() if s.next_token is None]
-        budget = self.n_batch - n
-        fed: list[tuple[Sequence, int]] = []
-        for s in prefilling:
-            if budget <= 0:
-                break
-            chunk = s.tokens[s.n_past : s.n_past + budget]
-            last = s.n_past + len(chunk) == len(s.tokens)
-            for i, tok in enumerate(chunk):
-                add(tok, s.n_past + i, s.seq_id, last and i == len(chunk) - 1)
-            s.batch_index = n - 1 if last else -1
-            fed.append((s, len(chunk)))
-            budget -= len(chunk)
-        # Pad to a multiple of 4 rows: llama.cpp's CPU matmul takes a 4-row kernel for full groups
-        # of 4 and a 1-row kernel for the rest, which round differently. Padding puts every row
-        # through the same kernel, so a sequence's tokens do not depend on its batch position.
-        # A lone row has no neighbour to differ from: no padding, so one user decodes at full speed.
-        for i in range(-n % 4 if n > 1 else 0):
-            add(0, i, self._pad_seq, False)
-        batch.n_tokens = n
-
-        t0 = time.perf_counter()
-        rc = ll.llama_decode(self.model.ctx, batch)
-        ll.llama_memory_seq_rm(self.model.memory, self._pad_seq, -1, -1)
-        self.stats_.decode_seconds += time.perf_counter() - t0
-        self.stats_.steps += 1
-        if rc != 0:
-            return self._fail_step(rc, decoding, [s for s, _ in fed])
-
-        for s, count in fed:
-            s.n_past += count
-            self.stats_.prompt_tokens_prefilled += count
-        for s in decoding:
-            s.n_past += 1
         events: list[Event] = []
-        for s in [*decoding, *(s for s, _ in fed if s.batch_index >= 0)]:
-            self._sample(s, events)
+        self.stats_.steps += 1
+        decoding = [s for s in self._active.values() if s.next_token is not None]
+        prefilling = [s for s in self._active.values() if s.next_token is None]
+        if self.invariant:
+            self._invariant_step(decoding, prefilling, events)
+        else:
+            self._pooled_step(decoding, prefilling, events)
         for s in [s for s in self._active.values() if s.done is not None]:
             self._release(s)
         events.extend(self._finished)
         self._finished = []
         return events
+
+    def _pooled_step(self, decoding: list[Sequence], prefilling: list[Sequence], events: list[Event]) -> None:
+        """One llama_decode: every decoder's next token plus prompt chunks, within n_batch tokens."""
+        rows: list[Row] = []
+        for s in decoding:
+            s.batch_index = len(rows)
+            rows.append((s.next_token, s.n_past, s.seq_id, True))  # type: ignore[arg-type]
+        budget = self.n_batch - len(rows)
+        fed: list[tuple[Sequence, int]] = []
+        for s in prefilling:
+            if budget <= 0:
+                break
+            chunk = s.tokens[s.n_past : s.n_past + budget]
+            rows.extend(self._prompt_rows(s, len(chunk), offset=len(rows)))
+            fed.append((s, len(chunk)))
+            budget -= len(chunk)
+        rc = self._decode(rows)
+        if rc != 0:
+            events.extend(self._fail_step(rc, decoding, [s for s, _ in fed]))
+            return
+        for s in decoding:
+            s.n_past += 1
+            self._sample(s, events)
+        for s, count in fed:
+            self._prefilled(s, count, events)
+
+    def _invariant_step(self, decoding: list[Sequence], prefilling: list[Sequence],
+                        events: list[Event]) -> None:
+        """The same work as _pooled_step, split so that each row meets the same ggml kernels as if
+        its job ran alone: the decoders in one ubatch, each prompt chunk in a llama_decode of its
+        own, cut at multiples of n_batch whatever the load (see docs/ARCHITECTURE.md)."""
+        if decoding:
+            rows, pads = self._decoder_rows(decoding)
+            rc = self._decode(rows)
+            for seq_id, pos in pads:
+                ll.llama_memory_seq_rm(self.model.memory, seq_id, pos, -1)
+            if rc != 0:
+                events.extend(self._fail_step(rc, decoding, []))
+            else:
+                for s in decoding:
+                    s.n_past += 1
+                    self._sample(s, events)
+        budget = self.n_batch - len(decoding)
+        for s in prefilling:
+            if budget <= 0:
+                break
+            count = min(len(s.tokens), (s.n_past // self.n_batch + 1) * self.n_batch) - s.n_past
+            rc = self._decode(self._prompt_rows(s, count))
+            if rc != 0:
+                events.extend(self._fail_step(rc, [], [s]))
+                continue
+            self._prefilled(s, count, events)
+            budget -= count
+
+    def _decoder_rows(self, decoding: list[Sequence]) -> tuple[list[Row], list[tuple[int, int]]]:
+        """Decoders sorted by sequence id, gaps filled with throw-away rows: llama.cpp cuts a
+        per-stream batch into ubatches of consecutive ids, and a row's kernels depend on its
+        ubatch. A lone long decoder gets a neighbour row too, else ggml splits its KV scan
+        across threads (a different summation order than when it shares the ubatch)."""
+        by_id = {s.seq_id: s for s in decoding}
+        lo, hi = min(by_id), max(by_id)
+        if lo == hi and by_id[lo].n_past + 1 > SPLIT_KV_CELLS // 2:
+            if hi + 1 < self.slots + self.settings.prefix_cache:
+                hi += 1
+            else:
+                lo -= 1
+        rows: list[Row] = []
+        pads: list[tuple[int, int]] = []
+        for seq_id in range(lo, hi + 1):
+            s = by_id.get(seq_id)
+            if s is not None:
+                s.batch_index = len(rows)
+                rows.append((s.next_token, s.n_past, seq_id, True))  # type: ignore[arg-type]
+            else:
+                pos = ll.llama_memory_seq_pos_max(self.model.memory, seq_id) + 1
+                rows.append((0, pos, seq_id, False))
+                pads.append((seq_id, pos))
+        return rows, pads
+
+    def _prompt_rows(self, s: Sequence, count: int, offset: int = 0) -> list[Row]:
+        last = s.n_past + count == len(s.tokens)  # the prompt's last token yields the first logits
+        s.batch_index = -1
+        chunk = s.tokens[s.n_past : s.n_past + count]
+        rows = [(tok, s.n_past + i, s.seq_id, False) for i, tok in enumerate(chunk)]
+        if last:
+            rows[-1] = (*rows[-1][:3], True)
+            s.batch_index = offset + len(rows) - 1  # offset: rows already in this batch
+        return rows
+
+    def _prefilled(self, s: Sequence, count: int, events: list[Event]) -> None:
+        s.n_past += count
+        self.stats_.prompt_tokens_prefilled += count
+        if s.n_past == len(s.tokens):
+            self._sample(s, events)
+
+    def _decode(self, rows: list[Row]) -> int:
+        batch = self._batch
+        for i, (token, pos, seq_id, logits) in enumerate(rows):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq_id
+            batch.logits[i] = logits
+        batch.n_tokens = len(rows)
+        t0 = time.perf_counter()
+        rc = ll.llama_decode(self.model.ctx, batch)
+        self.stats_.decode_seconds += time.perf_counter() - t0
+        self.stats_.decode_calls += 1
+        return int(rc)
 
     def _sample(self, s: Sequence, events: list[Event]) -> None:
         tok = ll.llama_sampler_sample(s.chain, self.model.ctx, s.batch_index)

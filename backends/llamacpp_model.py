@@ -13,6 +13,23 @@ import llama_cpp as ll
 from backends.base import GenerateRequest, JobRejected, Sampling
 from backends.model import default_model_path
 
+# ggml reads its kernel switches once per process, at the first matmul; the first model decides
+_kernels_invariant: bool | None = None
+
+
+def _choose_kernels(invariant: bool) -> None:
+    """Batch-invariant kernels: ggml's tiled K-quant matmul for every batch size (by default it
+    is taken only from 8 rows, below that a vec_dot kernel that rounds differently), so a row's
+    result never depends on how many rows share its batch."""
+    global _kernels_invariant
+    if _kernels_invariant is None:
+        if invariant:
+            os.environ["GGML_CPU_TILED_MM_FORCE"] = "1"
+        _kernels_invariant = invariant or os.environ.get("GGML_CPU_TILED_MM_FORCE") == "1"
+    elif invariant and not _kernels_invariant:
+        raise RuntimeError("batch_invariant needs the first llama.cpp model of this process to be "
+                           "loaded with batch_invariant=true (ggml fixes its kernels at first use)")
+
 
 @ll.llama_log_callback
 def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
@@ -23,14 +40,18 @@ def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 
 class LoadedModel:
     def __init__(
-        self, path: Path | None, *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int | None
+        self, path: Path | None, *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int | None,
+        batch_invariant: bool = False,
     ) -> None:
         path = Path(path) if path else default_model_path()
         if not path.exists():
             raise FileNotFoundError(f"model file not found: {path}")
         ll.llama_log_set(_quiet_log, ctypes.c_void_p())
+        _choose_kernels(batch_invariant)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
+        # repacked weights (CPU_REPACK) use a 4-row kernel and a 1-row kernel that round differently
+        mparams.use_extra_bufts = not batch_invariant
         model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -45,7 +66,9 @@ class LoadedModel:
         cparams.n_outputs_max = n_seq_max  # logits rows: one per sequence, not n_batch x 262k vocab
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
-        cparams.kv_unified = True  # one cell pool for all slots: seq_cp of a prefix is free
+        # unified: one cell pool for all slots (flexible lengths, seq_cp of a prefix is free); else
+        # one KV stream per sequence, so a job's cells and attention sums are laid out as if alone
+        cparams.kv_unified = not batch_invariant
         cparams.swa_full = True  # keep sliding-window layers whole, so a copied prefix is complete
         cparams.no_perf = True
         ctx = ll.llama_init_from_model(model, cparams)

@@ -8,14 +8,14 @@ from collections.abc import Iterator
 import pytest
 
 from backends.base import Done, Event, Failed, GenerateRequest, JobRejected, Token
-from backends.llamacpp import LlamaCppBackend
+from backends.llamacpp import FA_TILE_ROWS, LlamaCppBackend
 from worker.settings import BackendSettings
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:
-    b = LlamaCppBackend(BackendSettings(slots=16, n_ctx=8192, n_ctx_per_seq=2048, n_batch=512,
-                                        prefix_cache=4), threads=2)
+    b = LlamaCppBackend(BackendSettings(slots=16, n_ctx_per_seq=2048, n_batch=512, prefix_cache=4),
+                        threads=2)
     yield b
     b.close()
 
@@ -51,15 +51,43 @@ def test_sixteen_jobs_in_flight_complete(engine: LlamaCppBackend) -> None:
         assert done.finish_reason in ("length", "stop")
         if done.finish_reason == "length":
             assert done.completion_tokens == 24
-    # batched: 16 x 24 tokens took about 24 decode steps, not 16 x 24
+    # batched: 16 x 24 tokens took about 24 steps (one llama_decode each), not 16 x 24
     assert engine.stats()["steps"] - steps0 <= 30
     assert engine.free_slots() == 16 and engine.stats()["kv_reserved"] == 0
 
 
+TOPICS = ["the old lighthouse", "a recipe for bread", "why the sky is blue", "the history of Rome",
+          "how to train a puppy", "a poem about rain", "quantum computers", "the best chess opening",
+          "a letter to my future self", "the rules of football", "a day on Mars", "the life of bees",
+          "how volcanoes form", "a detective story", "learning the piano", "the water cycle"]
+
+
+def test_greedy_text_is_identical_alone_and_in_a_full_batch(engine: LlamaCppBackend) -> None:
+    """The default engine is batch-invariant: per-slot KV streams and kernels whose result for a
+    row does not depend on the other rows. Prompts of 10 to ~200 tokens (long ones take other
+    attention kernels and share their step with decoders); half greedy, half a fixed seed."""
+    def request(i: int) -> GenerateRequest:
+        prompt = f"Write {'a very long and detailed ' * (i * 5 % 41)}text about {TOPICS[i]}. Begin:"
+        if i % 2:
+            return req(prompt, 40, temperature=0.8, seed=100 + i)
+        return req(prompt, 40, temperature=0.0)
+
+    alone = {}
+    for i in range(16):
+        engine.admit(f"a{i}", request(i))
+        alone.update(run_all(engine)[0])
+    lengths = [len(engine.model.prompt_tokens(request(i))) for i in range(16)]
+    assert min(lengths) < 16 and max(lengths) > 128, lengths
+    for i in range(16):
+        engine.admit(f"b{i}", request(i))
+    assert engine.stats()["active"] == 16
+    batch, _ = run_all(engine)
+    different = [i for i in range(16) if alone[f"a{i}"] != batch[f"b{i}"]]
+    assert not different, [(alone[f"a{i}"], batch[f"b{i}"]) for i in different]
+    assert all(len(alone[f"a{i}"]) > 20 for i in range(16))
+
+
 def test_identical_requests_in_one_batch_get_identical_text(engine: LlamaCppBackend) -> None:
-    """Greedy decoding is deterministic within a batch: a sequence's result does not depend on
-    its slot or its position in the batch. (Bit-identical output alone vs in a batch of 16 is
-    not possible with llama.cpp's CPU kernels; see docs/ARCHITECTURE.md, "Determinism".)"""
     for i in range(6):
         engine.admit(f"b{i}", req("The recipe begins with", 20, temperature=0.0))
     batch, _ = run_all(engine)
@@ -112,13 +140,13 @@ def test_long_prompt_prefills_in_chunks_without_stalling_decoders(engine: LlamaC
         per_step.append(sum(1 for e in events if isinstance(e, Token) and e.job_id.startswith("d")))
     # every step of the prefill carried one token for each of the 8 decoders: no stall
     assert per_step and all(n == 8 for n in per_step), per_step
-    budget = engine.n_batch - 8
-    assert len(per_step) == -(-n_long // budget)  # ceil: chunks of the step budget
+    # batch-invariant: chunks of n_batch tokens whatever the load (else n_batch minus the decoders)
+    assert len(per_step) == -(-n_long // engine.n_batch)
     run_all(engine)
 
 
 def test_shared_prefix_is_copied_not_prefilled(engine: LlamaCppBackend) -> None:
-    system = "You are a helpful assistant who answers in one short sentence. " * 6
+    system = "You are a helpful assistant who answers in one short sentence. " * 20
     engine.admit("p0", req(system + "Question: what is Redis?", 4, temperature=0.0))
     engine.step()
     before = engine.stats()
@@ -127,10 +155,29 @@ def test_shared_prefix_is_copied_not_prefilled(engine: LlamaCppBackend) -> None:
     after = engine.stats()
     n_prefix = len(engine.model.prompt_tokens(req(system)))
     reused = int(after["prompt_tokens_reused"]) - int(before["prompt_tokens_reused"])
-    assert reused >= 4 * (n_prefix - 2), (reused, n_prefix)
+    # batch-invariant: the last FA_TILE_ROWS prompt tokens are prefilled again, so they meet the
+    # same attention kernel as alone (see LlamaCppBackend._invariant_prefix)
+    assert reused >= 4 * (n_prefix - FA_TILE_ROWS), (reused, n_prefix)
     _texts, ends = run_all(engine)
     assert all(isinstance(ends[f"p{i}"], Done) for i in range(5))
     assert engine.stats()["prefixes"] >= 1  # kept for the next job with this system prompt
+
+
+def test_shared_prefix_in_one_kv_pool() -> None:
+    """batch_invariant=false: one unified KV pool, where a prefix copy only tags cells."""
+    pool = LlamaCppBackend(BackendSettings(slots=4, n_ctx=2048, prefix_cache=2, batch_invariant=False),
+                           threads=2)
+    try:
+        system = "You are a terse assistant. Answer with one word only, please. " * 4
+        for i in range(3):
+            pool.admit(f"q{i}", req(system + f"Question {i}: colour of the sky?", 6, temperature=0.0))
+            pool.step()  # q0 prefilled: the next ones copy its prefix
+        _texts, ends = run_all(pool)
+        assert all(isinstance(ends[f"q{i}"], Done) for i in range(3))
+        assert int(pool.stats()["prompt_tokens_reused"]) >= 2 * 40
+        assert pool.stats()["kv_reserved"] == 0
+    finally:
+        pool.close()
 
 
 def test_prefix_reuse_gives_the_same_greedy_text(engine: LlamaCppBackend) -> None:
@@ -150,7 +197,8 @@ def test_prompt_longer_than_context_is_rejected_clearly(engine: LlamaCppBackend)
 
 
 def test_kv_exhaustion_defers_admission_not_running_jobs() -> None:
-    tiny = LlamaCppBackend(BackendSettings(slots=4, n_ctx=256, n_ctx_per_seq=128, prefix_cache=0), threads=2)
+    tiny = LlamaCppBackend(BackendSettings(slots=4, n_ctx=256, n_ctx_per_seq=128, prefix_cache=0,
+                                           batch_invariant=False), threads=2)
     try:
         for i in range(4):  # each reserves prompt + 60 cells of 256: only 3 fit at once
             tiny.admit(f"k{i}", req(f"Count from {i}:", 60))

@@ -33,11 +33,15 @@ class BackendSettings(BaseModel):
     # llama-cpp (in process)
     model_path: Path | None = None  # None: the embedded gemma-3-270m Q4_K_M
     slots: int = Field(16, ge=1, le=256, description="sequences decoded together in one context")
-    n_ctx: int = Field(8192, ge=256, description="total KV cells shared by all slots")
-    n_ctx_per_seq: int = Field(2048, ge=64, description="max prompt + generated tokens of one job")
+    batch_invariant: bool = Field(
+        True, description="a job's greedy text is the same alone or in any batch: per-slot KV "
+        "streams and batch-invariant kernels (false: one shared KV pool, llama.cpp's default kernels)")
+    n_ctx: int = Field(8192, ge=256, description="KV cells shared by all slots (batch_invariant=false)")
+    n_ctx_per_seq: int = Field(1024, ge=64, description="max prompt + generated tokens of one job; with "
+                               "batch_invariant, the KV cells of each slot and prefix entry")
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
-    prefix_cache: int = Field(4, ge=0, description="shared-prefix KV entries kept (LRU)")
+    prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
     # llama-server / ollama (HTTP)
     endpoint: str | None = None
     model: str | None = None  # ollama model name
