@@ -73,6 +73,7 @@ class BenchConfig:
     rounds: int
     warmup: bool
     server_args: tuple[str, ...] = ()
+    fleet_settings: tuple[str, ...] = ()  # KEY=VALUE backend settings for the fleet's workers
 
 
 class Bench:
@@ -106,8 +107,10 @@ class Bench:
         slots = -(-max(self.cfg.users) // self.cfg.workers)
         self.console.log(f"starting {self.cfg.workers} fleet worker(s): llama-cpp, {slots} slots, "
                          f"{self.cfg.threads} threads")
-        return self._start_workers(redis_url, "cpp", type="llama-cpp", slots=slots,
-                                   n_ctx=slots * self.cfg.ctx_per_user, n_ctx_per_seq=self.cfg.ctx_per_user)
+        extra = dict(kv.split("=", 1) for kv in self.cfg.fleet_settings)
+        return self._start_workers(redis_url, "cpp", **{"type": "llama-cpp", "slots": slots,
+                                   "n_ctx": slots * self.cfg.ctx_per_user,
+                                   "n_ctx_per_seq": self.cfg.ctx_per_user, **extra})
 
     def _server(self, users: int) -> LlamaServer:
         ctx = users * self.cfg.ctx_per_user
@@ -245,12 +248,16 @@ def workdir(keep: bool) -> Iterator[Path]:
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
 @click.option("--server-arg", "server_args", multiple=True,
               help="extra llama-server argument (repeatable), e.g. --server-arg=--kv-unified")
+@click.option("--fleet-set", "fleet_settings", multiple=True, callback=lambda _c, _p, v: _key_values(v),
+              help="backend setting of the fleet's llama-cpp workers (repeatable), "
+                   "e.g. --fleet-set batch_invariant=false")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="JSON file (default <repo>/bench-results/fleet-bench-<time>.json); a .png beside it")
 @click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")
 def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_file: str | None,
           fleet_backend: str, workers: int, threads: int | None, ctx_per_user: int, rounds: int,
-          warmup: bool, server_args: tuple[str, ...], out: Path | None, keep_logs: bool) -> None:
+          warmup: bool, server_args: tuple[str, ...], fleet_settings: tuple[str, ...], out: Path | None,
+          keep_logs: bool) -> None:
     """Benchmark the fleet against llama-server -np C on the same model and machine, in one run."""
     console = Console()
     if not console.is_terminal:  # a log file: no need to squeeze the table into 80 columns
@@ -261,7 +268,8 @@ def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_fil
         if not prompts:
             raise click.BadParameter("the prompts file has no prompts", param_hint="--prompts")
     cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers,
-                      threads or len(os.sched_getaffinity(0)), ctx_per_user, rounds, warmup, server_args)
+                      threads or len(os.sched_getaffinity(0)), ctx_per_user, rounds, warmup, server_args,
+                      fleet_settings)
     config = {k: v for k, v in vars(cfg).items() if k != "prompts"}
     meta: dict[str, Any] = {**machine_meta(), "config": config, "prompts": len(prompts),
                             "llama_server": str(llama_server_binary()), "model": str(default_model_path())}
@@ -284,6 +292,13 @@ def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_fil
     console.print(f"JSON: {out}")
     if write_plot(out.with_suffix(".png"), rows, title):
         console.print(f"plot: {out.with_suffix('.png')}")
+
+
+def _key_values(values: tuple[str, ...]) -> tuple[str, ...]:
+    for kv in values:
+        if "=" not in kv or not kv.split("=", 1)[0]:
+            raise click.BadParameter(f"{kv!r} is not KEY=VALUE", param_hint="--fleet-set")
+    return values
 
 
 def register(cli: click.Group) -> None:
