@@ -313,21 +313,34 @@ class LlamaCppBackend:
     def _invariant_step(self, decoding: list[Sequence], prefilling: list[Sequence],
                         events: list[Event]) -> None:
         """The same work as _pooled_step, split so that each row meets the same ggml kernels as if
-        its job ran alone: the decoders in one ubatch, each prompt chunk in a llama_decode of its
-        own, cut at multiples of n_batch whatever the load (see docs/ARCHITECTURE.md)."""
-        if decoding:
-            rows, pads = self._decoder_rows(decoding)
+        its job ran alone (see docs/ARCHITECTURE.md, "Determinism"): one llama_decode for the
+        decoders plus the short prompts that fit (under FA_TILE_ROWS tokens: row-by-row attention
+        however llama.cpp splits them), then each other prompt's chunk in a llama_decode of its
+        own, cut at multiples of n_batch whatever the load."""
+        short, alone = [], []
+        room = self.n_batch - len(decoding) - self.slots - self.settings.prefix_cache  # - gap rows
+        for s in prefilling:
+            if len(s.tokens) < FA_TILE_ROWS and len(s.tokens) - s.n_past <= room:
+                short.append(s)
+                room -= len(s.tokens) - s.n_past
+            else:
+                alone.append(s)
+        budget = self.n_batch
+        if decoding or short:
+            rows, pads = self._shared_rows(decoding, short)
             rc = self._decode(rows)
             for seq_id, pos in pads:
                 ll.llama_memory_seq_rm(self.model.memory, seq_id, pos, -1)
             if rc != 0:
-                events.extend(self._fail_step(rc, decoding, []))
-            else:
-                for s in decoding:
-                    s.n_past += 1
-                    self._sample(s, events)
-        budget = self.n_batch - len(decoding)
-        for s in prefilling:
+                events.extend(self._fail_step(rc, decoding, short))
+                return
+            for s in decoding:
+                s.n_past += 1
+                self._sample(s, events)
+            for s in short:
+                self._prefilled(s, len(s.tokens) - s.n_past, events)
+            budget -= len(rows)
+        for s in alone:
             if budget <= 0:
                 break
             count = min(len(s.tokens), (s.n_past // self.n_batch + 1) * self.n_batch) - s.n_past
@@ -338,29 +351,32 @@ class LlamaCppBackend:
             self._prefilled(s, count, events)
             budget -= count
 
-    def _decoder_rows(self, decoding: list[Sequence]) -> tuple[list[Row], list[tuple[int, int]]]:
-        """Decoders sorted by sequence id, gaps filled with throw-away rows: llama.cpp cuts a
+    def _shared_rows(self, decoding: list[Sequence],
+                     short: list[Sequence]) -> tuple[list[Row], list[tuple[int, int]]]:
+        """Rows sorted by sequence id, gaps filled with throw-away rows: llama.cpp cuts a
         per-stream batch into ubatches of consecutive ids, and a row's kernels depend on its
         ubatch. A lone long decoder gets a neighbour row too, else ggml splits its KV scan
         across threads (a different summation order than when it shares the ubatch)."""
-        by_id = {s.seq_id: s for s in decoding}
-        lo, hi = min(by_id), max(by_id)
-        if lo == hi and by_id[lo].n_past + 1 > SPLIT_KV_CELLS // 2:
+        members = {s.seq_id: s for s in (*decoding, *short)}
+        lo, hi = min(members), max(members)
+        if lo == hi and members[lo].n_past + 1 > SPLIT_KV_CELLS // 2:
             if hi + 1 < self.slots + self.settings.prefix_cache:
                 hi += 1
-            else:
-                lo -= 1
+            elif lo > 0:
+                lo -= 1  # (a single stream has no neighbour, but then every job runs alone)
         rows: list[Row] = []
         pads: list[tuple[int, int]] = []
         for seq_id in range(lo, hi + 1):
-            s = by_id.get(seq_id)
-            if s is not None:
-                s.batch_index = len(rows)
-                rows.append((s.next_token, s.n_past, seq_id, True))  # type: ignore[arg-type]
-            else:
+            s = members.get(seq_id)
+            if s is None:
                 pos = ll.llama_memory_seq_pos_max(self.model.memory, seq_id) + 1
                 rows.append((0, pos, seq_id, False))
                 pads.append((seq_id, pos))
+            elif s.next_token is not None:
+                s.batch_index = len(rows)
+                rows.append((s.next_token, s.n_past, seq_id, True))
+            else:
+                rows.extend(self._prompt_rows(s, len(s.tokens) - s.n_past, offset=len(rows)))
         return rows, pads
 
     def _prompt_rows(self, s: Sequence, count: int, offset: int = 0) -> list[Row]:

@@ -38,7 +38,8 @@ def test_summaries_pool_rounds_and_ratio_is_fleet_over_peer() -> None:
 def test_one_small_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(bench, ["--users", "1,2", "--requests-per-user", "1", "--max-tokens", "4",
-                                        "--ctx-per-user", "256", "--no-warmup", "--out", str(out)])
+                                        "--ctx-per-user", "256", "--no-warmup", "--out", str(out),
+                                        "--fleet-set", "prefix_cache=0"])
     assert result.exit_code == 0, result.output
     assert "fleet (llama-cpp)" in result.output and "llama-server -np 2" in result.output
     doc = json.loads(out.read_text())
@@ -48,3 +49,9 @@ def test_one_small_run_end_to_end(tmp_path: Path) -> None:
         assert row["ttft_p50_ms"] > 0 and row["e2e_p95_ms"] >= row["ttft_p95_ms"]
     assert set(doc["ratios_fleet_over_peer"]) == {"1", "2"}
     assert doc["meta"]["config"]["fleet_backend"] == "llama-cpp"
+    assert doc["meta"]["config"]["fleet_settings"] == ["prefix_cache=0"]
+
+
+def test_fleet_set_must_be_key_value() -> None:
+    result = CliRunner().invoke(bench, ["--fleet-set", "batch_invariant"])
+    assert result.exit_code == 2 and "'batch_invariant' is not KEY=VALUE" in result.output
