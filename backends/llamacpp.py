@@ -314,31 +314,24 @@ class LlamaCppBackend:
                         events: list[Event]) -> None:
         """The same work as _pooled_step, split so that each row meets the same ggml kernels as if
         its job ran alone (see docs/ARCHITECTURE.md, "Determinism"): one llama_decode for the
-        decoders plus the short prompts that fit (under FA_TILE_ROWS tokens: row-by-row attention
-        however llama.cpp splits them), then each other prompt's chunk in a llama_decode of its
-        own, cut at multiples of n_batch whatever the load."""
-        short, alone = [], []
-        room = self.n_batch - len(decoding) - self.slots - self.settings.prefix_cache  # - gap rows
-        for s in prefilling:
-            if len(s.tokens) < FA_TILE_ROWS and len(s.tokens) - s.n_past <= room:
-                short.append(s)
-                room -= len(s.tokens) - s.n_past
-            else:
-                alone.append(s)
-        budget = self.n_batch
-        if decoding or short:
-            rows, pads = self._shared_rows(decoding, short)
-            rc = self._decode(rows)
-            for seq_id, pos in pads:
-                ll.llama_memory_seq_rm(self.model.memory, seq_id, pos, -1)
-            if rc != 0:
-                events.extend(self._fail_step(rc, decoding, short))
-                return
-            for s in decoding:
-                s.n_past += 1
-                self._sample(s, events)
-            for s in short:
-                self._prefilled(s, len(s.tokens) - s.n_past, events)
+        decoders, one for the short prompts that fit (under FA_TILE_ROWS tokens: row-by-row
+        attention however they are split), then each other prompt's chunk in a llama_decode of
+        its own, cut at multiples of n_batch whatever the load."""
+        if decoding:
+            rows, pads = self._equal_rows({s.seq_id: [(s.next_token, s.n_past, s.seq_id, True)]  # type: ignore[list-item]
+                                           for s in decoding}, decoding)
+            if self._decode_shared(rows, pads, decoding, events):
+                for s in decoding:
+                    s.n_past += 1
+                    self._sample(s, events)
+        short, alone = self._pick_short(prefilling)
+        budget = self.n_batch - len(decoding)
+        if short:
+            rows, pads = self._equal_rows({s.seq_id: self._prompt_rows(s, len(s.tokens) - s.n_past)
+                                           for s in short}, short)
+            if self._decode_shared(rows, pads, short, events):
+                for s in short:
+                    self._prefilled(s, len(s.tokens) - s.n_past, events)
             budget -= len(rows)
         for s in alone:
             if budget <= 0:
@@ -351,33 +344,58 @@ class LlamaCppBackend:
             self._prefilled(s, count, events)
             budget -= count
 
-    def _shared_rows(self, decoding: list[Sequence],
-                     short: list[Sequence]) -> tuple[list[Row], list[tuple[int, int]]]:
-        """Rows sorted by sequence id, gaps filled with throw-away rows: llama.cpp cuts a
-        per-stream batch into ubatches of consecutive ids, and a row's kernels depend on its
-        ubatch. A lone long decoder gets a neighbour row too, else ggml splits its KV scan
-        across threads (a different summation order than when it shares the ubatch)."""
-        members = {s.seq_id: s for s in (*decoding, *short)}
+    def _pick_short(self, prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Short prompts that fit one equal-width batch (see _equal_rows); the rest run alone."""
+        short: list[Sequence] = []
+        alone: list[Sequence] = []
+        for s in prefilling:
+            if len(s.tokens) < FA_TILE_ROWS:
+                ids = [t.seq_id for t in short] + [s.seq_id]
+                width = max(len(t.tokens) - t.n_past for t in (*short, s))
+                if (max(ids) - min(ids) + 1) * width <= self.n_batch:
+                    short.append(s)
+                    continue
+            alone.append(s)
+        return short, alone
+
+    def _equal_rows(self, members: dict[int, list[Row]],
+                    seqs: list[Sequence]) -> tuple[list[Row], list[tuple[int, int]]]:
+        """One ubatch: llama.cpp cuts a per-stream batch into ubatches of consecutive sequence
+        ids holding equally many rows each, and a row's kernels depend on its ubatch. So every
+        id from the lowest to the highest gets the same number of rows, topped up with throw-away
+        rows after its own (causal attention keeps them out of the real rows). A lone decoder
+        past 256 cells gets a neighbour too, else ggml splits its KV scan across threads."""
         lo, hi = min(members), max(members)
-        if lo == hi and members[lo].n_past + 1 > SPLIT_KV_CELLS // 2:
+        width = max(len(r) for r in members.values())
+        if lo == hi and width == 1 and seqs[0].n_past + 1 > SPLIT_KV_CELLS // 2:
             if hi + 1 < self.slots + self.settings.prefix_cache:
                 hi += 1
             elif lo > 0:
                 lo -= 1  # (a single stream has no neighbour, but then every job runs alone)
         rows: list[Row] = []
         pads: list[tuple[int, int]] = []
+        by_id = {s.seq_id: s for s in seqs}
         for seq_id in range(lo, hi + 1):
-            s = members.get(seq_id)
-            if s is None:
-                pos = ll.llama_memory_seq_pos_max(self.model.memory, seq_id) + 1
-                rows.append((0, pos, seq_id, False))
+            own = members.get(seq_id, [])
+            if own:
+                s = by_id[seq_id]
+                if s.batch_index >= 0 or s.next_token is not None:
+                    s.batch_index = len(rows) + len(own) - 1  # its logits row: the last of its own
+                rows.extend(own)
+            pos = own[-1][1] + 1 if own else ll.llama_memory_seq_pos_max(self.model.memory, seq_id) + 1
+            if len(own) < width:
                 pads.append((seq_id, pos))
-            elif s.next_token is not None:
-                s.batch_index = len(rows)
-                rows.append((s.next_token, s.n_past, seq_id, True))
-            else:
-                rows.extend(self._prompt_rows(s, len(s.tokens) - s.n_past, offset=len(rows)))
+                rows.extend((0, pos + i, seq_id, False) for i in range(width - len(own)))
         return rows, pads
+
+    def _decode_shared(self, rows: list[Row], pads: list[tuple[int, int]], seqs: list[Sequence],
+                       events: list[Event]) -> bool:
+        rc = self._decode(rows)
+        for seq_id, pos in pads:
+            ll.llama_memory_seq_rm(self.model.memory, seq_id, pos, -1)
+        if rc != 0:
+            events.extend(self._fail_step(rc, seqs, []))
+        return rc == 0
 
     def _prompt_rows(self, s: Sequence, count: int, offset: int = 0) -> list[Row]:
         last = s.n_past + count == len(s.tokens)  # the prompt's last token yields the first logits
