@@ -97,6 +97,7 @@ class LlamaCppBackend:
         self._waiting: list[tuple[str, list[int], Sampling]] = []
         self._finished: list[Event] = []
         self._reserved = 0
+        self._decoders_owed = False  # the last step ran newcomers only: decoders go next
         self.stats_ = EngineStats()
 
     # -- protocol -----------------------------------------------------------------------------
@@ -317,6 +318,13 @@ class LlamaCppBackend:
         decoders, one for the short prompts that fit (under FA_TILE_ROWS tokens: row-by-row
         attention however they are split), then each other prompt's chunk in a llama_decode of
         its own, cut at multiples of n_batch whatever the load."""
+        short, alone = self._pick_short(prefilling)
+        # Newcomers first, in a step of their own, so their first token goes out one decoders'
+        # call sooner (time to first token); the decoders then run in the next step, never later.
+        newcomers_only = bool(short and decoding and not self._decoders_owed)
+        self._decoders_owed = newcomers_only
+        if newcomers_only:
+            decoding, alone = [], []
         if decoding:
             rows, pads = self._equal_rows({s.seq_id: [(s.next_token, s.n_past, s.seq_id, True)]  # type: ignore[list-item]
                                            for s in decoding}, decoding)
@@ -324,7 +332,6 @@ class LlamaCppBackend:
                 for s in decoding:
                     s.n_past += 1
                     self._sample(s, events)
-        short, alone = self._pick_short(prefilling)
         budget = self.n_batch - len(decoding)
         if short:
             rows, pads = self._equal_rows({s.seq_id: self._prompt_rows(s, len(s.tokens) - s.n_past)
