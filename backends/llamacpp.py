@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llama_cpp as ll
 
 from backends.base import Done, Event, Failed, GenerateRequest, JobRejected, Sampling, Token
+from backends.llamacpp_invariance import FA_TILE_ROWS, SPLIT_KV_CELLS, reusable_prefix
 from backends.llamacpp_model import LoadedModel
 from backends.text import TextAssembler
 from worker.settings import BackendSettings
 
 MIN_SHARED_PREFIX = 16  # tokens; below this a copy is not worth the bookkeeping
-FA_TILE_ROWS = 64  # ggml CPU flash attention: a tiled kernel from this many rows of one stream
-SPLIT_KV_CELLS = 512  # ... and a KV scan split across threads for a lone row from this many cells
 Row = tuple[int, int, int, bool]  # token, position, sequence id, wants logits
 
 
@@ -48,6 +47,7 @@ class Sequence:
     n_past: int = 0  # tokens already in the KV cache
     next_token: int | None = None  # sampled, not yet fed back
     generated: int = 0
+    output: list[int] = field(default_factory=list)  # generated token ids (fed back into the KV)
     batch_index: int = -1  # where this sequence's logits are in the current batch
     done: Done | None = None
 
@@ -55,7 +55,8 @@ class Sequence:
 @dataclass
 class PrefixEntry:
     seq_id: int
-    tokens: list[int]
+    tokens: list[int]  # in its KV
+    n_prompt: int  # prompt length of the job that computed that KV (see llamacpp_invariance)
 
 
 @dataclass
@@ -93,6 +94,9 @@ class LlamaCppBackend:
         self._free_seq_ids = list(range(self.slots))
         self._free_prefix_ids = list(range(self.slots, streams))
         self._prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
+        # per-slot streams: a free slot keeps its last job's KV until the slot is reused, so a
+        # job that repeats or continues it (the next turn of a chat) skips that prefill
+        self._slot_kv: dict[int, PrefixEntry] = {}
         self._active: dict[str, Sequence] = {}  # admission order = prefill order
         self._waiting: list[tuple[str, list[int], Sampling]] = []
         self._finished: list[Event] = []
@@ -177,7 +181,7 @@ class LlamaCppBackend:
             self._waiting.pop(0)
             seq = Sequence(
                 job_id=job_id,
-                seq_id=self._take_seq_id(),
+                seq_id=self._take_seq_id(tokens),
                 tokens=tokens,
                 sampling=sampling,
                 chain=self.model.sampler_chain(sampling),
@@ -188,11 +192,16 @@ class LlamaCppBackend:
             self._reuse_prefix(seq)
             self._active[job_id] = seq
 
-    def _take_seq_id(self) -> int:
-        # lowest first: busy ids stay consecutive, so the decoders fill one ubatch (see _decoder_rows)
-        seq_id = min(self._free_seq_ids)
-        self._free_seq_ids.remove(seq_id)
-        return seq_id
+    def _take_seq_id(self, tokens: list[int]) -> int:
+        """The free slot whose kept KV shares most with this prompt, else the lowest free id
+        (busy ids stay consecutive, so the decoders fill one ubatch: see _equal_rows)."""
+        best, best_len = min(self._free_seq_ids), MIN_SHARED_PREFIX - 1
+        for seq_id in self._free_seq_ids:
+            kept = self._slot_kv.get(seq_id)
+            if kept is not None and (n := _common_prefix(kept.tokens, tokens)) > best_len:
+                best, best_len = seq_id, n
+        self._free_seq_ids.remove(best)
+        return best
 
     def _fits(self, need: int) -> bool:
         if self.invariant:
@@ -212,44 +221,40 @@ class LlamaCppBackend:
         return True
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """Copy the KV of the longest shared prompt prefix instead of prefilling it."""
-        best_len, best_src, from_entry = 0, -1, False
-        for entry in self._prefixes.values():
-            n = _common_prefix(entry.tokens, seq.tokens)
+        """Reuse the KV of the longest shared prefix instead of prefilling it: in place from what
+        this slot's last job left, or copied from a prefix entry or a running job."""
+        kept = self._slot_kv.pop(seq.seq_id, None)
+        sources = [(e, "entry") for e in self._prefixes.values()]
+        sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
+                    for o in self._active.values()]
+        if kept is not None:
+            sources.insert(0, (kept, "kept"))
+        best_len, best, kind = 0, None, ""
+        for source, source_kind in sources:
+            # the last prompt token must run, for the first logits
+            n = min(_common_prefix(source.tokens, seq.tokens), len(seq.tokens) - 1)
+            if self.invariant:
+                n = reusable_prefix(n, source.n_prompt, len(seq.tokens), self.n_batch)
             if n > best_len:
-                best_len, best_src, from_entry = n, entry.seq_id, True
-        for other in self._active.values():
-            n = min(_common_prefix(other.tokens, seq.tokens), other.n_past)
-            if n > best_len:
-                best_len, best_src, from_entry = n, other.seq_id, False
-        best_len = min(best_len, len(seq.tokens) - 1)  # the last prompt token must run for logits
-        if self.invariant:
-            best_len = self._invariant_prefix(best_len, len(seq.tokens))
-        if best_len < MIN_SHARED_PREFIX:
+                best_len, best, kind = n, source, source_kind
+        mem = self.model.memory
+        if best is None or best_len < MIN_SHARED_PREFIX:
+            if kept is not None:
+                ll.llama_memory_seq_rm(mem, seq.seq_id, -1, -1)
             return
-        self._copy_prefix(best_src, seq.seq_id, best_len)
+        if kind == "kept":
+            ll.llama_memory_seq_rm(mem, seq.seq_id, best_len, -1)
+        else:
+            self._copy_prefix(best.seq_id, seq.seq_id, best_len)
         seq.n_past = best_len
         self.stats_.prompt_tokens_reused += best_len
-        if from_entry:
-            self._prefixes.move_to_end(best_src)
-        elif self._free_prefix_ids or self._evict_prefix():
+        if kind == "entry":
+            self._prefixes.move_to_end(best.seq_id)
+        elif kind == "running" and (self._free_prefix_ids or self._evict_prefix()):
             # a prefix two live jobs share is likely shared by the next one too: keep it
             entry_id = self._free_prefix_ids.pop()
-            self._copy_prefix(best_src, entry_id, best_len)
-            self._prefixes[entry_id] = PrefixEntry(entry_id, seq.tokens[:best_len])
-
-    def _invariant_prefix(self, reuse: int, n_prompt: int) -> int:
-        """Shorten a reused prefix so the rest of the prompt meets the same attention kernel as
-        the same chunk would alone: chunks start at multiples of n_batch, and a chunk's rows take
-        ggml's tiled kernel from FA_TILE_ROWS rows, the one-row-at-a-time kernel below that, a
-        split KV scan for a single row."""
-        start = reuse - reuse % self.n_batch
-        if reuse == start:
-            return reuse
-        end = min(start + self.n_batch, n_prompt)
-        rows_alone = end - start
-        need = FA_TILE_ROWS if rows_alone >= FA_TILE_ROWS else min(rows_alone, 2)
-        return min(reuse, end - need)
+            self._copy_prefix(best.seq_id, entry_id, best_len)
+            self._prefixes[entry_id] = PrefixEntry(entry_id, seq.tokens[:best_len], best.n_prompt)
 
     def _copy_prefix(self, src: int, dst: int, n_tokens: int) -> None:
         mem = self.model.memory
@@ -259,9 +264,14 @@ class LlamaCppBackend:
         else:  # one pool: the cells just gain a sequence id
             ll.llama_memory_seq_cp(mem, src, dst, 0, n_tokens)
 
-    def _release(self, seq: Sequence) -> None:
-        """Free a finished/cancelled sequence's KV cells and slot at once."""
-        ll.llama_memory_seq_rm(self.model.memory, seq.seq_id, -1, -1)
+    def _release(self, seq: Sequence, keep_kv: bool = True) -> None:
+        """Free a finished/cancelled sequence's slot at once, and its KV cells (a per-slot stream
+        keeps them for the slot's next job, see _slot_kv)."""
+        if self.invariant and keep_kv:
+            kv_tokens = (seq.tokens + seq.output)[: seq.n_past]
+            self._slot_kv[seq.seq_id] = PrefixEntry(seq.seq_id, kv_tokens, len(seq.tokens))
+        else:
+            ll.llama_memory_seq_rm(self.model.memory, seq.seq_id, -1, -1)
         ll.llama_sampler_free(seq.chain)
         self._active.pop(seq.job_id, None)
         self._free_seq_ids.append(seq.seq_id)
@@ -441,6 +451,7 @@ class LlamaCppBackend:
             self._finish(s, "stop", events)
             return
         s.generated += 1
+        s.output.append(tok)
         self.stats_.tokens_generated += 1
         delta = s.text.feed(self.model.piece(tok))
         if delta:
@@ -466,7 +477,7 @@ class LlamaCppBackend:
         events: list[Event] = []
         for s in victims:
             s.done = None
-            self._release(s)
+            self._release(s, keep_kv=False)
             events.append(Failed(s.job_id, f"{why}; job not completed", retryable=rc == 1))
         return events
 

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from backends.base import Done, Event, Failed, GenerateRequest, JobRejected, Token
-from backends.llamacpp import FA_TILE_ROWS, LlamaCppBackend
+from backends.llamacpp import LlamaCppBackend
+from backends.llamacpp_invariance import FA_TILE_ROWS
 from worker.settings import BackendSettings
 
 
@@ -178,6 +179,29 @@ def test_shared_prefix_in_one_kv_pool() -> None:
         assert pool.stats()["kv_reserved"] == 0
     finally:
         pool.close()
+
+
+def test_next_turn_reuses_the_slot_kv_and_keeps_the_text(engine: LlamaCppBackend) -> None:
+    """A finished job's KV stays in its slot: the next turn of the chat (prompt + answer + more)
+    prefills only what is new, and its text is the one a fresh engine gives."""
+    first = "User: name three colours.\nAssistant:"
+    engine.admit("turn1", req(first, 12, temperature=0.0))
+    answer, _ = run_all(engine)
+    follow = first + answer["turn1"] + "\nUser: and three animals?\nAssistant:"
+    assert len(engine.model.prompt_tokens(req(follow))) < FA_TILE_ROWS  # row-by-row on both sides
+    reused0 = int(engine.stats()["prompt_tokens_reused"])
+    engine.admit("turn2", req(follow, 12, temperature=0.0))
+    texts, _ = run_all(engine)
+    n_first = len(engine.model.prompt_tokens(req(first)))
+    assert int(engine.stats()["prompt_tokens_reused"]) - reused0 >= n_first - 1
+    fresh = LlamaCppBackend(BackendSettings(slots=2, n_ctx_per_seq=512, prefix_cache=0), threads=2)
+    try:
+        fresh.admit("turn2", req(follow, 12, temperature=0.0))
+        baseline, _ = run_all(fresh)
+        assert fresh.stats()["prompt_tokens_reused"] == 0
+    finally:
+        fresh.close()
+    assert texts["turn2"] == baseline["turn2"] and texts["turn2"]
 
 
 def test_prefix_reuse_gives_the_same_greedy_text(engine: LlamaCppBackend) -> None:
