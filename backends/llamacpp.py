@@ -31,7 +31,7 @@ from backends.llamacpp_model import LoadedModel
 from backends.text import TextAssembler
 from worker.settings import BackendSettings
 
-MIN_SHARED_PREFIX = 16  # tokens; below this a copy is not worth the bookkeeping
+MIN_SHARED_PREFIX = 8  # tokens; below this copying a prefix's KV costs more than prefilling it
 Row = tuple[int, int, int, bool]  # token, position, sequence id, wants logits
 
 
@@ -181,7 +181,7 @@ class LlamaCppBackend:
             self._waiting.pop(0)
             seq = Sequence(
                 job_id=job_id,
-                seq_id=self._take_seq_id(tokens),
+                seq_id=self._take_seq_id(),
                 tokens=tokens,
                 sampling=sampling,
                 chain=self.model.sampler_chain(sampling),
@@ -192,16 +192,11 @@ class LlamaCppBackend:
             self._reuse_prefix(seq)
             self._active[job_id] = seq
 
-    def _take_seq_id(self, tokens: list[int]) -> int:
-        """The free slot whose kept KV shares most with this prompt, else the lowest free id
-        (busy ids stay consecutive, so the decoders fill one ubatch: see _equal_rows)."""
-        best, best_len = min(self._free_seq_ids), MIN_SHARED_PREFIX - 1
-        for seq_id in self._free_seq_ids:
-            kept = self._slot_kv.get(seq_id)
-            if kept is not None and (n := _common_prefix(kept.tokens, tokens)) > best_len:
-                best, best_len = seq_id, n
-        self._free_seq_ids.remove(best)
-        return best
+    def _take_seq_id(self) -> int:
+        # lowest first: busy ids stay consecutive, so the decoders fill one ubatch (see _equal_rows)
+        seq_id = min(self._free_seq_ids)
+        self._free_seq_ids.remove(seq_id)
+        return seq_id
 
     def _fits(self, need: int) -> bool:
         if self.invariant:
@@ -225,20 +220,22 @@ class LlamaCppBackend:
         this slot's last job left, or copied from a prefix entry or a running job."""
         kept = self._slot_kv.pop(seq.seq_id, None)
         sources = [(e, "entry") for e in self._prefixes.values()]
+        sources += [(e, "other slot") for e in self._slot_kv.values()]
         sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
                     for o in self._active.values()]
-        if kept is not None:
+        best_len, best, kind = MIN_SHARED_PREFIX - 1, None, ""  # a copy must be worth it
+        if kept is not None:  # in place: any shared token is worth it
             sources.insert(0, (kept, "kept"))
-        best_len, best, kind = 0, None, ""
+            best_len = 0
         for source, source_kind in sources:
             # the last prompt token must run, for the first logits
             n = min(_common_prefix(source.tokens, seq.tokens), len(seq.tokens) - 1)
             if self.invariant:
                 n = reusable_prefix(n, source.n_prompt, len(seq.tokens), self.n_batch)
-            if n > best_len:
+            if n > max(best_len, 0 if source_kind == "kept" else MIN_SHARED_PREFIX - 1):
                 best_len, best, kind = n, source, source_kind
         mem = self.model.memory
-        if best is None or best_len < MIN_SHARED_PREFIX:
+        if best is None:
             if kept is not None:
                 ll.llama_memory_seq_rm(mem, seq.seq_id, -1, -1)
             return
