@@ -80,6 +80,9 @@ class LlamaCppBackend:
         self.n_batch = settings.n_batch
         n_prefix = settings.prefix_cache
         streams = self.slots + n_prefix
+        if self.n_batch < streams:  # one decode step holds a row for every sequence id
+            raise ValueError(f"backend.n_batch ({self.n_batch}) must be at least slots + prefix_cache "
+                             f"({streams})")
         self.model = LoadedModel(
             settings.model_path,
             n_ctx=settings.n_ctx_per_seq * streams if self.invariant else settings.n_ctx,
@@ -223,16 +226,16 @@ class LlamaCppBackend:
         sources += [(e, "other slot") for e in self._slot_kv.values()]
         sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
                     for o in self._active.values()]
-        best_len, best, kind = MIN_SHARED_PREFIX - 1, None, ""  # a copy must be worth it
-        if kept is not None:  # in place: any shared token is worth it
+        if kept is not None:
             sources.insert(0, (kept, "kept"))
-            best_len = 0
+        best_len, best, kind = 0, None, ""
         for source, source_kind in sources:
             # the last prompt token must run, for the first logits
             n = min(_common_prefix(source.tokens, seq.tokens), len(seq.tokens) - 1)
             if self.invariant:
                 n = reusable_prefix(n, source.n_prompt, len(seq.tokens), self.n_batch)
-            if n > max(best_len, 0 if source_kind == "kept" else MIN_SHARED_PREFIX - 1):
+            worth = 1 if source_kind == "kept" else MIN_SHARED_PREFIX  # in place any token pays
+            if n >= worth and n > best_len:
                 best_len, best, kind = n, source, source_kind
         mem = self.model.memory
         if best is None:
