@@ -53,10 +53,19 @@ def snapshot(redis: Redis, pool: str) -> dict[str, Any]:
 
 
 def redact_url(url: str) -> str:
-    """redis://user:secret@host/0 -> redis://user:***@host/0 (never print credentials)."""
+    """A Redis URL fit to print: the password of `user:password@host` and of a `password=` query
+    parameter (redis-py reads both) become ***; the rest, IPv6 brackets included, stays as is."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            netloc = userinfo.split(":", 1)[0] + ":***@" + host
+    query = "&".join(
+        f"{kv.split('=', 1)[0]}=***" if kv.split("=", 1)[0].lower() == "password" else kv
+        for kv in parts.query.split("&")
+    ) if parts.query else ""
+    shown = urlunsplit(parts._replace(netloc=netloc, query=query))
+    if not netloc and url.startswith(f"{parts.scheme}://"):  # urlunsplit drops unix:///path's //
+        shown = shown.replace(":", "://", 1)
+    return shown

@@ -22,6 +22,7 @@ from rq.webhook import Webhook
 from dispatcher import Fleet, JobFailed
 from dispatcher.keys import JOB_FUNCTION, job_key, queue_key
 from dispatcher.local import free_port
+from dispatcher.status import redact_url
 from tests.harness import ROOT, worker_env
 from tests.reliability_checks import fleet_workers, start_guarded_redis
 
@@ -136,3 +137,16 @@ def test_rediss_tls_url_works(tmp_path: Path) -> None:
             plain.ping()
     assert result["text"] == "over TLS" and result["worker"] == "tls-1"
     assert "tls-secret" not in worker.output()
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://user:secret@host:6379/0", "redis://user:***@host:6379/0"),
+    ("redis://:secret@[::1]:6379/0", "redis://:***@[::1]:6379/0"),
+    ("rediss://u:p%40ss@h/1", "rediss://u:***@h/1"),
+    ("redis://host/0?password=secret&socket_timeout=5", "redis://host/0?password=***&socket_timeout=5"),
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("unix:///run/redis.sock?db=2", "unix:///run/redis.sock?db=2"),
+    ("unix:///run/redis.sock?password=secret", "unix:///run/redis.sock?password=***"),
+])
+def test_printed_redis_urls_hide_every_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
