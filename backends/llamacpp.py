@@ -301,7 +301,7 @@ class LlamaCppBackend:
         rows: list[Row] = []
         for s in decoding:
             s.batch_index = len(rows)
-            rows.append((s.next_token, s.n_past, s.seq_id, True))  # type: ignore[arg-type]
+            rows.append(_decoder_row(s))
         budget = self.n_batch - len(rows)
         fed: list[tuple[Sequence, int]] = []
         for s in prefilling:
@@ -336,8 +336,7 @@ class LlamaCppBackend:
         if newcomers_only:
             decoding, alone = [], []
         if decoding:
-            rows, pads = self._equal_rows({s.seq_id: [(s.next_token, s.n_past, s.seq_id, True)]  # type: ignore[list-item]
-                                           for s in decoding}, decoding)
+            rows, pads = self._equal_rows({s.seq_id: [_decoder_row(s)] for s in decoding}, decoding)
             if self._decode_shared(rows, pads, decoding, events):
                 for s in decoding:
                     s.n_past += 1
@@ -394,11 +393,9 @@ class LlamaCppBackend:
         by_id = {s.seq_id: s for s in seqs}
         for seq_id in range(lo, hi + 1):
             own = members.get(seq_id, [])
-            if own:
-                s = by_id[seq_id]
-                if s.batch_index >= 0 or s.next_token is not None:
-                    s.batch_index = len(rows) + len(own) - 1  # its logits row: the last of its own
-                rows.extend(own)
+            if own[-1:] and own[-1][3]:  # it wants logits: from the last of its own rows
+                by_id[seq_id].batch_index = len(rows) + len(own) - 1
+            rows.extend(own)
             pos = own[-1][1] + 1 if own else ll.llama_memory_seq_pos_max(self.model.memory, seq_id) + 1
             if len(own) < width:
                 pads.append((seq_id, pos))
@@ -480,6 +477,11 @@ class LlamaCppBackend:
             self._release(s, keep_kv=False)
             events.append(Failed(s.job_id, f"{why}; job not completed", retryable=rc == 1))
         return events
+
+
+def _decoder_row(s: Sequence) -> Row:
+    assert s.next_token is not None
+    return (s.next_token, s.n_past, s.seq_id, True)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

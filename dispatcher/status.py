@@ -61,11 +61,13 @@ def redact_url(url: str) -> str:
         userinfo, host = netloc.rsplit("@", 1)
         if ":" in userinfo:
             netloc = userinfo.split(":", 1)[0] + ":***@" + host
-    query = "&".join(
-        f"{kv.split('=', 1)[0]}=***" if kv.split("=", 1)[0].lower() == "password" else kv
-        for kv in parts.query.split("&")
-    ) if parts.query else ""
+    query = "&".join(_redact_param(kv) for kv in parts.query.split("&")) if parts.query else ""
     shown = urlunsplit(parts._replace(netloc=netloc, query=query))
     if not netloc and url.startswith(f"{parts.scheme}://"):  # urlunsplit drops unix:///path's //
         shown = shown.replace(":", "://", 1)
     return shown
+
+
+def _redact_param(kv: str) -> str:
+    key = kv.split("=", 1)[0]
+    return f"{key}=***" if key.lower() == "password" else kv
