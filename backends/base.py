@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_TOKENS_LIMIT = 8192
 MAX_PROMPT_CHARS = 1_000_000
+# All of a request's text together (prompt, or every message): 256 messages of MAX_PROMPT_CHARS
+# each would otherwise pass (issue 10, defect 7). Workers bound it further by their context.
+MAX_REQUEST_CHARS = 1_000_000
 Priority = Literal["high", "default", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "default", "low")
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -80,6 +83,9 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
+        total = sum(len(m.content) for m in self.messages or [])
+        if total > MAX_REQUEST_CHARS:
+            raise ValueError(f"messages hold {total:,} characters together; the limit is {MAX_REQUEST_CHARS:,}")
         return self
 
     def sampling(self, defaults: SamplingDefaults) -> Sampling:

@@ -28,6 +28,8 @@ from backends.base import PRIORITIES, GenerateRequest
 from dispatcher import stream
 from dispatcher.keys import (
     ATTEMPT_FIELD,
+    ENQUEUED_MS_META,
+    FINAL_FIELD,
     JOB_FUNCTION,
     cancel_key,
     job_key,
@@ -108,6 +110,9 @@ class Fleet:
             tries += 1
             if tries > 1 and self.redis.exists(job_key(job_id)):
                 return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
+            if ttl:  # queue_ttl is measured on Redis's clock, not this host's (issue 10, defect 9)
+                seconds, micros = self.redis.time()
+                meta[ENQUEUED_MS_META] = seconds * 1000 + micros // 1000
             self._queues[priority].enqueue(
                 JOB_FUNCTION, payload, job_id=job_id, job_timeout=job_timeout or self.job_timeout,
                 result_ttl=self.result_ttl, failure_ttl=self.result_ttl, meta=meta,
@@ -128,14 +133,17 @@ class Fleet:
         return retry_outage(call, time.monotonic() + self.retry_for)
 
 
-# KEYS: queue, job hash, stream, canceled registry   ARGV: job id, result JSON, ttl, now, attempt field
+# KEYS: queue, job hash, stream, canceled registry   ARGV: job id, result JSON, ttl, now, attempt
+# field, final field
 # Cancels a job that is still queued, in one step: taken off the queue, marked canceled, final
-# stream entry written. Returns 0 when the job was not in the queue (a worker holds it, or it
-# ended), so a retried call after a lost reply cannot cancel twice.
+# stream entry written, the hash and the stream set to expire with the result. Returns 0 when the
+# job was not in the queue (a worker holds it, or it ended), so a retried call after a lost reply
+# cannot cancel twice.
 _CANCEL_QUEUED = """
 if redis.call('LREM', KEYS[1], 0, ARGV[1]) == 0 then return 0 end
 local attempt = tonumber(redis.call('HGET', KEYS[2], ARGV[5]) or '0') or 0
-redis.call('HSET', KEYS[2], 'status', 'canceled')
+redis.call('HSET', KEYS[2], 'status', 'canceled', ARGV[6], attempt + 1)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[1])
 redis.call('XADD', KEYS[3], '*', 'a', attempt + 1, 'k', 'd', 'v', ARGV[2])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
@@ -170,7 +178,21 @@ class FleetJob:
         deadline = time.monotonic() + timeout if timeout else None
         yield from stream.read_events(self.fleet.redis, self.id, deadline=deadline)
 
-    def stream(self, timeout: float | None = None) -> Iterator[str]:
+    def __enter__(self) -> FleetJob:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """`with fleet.submit(...) as job:` cancels the job when the block is left by an exception
+        (Ctrl-C included) before the job ended; JobRestarted and JobFailed do not cancel."""
+        if exc_type is not None and not issubclass(exc_type, JobRestarted | JobFailed):
+            self.cancel_quietly()
+
+    def cancel_quietly(self) -> None:
+        """Cancel on the way out of an interrupted read: one try, never raising (Redis may be gone)."""
+        with contextlib.suppress(Exception):
+            self._cancel()
+
+    def stream(self, timeout: float | None = None, *, detach: bool = False) -> Iterator[str]:
         """Text deltas as they are generated; joined, they are the final result's text.
 
         A job whose worker dies (or whose engine fails) mid-generation runs again as a new
@@ -181,7 +203,19 @@ class FleetJob:
         - if it diverges, JobRestarted is raised (`.delivered` is the void text). Discard what
           was shown and call stream() again: a new call starts with the live attempt's first
           token and never replays a dead attempt.
-        Raises JobFailed if the job fails; returns at the end of the job (or after `timeout`)."""
+        Raises JobFailed if the job fails; returns at the end of the job (or after `timeout`).
+
+        Interrupted (Ctrl-C, or the generator closed before the job ended, e.g. by leaving a
+        `with`/`finally` around the loop), it cancels the job, unless `detach=True`: nobody
+        would read what the worker goes on generating (issue 10, defect 12)."""
+        try:
+            yield from self._stream(timeout)
+        except (GeneratorExit, KeyboardInterrupt):
+            if not detach:
+                self.cancel_quietly()
+            raise
+
+    def _stream(self, timeout: float | None) -> Iterator[str]:
         delivered = ""
         current = ""
         for ev in self.events(timeout):
@@ -242,7 +276,7 @@ class FleetJob:
                                   "tokens_per_s": None}}
             keys = [queue_key(queue), job_key(self.id), stream_key(self.id), f"rq:canceled:{queue}"]
             args: list[EncodableT] = [self.id, json.dumps(result), self.fleet.result_ttl, time.time(),
-                                      ATTEMPT_FIELD]
+                                      ATTEMPT_FIELD, FINAL_FIELD]
             if self.fleet._cancel_queued(keys=keys, args=args):
                 return "cancelled"
         status = self.status()

@@ -30,7 +30,7 @@ from redis import Redis
 
 from dispatcher.keys import ATTEMPT_FIELD, job_key, stream_key
 from dispatcher.reconnect import OUTAGE_ERRORS, Backoff, retry_outage
-from dispatcher.replies import Fields, as_int
+from dispatcher.replies import Fields, as_int, as_str
 
 STREAM_MAXLEN = 20_000  # approximate cap (tokens + markers) of one job's stream
 
@@ -141,10 +141,26 @@ def read_events(
         for _key, entries in streams:
             for entry_id, fields in entries:
                 last = entry_id.decode()
-                for ev in filt.admit(decode(fields)):
-                    yield ev
-                    if ev.final:
+                ev = decode(fields)
+                if ev.final and ev.attempt >= filt.attempt and _rerun(redis, job_id, deadline, backoff):
+                    filt.attempt = ev.attempt + 1  # a re-run's new attempt (claim script) follows
+                    continue
+                for out in filt.admit(ev):
+                    yield out
+                    if out.final:
                         return
+
+
+# RQ statuses of a job that has not ended: a final entry read while the job is in one of these was
+# written by an attempt that RQ's own tools re-ran since (`rq requeue`), so it is not the ending.
+_NOT_ENDED = {"queued", "started", "deferred", "scheduled"}
+
+
+def _rerun(redis: Redis, job_id: str, deadline: float | None, backoff: Backoff) -> bool:
+    """Final entries and the ended status are written in one MULTI, so a final entry whose job
+    is not ended belongs to an attempt that was re-run (issue 10, defect 4)."""
+    status = retry_outage(lambda: redis.hget(job_key(job_id), "status"), deadline, backoff)
+    return as_str(status) in _NOT_ENDED
 
 
 def _passed(deadline: float | None) -> bool:

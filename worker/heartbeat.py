@@ -1,10 +1,11 @@
 """The heartbeat thread: every `heartbeat_interval` seconds, refresh the worker's status hash
 (TTL = 3 intervals: its expiry is how others learn the worker died), RQ's worker heartbeat and
-the RQ executions of in-flight jobs; every 2 intervals, reap dead workers' jobs. When jobs end it
-beats early, so `fleet status` counts them at once.
+the RQ executions of in-flight jobs. When jobs end it beats early, so `fleet status` counts them
+at once. Every 2 intervals a second thread reaps dead workers' jobs.
 
-A thread, not the loop, so a long decode step never starves liveness (llama_decode and socket
-reads release the GIL).
+Threads, not the loop, so a long decode step never starves liveness (llama_decode and socket
+reads release the GIL); and two threads, so a slow reap (a busy Redis, many jobs to hand back)
+never delays a beat: a healthy worker must not look dead (issue 10, defect 6).
 """
 
 from __future__ import annotations
@@ -50,26 +51,41 @@ class Heartbeat(threading.Thread):
         self.proc.cpu_percent()  # first call primes the counter
         self._halt = threading.Event()
         self.beats = 0
+        self.reaping = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
+
+    def start(self) -> None:
+        super().start()
+        self.reaping.start()
 
     def halt(self) -> None:
         self._halt.set()
         self.fw.jobs_ended.set()  # cut the wait short
 
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.reaping.is_alive():
+            self.reaping.join(timeout)
+
     def run(self) -> None:
         link = self.fw.link
-        last_reap = time.monotonic()
         while not self._halt.is_set():
             try:
                 self.beat()
                 link.succeeded()
-                if time.monotonic() - last_reap >= REAP_EVERY * self.interval:
-                    last_reap = time.monotonic()
-                    self.reaper.reap()
             except OUTAGE_ERRORS as e:  # Redis away: beat again next interval (link logs, rate-limited)
                 link.failed(e, "heartbeating")
             except Exception:
                 log.exception("heartbeat error")
             self._wait()
+
+    def _reap_loop(self) -> None:
+        while not self._halt.wait(REAP_EVERY * self.interval):
+            try:
+                self.reaper.reap()
+            except OUTAGE_ERRORS:
+                pass  # the heartbeat reports the outage; reap again next period
+            except Exception:
+                log.exception("reaper error")
 
     def _wait(self) -> None:
         """Until the next beat, or sooner when jobs ended, so that `fleet status` shows them at
