@@ -85,7 +85,8 @@ class GenerateRequest(BaseModel):
             raise ValueError("messages is empty")
         total = sum(len(m.content) for m in self.messages or [])
         if total > MAX_REQUEST_CHARS:
-            raise ValueError(f"messages hold {total:,} characters together; the limit is {MAX_REQUEST_CHARS:,}")
+            limit = MAX_REQUEST_CHARS
+            raise ValueError(f"messages hold {total:,} characters together; the limit is {limit:,}")
         return self
 
     def sampling(self, defaults: SamplingDefaults) -> Sampling:

@@ -4,6 +4,7 @@ before the reply), and in-process workers on the fake engine driven turn by turn
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -86,10 +87,8 @@ class LossyProxy:
 
 def _close(*socks: socket.socket) -> None:
     for s in socks:
-        try:
+        with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         s.close()
 
 
@@ -111,7 +110,8 @@ def inproc_worker(url: str, name: str, *, slots: int = 4, fail_after: int | None
     return fw
 
 
-def run_until(workers: list[FleetWorker], done: Callable[[], Any], timeout: float = 30, what: str = "") -> Any:
+def run_until(workers: list[FleetWorker], done: Callable[[], Any], timeout: float = 30,
+              what: str = "") -> Any:
     """Turn the workers' loops (one turn each, in order) until `done()` is truthy."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,7 +17,6 @@ from redis import Redis
 from dispatcher import Fleet
 from dispatcher.keys import job_key
 from dispatcher.local import ROOT
-from tests.harness import wait_for
 from tests.lossy import inproc_worker, long_prompt
 from worker.loop import FleetWorker
 
@@ -62,9 +61,9 @@ def test_leaving_a_with_block_by_an_exception_cancels(redis_url: str, serving: F
 def test_ctrl_c_on_fleet_submit_stream_cancels_the_job(redis_url: str, redis: Redis,
                                                        serving: FleetWorker) -> None:
     env = {**os.environ, "FLEET_REDIS_URL": redis_url, "FLEET_CONFIG": str(ROOT / "worker-config.json")}
-    cli = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "submit", "--stream", "--max-tokens", "8000",
-                            long_prompt(WORDS)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE)
+    args = ["submit", "--stream", "--max-tokens", "8000", long_prompt(WORDS)]
+    cli = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", *args], env=env, cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert cli.stdout is not None and cli.stdout.read(20)  # tokens are arriving
         cli.send_signal(signal.SIGINT)

@@ -41,7 +41,8 @@ def test_a_payload_that_inflates_past_the_budget_is_refused_before_inflating(red
 def test_a_request_longer_than_the_context_allows_fails_before_tokenizing(redis_url: str,
                                                                            redis: Redis) -> None:
     """A llama.cpp worker with 256 tokens per job takes at most 256 x 32 characters."""
-    settings = FleetSettings(redis_url=redis_url, name="ctx1", backend={"type": "llama-cpp", "n_ctx_per_seq": 256})
+    engine = {"type": "llama-cpp", "n_ctx_per_seq": 256}
+    settings = FleetSettings(redis_url=redis_url, name="ctx1", backend=engine)
     backend = FakeBackend(slots=2)  # stands in for the engine: the limit applies before it
     fw = FleetWorker(settings, backend, worker_client(redis_url), "ctx1")
     job = Fleet(redis_url).submit(messages=[{"role": "user", "content": "word " * 2000}], max_tokens=4)
@@ -56,5 +57,6 @@ def test_a_request_longer_than_the_context_allows_fails_before_tokenizing(redis_
 def test_the_producer_bounds_all_messages_together() -> None:
     fleet = Fleet("redis://127.0.0.1:1/0")  # never reached: validation comes first
     messages = [{"role": "user", "content": "x" * 600_000}, {"role": "user", "content": "y" * 600_000}]
-    with pytest.raises(ValueError, match="messages hold 1,200,000 characters together; the limit is 1,000,000"):
+    expected = "messages hold 1,200,000 characters together; the limit is 1,000,000"
+    with pytest.raises(ValueError, match=expected):
         fleet.submit(messages=messages)

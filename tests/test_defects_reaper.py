@@ -29,9 +29,13 @@ def _scans(redis: Redis) -> int:
     return sum(int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_scan", "cmdstat_keys"))
 
 
+def _stream_a_little(fw: FleetWorker, job_id: str) -> None:
+    run_until([fw], lambda: job_id in fw.inflight and fw.inflight[job_id].sent > 0, what="streaming")
+
+
 def _start_then_stop(fw: FleetWorker, job_id: str) -> None:
     """Run the job a little, then drain with no grace: the job is handed back."""
-    run_until([fw], lambda: job_id in fw.inflight and fw.inflight[job_id].sent > 0, what="streaming")
+    _stream_a_little(fw, job_id)
     fw.settings.drain_grace = 0
     fw.stop()
     fw.run()
@@ -89,7 +93,7 @@ def test_drain_hand_backs_do_not_use_up_max_attempts(redis_url: str, redis: Redi
     for name in ("d1", "d2"):
         _start_then_stop(inproc_worker(redis_url, name, max_attempts=2), job.id)
     dying = inproc_worker(redis_url, "d3", max_attempts=2)
-    run_until([dying], lambda: job.id in dying.inflight and dying.inflight[job.id].sent > 0, what="d3 streaming")
+    _stream_a_little(dying, job.id)
     Reaper(redis, "d4", 2, 60).reap()  # d3 never beat: dead
     survivor = inproc_worker(redis_url, "d4", max_attempts=2)
     run_until([survivor], lambda: final_entries(redis, job.id), what="the result")
@@ -101,7 +105,7 @@ def test_the_final_error_counts_drains_apart(redis_url: str, redis: Redis) -> No
     job = Fleet(redis_url).submit(prompt=long_prompt(60), max_tokens=60)
     _start_then_stop(inproc_worker(redis_url, "x1", max_attempts=1), job.id)
     dying = inproc_worker(redis_url, "x2", max_attempts=1)
-    run_until([dying], lambda: job.id in dying.inflight and dying.inflight[job.id].sent > 0, what="x2 streaming")
+    _stream_a_little(dying, job.id)
     Reaper(redis, "x3", 1, 60).reap()
     with pytest.raises(JobFailed) as failed:
         job.result(timeout=5)

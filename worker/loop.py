@@ -291,8 +291,10 @@ class FleetWorker:
         if time.monotonic() >= self._engine_hold_until:  # one incident fails many jobs: one step back
             self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
         if job.attempt - job.drains >= self.settings.max_attempts:
-            drained = f"; {job.drains} more handed back by draining workers, not counted" if job.drains else ""
-            job.ending = Ending(error=f"{reason} (gave up after {job.attempt - job.drains} attempts{drained})")
+            drained = (f"; {job.drains} more handed back by draining workers, not counted"
+                       if job.drains else "")
+            failed = job.attempt - job.drains
+            job.ending = Ending(error=f"{reason} (gave up after {failed} attempts{drained})")
         else:
             log.warning("job %s: %s; retrying it (attempt %d)", job.id, reason, job.attempt + 1)
             self._hand_back(job, reason)
@@ -391,7 +393,8 @@ class FleetWorker:
         for job_id in list(self.to_requeue):
             if job_id.encode() not in held:
                 del self.to_requeue[job_id]
-        known = {j.encode() for j in (*self.inflight, *self.to_requeue)} | {raw for raw, _, _ in self.unstarted}
+        known = {j.encode() for j in (*self.inflight, *self.to_requeue)}
+        known |= {raw for raw, _, _ in self.unstarted}
         for raw_id, copies in held.items():
             if raw_id not in known:  # claimed, but the reply never arrived: start it now
                 origin = as_str(self.redis.hget(job_key("").encode() + raw_id, "origin"))

@@ -43,7 +43,8 @@ LOCK_MS = 10_000
 
 class Reaper:
     def __init__(self, redis: Redis, me: str, max_attempts: int, result_ttl: int,
-                 link: RedisLink | None = None, hold_off: float = 3.0, queues: list[str] | None = None) -> None:
+                 link: RedisLink | None = None, hold_off: float = 3.0,
+                 queues: list[str] | None = None) -> None:
         self.redis = redis
         self.me = me
         self.max_attempts = max_attempts
@@ -81,8 +82,9 @@ class Reaper:
         n = 0
         for raw in self.redis.lrange(inflight, 0, -1):
             job_id = as_str(raw) or ""
-            origin, attempts, died_on, drains, execution = (as_str(v) for v in self.redis.hmget(
-                job_key(job_id), ["origin", ATTEMPT_FIELD, claim.DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD]))
+            fields = ["origin", ATTEMPT_FIELD, claim.DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD]
+            origin, attempts, died_on, drains, execution = (
+                as_str(v) for v in self.redis.hmget(job_key(job_id), fields))
             used = as_int(attempts) + 1 - as_int(drains)  # drain hand-backs are not failures
             if origin is None:  # job hash gone (expired/deleted, or an id that is not text)
                 self.redis.lrem(inflight, 1, raw)  # type: ignore[arg-type]  # raw bytes as stored

@@ -105,7 +105,8 @@ ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STO
 
 
 def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: float | None = None, *,
-         me: str = "", budget: limits.RequestBudget | None = None, claimed_ms: int | None = None) -> ClaimedJob:
+         me: str = "", budget: limits.RequestBudget | None = None,
+         claimed_ms: int | None = None) -> ClaimedJob:
     """Fetch and check a job this worker (`me`) claimed. Raises BadJob for anything refused,
     NotToRun for an id that must be dropped without a result, CancelledByRQ. A job this worker
     already owns (a start whose reply was lost) is resumed (defect 2). `job_timeout`/`queue_ttl`
