@@ -16,7 +16,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 from redis import Redis
@@ -192,7 +192,7 @@ class FleetJob:
         with contextlib.suppress(Exception):
             self._cancel()
 
-    def stream(self, timeout: float | None = None, *, detach: bool = False) -> Iterator[str]:
+    def stream(self, timeout: float | None = None, *, detach: bool = False) -> Generator[str, None, None]:
         """Text deltas as they are generated; joined, they are the final result's text.
 
         A job whose worker dies (or whose engine fails) mid-generation runs again as a new

@@ -122,6 +122,7 @@ def read_events(
             return  # Redis stayed away until the deadline: the caller reports a timeout
         raise
     last = "0-0"
+    void_below = 0  # attempts that RQ's own tools re-ran after their ending
     while True:
         wait_ms = block_ms
         if deadline is not None:
@@ -142,8 +143,10 @@ def read_events(
             for entry_id, fields in entries:
                 last = entry_id.decode()
                 ev = decode(fields)
+                if ev.attempt < void_below:
+                    continue
                 if ev.final and ev.attempt >= filt.attempt and _rerun(redis, job_id, deadline, backoff):
-                    filt.attempt = ev.attempt + 1  # a re-run's new attempt (claim script) follows
+                    void_below = ev.attempt + 1  # a re-run's new attempt (claim script) follows
                     continue
                 for out in filt.admit(ev):
                     yield out

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from dispatcher import Fleet  # noqa: E402
 from dispatcher.keys import queue_names, worker_key  # noqa: E402
 from dispatcher.local import RedisServer, start_worker  # noqa: E402
+from dispatcher.replies import as_str  # noqa: E402
 
 RESULT_TTL = 30
 
@@ -58,7 +59,7 @@ def job_run(rs: RedisServer, logs: Path, n_jobs: int) -> dict[str, Any]:
     try:
         time.sleep(3)
         idle = keys_and_memory(r)
-        idle_names = sorted(k.decode() for k in r.keys("*"))
+        idle_names = sorted(str(as_str(k)) for k in r.keys("*"))
         fleet = Fleet(rs.url, result_ttl=RESULT_TTL)
         peak = Peak(r)
         peak.start()
@@ -71,7 +72,7 @@ def job_run(rs: RedisServer, logs: Path, n_jobs: int) -> dict[str, Any]:
         done = keys_and_memory(r)
         time.sleep(60)
         after = keys_and_memory(r)
-        after_names = sorted(k.decode() for k in r.keys("*"))
+        after_names = sorted(str(as_str(k)) for k in r.keys("*"))
         per_worker = {w: sum(res["worker"] == w for res in results) for w in ("kw0", "kw1")}
         return {
             "engine": "fake (no model): the bookkeeping per job is the same for every engine",
@@ -96,7 +97,8 @@ def reap_with_a_million_keys(rs: RedisServer, logs: Path) -> dict[str, Any]:
     r.flushall()
     workers = [start_worker(rs.url, f"rw{i}", logs, backend__type="fake") for i in range(2)]
     try:
-        Redis.from_url(rs.url, socket_timeout=300).execute_command("DEBUG", "POPULATE", 1_000_000, "unrelated")
+        slow = Redis.from_url(rs.url, socket_timeout=300)
+        slow.execute_command("DEBUG", "POPULATE", 1_000_000, "unrelated")
         fleet = Fleet(rs.url, pool="reapme")
         for i in range(8):
             fleet.submit(prompt=f"held by a dead worker {i}")

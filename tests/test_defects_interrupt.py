@@ -17,6 +17,7 @@ from redis import Redis
 from dispatcher import Fleet
 from dispatcher.keys import job_key
 from dispatcher.local import ROOT
+from dispatcher.replies import as_str
 from tests.lossy import inproc_worker, long_prompt
 from worker.loop import FleetWorker
 
@@ -73,6 +74,6 @@ def test_ctrl_c_on_fleet_submit_stream_cancels_the_job(redis_url: str, redis: Re
             cli.kill()
     assert cli.returncode == 130, err
     [key] = redis.keys(job_key("*"))
-    job = Fleet(redis_url).job(key.decode().split(":", 2)[2])
+    job = Fleet(redis_url).job(str(as_str(key)).split(":", 2)[2])
     assert job.result(timeout=30)["finish_reason"] == "cancelled"
     assert b"cancelled job" in err

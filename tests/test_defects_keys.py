@@ -65,3 +65,30 @@ def test_the_private_redis_can_fsync_every_write(tmp_path: Path) -> None:
 
     out = CliRunner().invoke(cli, ["up", "--help"]).output
     assert "--redis-fsync [everysec|always]" in out
+
+
+def test_a_heartbeat_racing_the_final_write_does_not_bring_the_execution_back(redis_url: str,
+                                                                              redis: Redis) -> None:
+    """Defect 1 (found by scripts/reliability_keys.py): the heartbeat thread lists the in-flight
+    jobs, the loop writes one's ending (deleting its RQ execution), then the beat refreshes that
+    execution: RQ's Execution.heartbeat() re-created it with a 10-minute TTL."""
+    from rq.worker import Worker
+
+    from dispatcher.keys import queue_names
+    from tests.lossy import inproc_worker, run_until
+    from tests.reliability_checks import final_entries
+    from worker.heartbeat import Heartbeat
+    from worker.reaper import Reaper
+
+    job = Fleet(redis_url).submit(prompt="a b c d", max_tokens=4)
+    fw = inproc_worker(redis_url, "hb2")
+    run_until([fw], lambda: job.id in fw.inflight, what="started")
+    listed = fw.inflight[job.id]  # what the heartbeat thread saw
+    run_until([fw], lambda: final_entries(redis, job.id), what="the result")
+    assert listed.execution is not None and not redis.exists(listed.execution.key)
+    fw.inflight[job.id] = listed
+    rq_worker = Worker(queue_names("llm"), name="hb2", connection=fw.redis, serializer=JSONSerializer)
+    rq_worker.register_birth()
+    Heartbeat(fw, rq_worker, Reaper(fw.redis, "hb2", 3, 60), {"name": "hb2"}).beat()
+    assert not redis.exists(listed.execution.key)
+    assert not redis.exists(f"rq:executions:{job.id}")

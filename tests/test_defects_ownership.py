@@ -24,7 +24,8 @@ WIP = f"rq:wip:{QUEUE}"
 
 
 def _wip_members(redis: Redis, job_id: str) -> list[bytes]:
-    return [bytes(m) for m in redis.zrange(WIP, 0, -1) if bytes(m).startswith(job_id.encode() + b":")]
+    members = [bytes(m) for m in redis.zrange(WIP, 0, -1)]  # type: ignore[arg-type]
+    return [m for m in members if m.startswith(job_id.encode() + b":")]
 
 
 def test_lost_reply_while_marking_started_resumes_the_job(redis_server: Any, redis: Redis) -> None:

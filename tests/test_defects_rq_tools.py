@@ -40,10 +40,15 @@ def test_rq_requeue_of_a_failed_job_runs_as_a_new_attempt(redis_url: str, redis:
     got: dict[str, Any] = {}
     reader = threading.Thread(target=lambda: got.update(job.result(timeout=60)), daemon=True)
     reader.start()
+    streamed: list[str] = []
+    streamer = threading.Thread(target=lambda: streamed.extend(job.stream(timeout=60)), daemon=True)
+    streamer.start()
     healthy = inproc_worker(redis_url, "h1")
     run_until([healthy], lambda: len(final_entries(redis, job.id)) == 2, what="the re-run's result")
     reader.join(10)
+    streamer.join(10)
     assert got.get("text") == "try again" and got.get("attempt") == 2
+    assert "".join(streamed) == "try again"
     assert job.result(timeout=1)["attempt"] == 2  # a reader from now on too
     assert [e.attempt for e in final_entries(redis, job.id)] == [1, 2]
     assert 0 < redis.ttl(job_key(job.id)) <= 3600

@@ -190,7 +190,7 @@ class Claimer:
         failed visibly."""
         if n <= 0:
             return []
-        args = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD]
+        args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD]
         flat = self._claim(keys=[self.inflight, OWNERS_SET, *self.queue_keys], args=args)
         self.server_ms, dropped = int(flat[0]), int(flat[1])
         if dropped:

@@ -63,7 +63,8 @@ def write_text(job: ClaimedJob, pipe: Pipeline, script: Script, worker: str) -> 
     many; the caller marks them sent once the pipeline succeeded."""
     if not job.unsent and not job.attempt_dirty:
         return 0
-    args = [worker, OWNER_FIELD, ATTEMPT_FIELD, job.attempt, job.sent, stream.STREAM_MAXLEN, *job.unsent]
+    args: list[Any] = [worker, OWNER_FIELD, ATTEMPT_FIELD, job.attempt, job.sent, stream.STREAM_MAXLEN,
+                       *job.unsent]
     script(keys=[job_key(job.id), stream_key(job.id)], args=args, client=pipe)
     return len(job.unsent)
 

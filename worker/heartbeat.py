@@ -33,6 +33,21 @@ if TYPE_CHECKING:
     from worker.reaper import Reaper
 
 log = logging.getLogger("fleet.heartbeat")
+
+# RQ's Execution.heartbeat() writes unconditionally: a beat racing a job's final write (which
+# deletes the execution) would re-create the execution with a 10-minute TTL. This refreshes it
+# only while it exists (issue 10: every key ends with a TTL or is removed, promptly).
+# KEYS: execution hash, wip registry, the job's executions   ARGV: now, ttl, wip member, execution id
+_REFRESH_EXECUTION = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('ZADD', KEYS[2], 'XX', now + ttl, ARGV[3])
+redis.call('ZADD', KEYS[3], 'XX', now + ttl + 60, ARGV[4])
+redis.call('EXPIRE', KEYS[3], ttl + 60)
+return 1
+"""
 REAP_EVERY = 2  # heartbeat intervals
 EARLY_BEAT_GAP = 0.2  # seconds
 
@@ -52,6 +67,7 @@ class Heartbeat(threading.Thread):
         self._halt = threading.Event()
         self.beats = 0
         self.reaping = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
+        self._refresh_execution = fleet_worker.redis.register_script(_REFRESH_EXECUTION)
 
     def start(self) -> None:
         super().start()
@@ -124,9 +140,13 @@ class Heartbeat(threading.Thread):
             pipe.pexpire(worker_key(fw.name), self.ttl_ms)
             pipe.sadd(WORKERS_SET, fw.name)
             self.rq_worker.heartbeat(timeout=ttl_s + 60, pipeline=pipe)
+            ttl = fw.settings.job_timeout + 60
             for job in list(fw.inflight.values()):
                 if job.execution is not None and job.job is not None:
-                    job.execution.heartbeat(job.job.started_job_registry, fw.settings.job_timeout + 60, pipe)
+                    execution = job.execution
+                    keys = [execution.key, job.job.started_job_registry.key, f"rq:executions:{job.id}"]
+                    args = [time.time(), ttl, execution.composite_key, execution.id]
+                    self._refresh_execution(keys=keys, args=args, client=pipe)
             rq_registered = pipe.execute()[0]
         if not rq_registered:  # lost with a Redis that restarted empty, or reaped while we were cut off
             fw.redis.delete(self.rq_worker.key)

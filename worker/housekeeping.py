@@ -16,8 +16,10 @@ import logging
 import time
 
 from redis import Redis
+from redis.typing import EncodableT
 
 from dispatcher.keys import ATTEMPT_FIELD, ENDED_REGISTRIES, FINAL_FIELD, OWNER_FIELD, job_key, stream_key
+from dispatcher.replies import as_str
 
 log = logging.getLogger("fleet.reaper")
 CLEAN_EVERY = 5.0  # seconds
@@ -70,9 +72,9 @@ class Housekeeper:
     def end_rq_cancels(self, queue: str) -> int:
         ended = 0
         for raw in self.redis.zrange(f"rq:canceled:{queue}", 0, CANCELS_PER_PASS - 1):
-            job_id = raw.decode("utf-8", "replace")
+            job_id = as_str(raw) or ""
             result = json.dumps(cancelled_result(job_id))
-            args = [result, self.result_ttl, FINAL_FIELD, OWNER_FIELD, ATTEMPT_FIELD]
+            args: list[EncodableT] = [result, self.result_ttl, FINAL_FIELD, OWNER_FIELD, ATTEMPT_FIELD]
             if self._end_rq_cancel(keys=[job_key(job_id), stream_key(job_id)], args=args):
                 ended += 1
                 log.info("job %s was cancelled with RQ while queued: final entry written", job_id)

@@ -59,7 +59,7 @@ class Reaper:
         """Workers that registered or claimed (the owners index, written by the claim script) and
         whose status key expired. Never a SCAN of the keyspace: one reap costs the same with 1M
         unrelated keys in Redis (defect 6)."""
-        names = {as_str(n) or "" for n in self.redis.sunion(WORKERS_SET, OWNERS_SET)}
+        names = {as_str(n) or "" for n in self.redis.sunion([WORKERS_SET, OWNERS_SET])}
         names.discard(self.me)
         return sorted(n for n in names if n and not self.redis.exists(worker_key(n)))
 
