@@ -5,10 +5,13 @@ job. Here a claim moves job ids from the pool's queues (highest priority first) 
 worker's in-flight list in one script, so at every instant a job id is in exactly one list:
 a queue, or a worker's in-flight list (where the reaper finds it if the worker dies).
 
+The claim script also takes ownership (`fleet_owner` in the job hash, and the worker's name in
+the reaper's owners index) in the same step, refusing a second copy of an id someone holds.
 Every way out of an in-flight list is atomic and checks the id is still there: a requeue (Lua),
-and a final result (`commit_held`: MULTI/EXEC under WATCH). So when the reaper takes a job from a
-worker it thought dead (say, one cut off from Redis for a while), that worker's late result is
-dropped instead of becoming the job's second final result.
+and a final result (`commit_held`: MULTI/EXEC under WATCH); so is every other write about a job
+(its start, its text). So when the reaper takes a job from a worker it thought dead (say, one cut
+off from Redis for a while), nothing that worker writes about it lands: not its status, not its
+text, not a second final result.
 """
 
 from __future__ import annotations
