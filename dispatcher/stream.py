@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 
 from redis import Redis
 
-from dispatcher.keys import ATTEMPT_FIELD, job_key, stream_key
+from dispatcher.keys import ATTEMPT_FIELD, FINAL_FIELD, job_key, stream_key
 from dispatcher.reconnect import OUTAGE_ERRORS, Backoff, retry_outage
 from dispatcher.replies import Fields, as_int, as_str
 
@@ -160,10 +160,12 @@ _NOT_ENDED = {"queued", "started", "deferred", "scheduled"}
 
 
 def _rerun(redis: Redis, job_id: str, deadline: float | None, backoff: Backoff) -> bool:
-    """Final entries and the ended status are written in one MULTI, so a final entry whose job
-    is not ended belongs to an attempt that was re-run (issue 10, defect 4)."""
-    status = retry_outage(lambda: redis.hget(job_key(job_id), "status"), deadline, backoff)
-    return as_str(status) in _NOT_ENDED
+    """Final entries, `fleet_final` and the ended status are written in one MULTI, so a final
+    entry whose job is not ended though it recorded an ending belongs to an attempt that was
+    re-run since (issue 10, defect 4)."""
+    status, final = retry_outage(lambda: redis.hmget(job_key(job_id), ["status", FINAL_FIELD]),
+                                 deadline, backoff)
+    return as_str(status) in _NOT_ENDED and final is not None
 
 
 def _passed(deadline: float | None) -> bool:
