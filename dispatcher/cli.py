@@ -154,10 +154,12 @@ def status(config: str | None, as_json: bool) -> None:
 
 def _register_extensions() -> None:
     from dispatcher import bench
+    from dispatcher.gateway.serve import serve
     from ecosystem.cli import register
 
     register(cli)
     bench.register(cli)
+    cli.add_command(serve)
 
 
 _register_extensions()

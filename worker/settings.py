@@ -110,13 +110,15 @@ def config_path(explicit: str | os.PathLike[str] | None = None) -> Path | None:
     return default if default.exists() else None
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> FleetSettings:
+def load_settings(path: str | os.PathLike[str] | None = None, *,
+                  model: type[FleetSettings] = FleetSettings, **overrides: Any) -> FleetSettings:
+    """`model`: FleetSettings or a subclass with more sections (e.g. the gateway's)."""
     cfg = config_path(path)
     if cfg is not None and not cfg.exists():
         raise SettingsError(f"config file not found: {cfg}")
     token = _config_path.set(cfg)
     try:
-        return FleetSettings(**overrides)
+        return model(**overrides)
     except ValidationError as e:
         where = f" in {cfg}" if cfg else ""
         problems = "; ".join(
