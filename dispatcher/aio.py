@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from redis import Redis as SyncRedis
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from rq import Queue
 
 from dispatcher.client import (
@@ -49,14 +49,20 @@ T = TypeVar("T")
 
 class AsyncFleet(ProducerBase):
     """Producer handle on one pool, for asyncio code. Close it (`await fleet.aclose()`, or use
-    `async with`) to stop its stream reader and release its connections."""
+    `async with`) to stop its stream reader and release its connections. It opens at most
+    `max_connections` connections to Redis, however many jobs it submits or follows at once."""
 
     def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
                  result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
-                 retry_for: float = 30.0, streams: StreamHub | None = None) -> None:
+                 retry_for: float = 30.0, max_connections: int = 32, streams: StreamHub | None = None) -> None:
         super().__init__(redis_url, pool=pool, result_ttl=result_ttl, job_timeout=job_timeout,
                          queue_ttl=queue_ttl, retry_for=retry_for)
-        self.redis = redis if redis is not None else Redis.from_url(self.redis_url, **CLIENT_OPTIONS)
+        if redis is None:
+            # a bounded pool: a burst of requests waits for a connection instead of opening more
+            connections = BlockingConnectionPool.from_url(self.redis_url, max_connections=max_connections,
+                                                          **CLIENT_OPTIONS)
+            redis = Redis.from_pool(connections)
+        self.redis = redis
         self.streams = streams or StreamHub(self.redis)
         self._cancel_queued = self.redis.register_script(CANCEL_QUEUED)
         # RQ's enqueue is sync. Its writes are recorded into a pipeline of a client that never

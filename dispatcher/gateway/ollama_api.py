@@ -76,8 +76,8 @@ async def chat(request: Request) -> Response:
 
 def job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
     """The fleet request for an Ollama body; None for an empty prompt (Ollama: load the model)."""
-    for name in body:
-        if name not in (CHAT_FIELDS if chat else GENERATE_FIELDS):
+    for name, value in body.items():  # clients send empty tools/images/think: false: not a use
+        if name not in (CHAT_FIELDS if chat else GENERATE_FIELDS) and value not in ([], {}, "", False):
             raise unsupported(name, "Ollama")
     fields = _options(body.get("options") or {})
     fmt = body.get("format")
