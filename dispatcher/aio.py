@@ -54,7 +54,8 @@ class AsyncFleet(ProducerBase):
 
     def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
                  result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
-                 retry_for: float = 30.0, max_connections: int = 32, streams: StreamHub | None = None) -> None:
+                 retry_for: float = 30.0, max_connections: int = 32,
+                 streams: StreamHub | None = None) -> None:
         super().__init__(redis_url, pool=pool, result_ttl=result_ttl, job_timeout=job_timeout,
                          queue_ttl=queue_ttl, retry_for=retry_for)
         if redis is None:

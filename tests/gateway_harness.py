@@ -5,13 +5,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from dispatcher.local import free_port
 from tests.harness import ROOT, wait_for, worker_env
@@ -64,18 +62,20 @@ def wait_until_healthy(gw: GatewayProcess, timeout: float = 30) -> None:
              "the gateway to see a live worker")
 
 
-@pytest.fixture
-def gateways(redis_url: str, tmp_path: Path) -> Iterator[Any]:
-    """Call `gateways.start(**settings)`; every gateway is killed at the end of the test."""
-    started: list[GatewayProcess] = []
+class Gateways:
+    """`gateways.start(**settings)` in a test; `close()` kills every gateway it started."""
 
-    class Starter:
-        def start(self, **settings: Any) -> GatewayProcess:
-            gw = start_gateway(redis_url, tmp_path / "logs", name=f"gateway{len(started)}", **settings)
-            started.append(gw)
-            return gw
+    def __init__(self, redis_url: str, log_dir: Path) -> None:
+        self.redis_url = redis_url
+        self.log_dir = log_dir
+        self.started: list[GatewayProcess] = []
 
-    yield Starter()
-    for gw in started:
-        if gw.alive():
-            gw.stop(signal.SIGKILL)
+    def start(self, **settings: Any) -> GatewayProcess:
+        gw = start_gateway(self.redis_url, self.log_dir, name=f"gateway{len(self.started)}", **settings)
+        self.started.append(gw)
+        return gw
+
+    def close(self) -> None:
+        for gw in self.started:
+            if gw.alive():
+                gw.stop(signal.SIGKILL)

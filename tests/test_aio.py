@@ -128,7 +128,8 @@ def test_cancel_a_queued_job_and_validation(redis_url: str) -> None:
                 await fleet.submit(prompt="x", format={"type": "no-such-type"})
             job = await fleet.submit(prompt="no worker runs this", max_tokens=4)
             state = await job.cancel()
-            return state, await job.result(timeout=5), int(Redis.from_url(redis_url).llen(queue_key("llm:default")))
+            depth = int(Redis.from_url(redis_url).llen(queue_key("llm:default")))
+            return state, await job.result(timeout=5), depth
 
     state, res, depth = run(main())
     assert state == "cancelled" and res["finish_reason"] == "cancelled" and depth == 0
