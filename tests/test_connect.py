@@ -22,7 +22,8 @@ def test_sentinel_url_is_parsed() -> None:
     t = parse_sentinel_url("redis+sentinel://app:p%40ss@s1:26379,[::1]:26380,s3/fleet/2"
                            "?sentinel_password=spw")
     assert t.sentinels == (("s1", 26379), ("::1", 26380), ("s3", 26379))
-    assert (t.service, t.db, t.username, t.password, t.sentinel_password) == ("fleet", 2, "app", "p@ss", "spw")
+    assert (t.service, t.db, t.username) == ("fleet", 2, "app")
+    assert (t.password, t.sentinel_password) == ("p@ss", "spw")
     assert t.tls == {}
     tls = parse_sentinel_url("rediss+sentinel://s1/fleet?ssl_cert_reqs=none&db=1")
     assert tls.tls == {"ssl": True, "ssl_cert_reqs": "none"} and tls.db == 1

@@ -41,8 +41,9 @@ def scaled_object_schema() -> dict[str, Any]:
 
 
 def test_core_objects_validate_and_carry_the_plan(tmp_path: Path) -> None:
-    docs = render(tmp_path, "--cores-per-worker", "2", "--sysfs-root", str(FIXTURES / "sysfs" / "1node-2core"))
-    for name, doc in docs.items():
+    sysfs = str(FIXTURES / "sysfs" / "1node-2core")
+    docs = render(tmp_path, "--cores-per-worker", "2", "--sysfs-root", sysfs)
+    for doc in docs.values():
         if doc["apiVersion"].startswith("keda.sh") or doc["kind"] == "Kustomization":
             continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -119,8 +120,9 @@ def test_scale_suggest_uses_the_scaled_objects_formula(redis_url: str, tmp_path:
         fleet.submit(f"job {i}", max_tokens=4)
     config = tmp_path / "worker-config.json"
     config.write_text(json.dumps({"redis_url": redis_url}))
-    result = CliRunner().invoke(cli, ["scale", "--suggest", "--config", str(config), "--cores", "2",
-                                      "--ttft-target", "5", "--max-workers", "50", "--json"], catch_exceptions=False)
+    args = ["scale", "--suggest", "--config", str(config), "--cores", "2", "--ttft-target", "5",
+            "--max-workers", "50", "--json"]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
     row = json.loads(result.output)
     target = math.floor(2 * 95 / 128 * 5)  # 7 queued jobs per worker
     assert row["queued"] == 100 and row["target_per_worker"] == target
