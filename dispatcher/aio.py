@@ -27,6 +27,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import BlockingConnectionPool, Redis
 from rq import Queue
 
+from backends.contract.connect import async_redis_from_url, is_sentinel_url
 from dispatcher.client import (
     CANCEL_QUEUED,
     CLIENT_OPTIONS,
@@ -35,10 +36,10 @@ from dispatcher.client import (
     PreparedJob,
     ProducerBase,
     cancel_queued_call,
-    queue_wake,
     rq_queues,
 )
-from dispatcher.keys import ATTEMPT_FIELD, cancel_key, job_key
+from dispatcher.durability import WAKE_TOKENS_KEPT
+from dispatcher.keys import ATTEMPT_FIELD, cancel_key, job_key, wake_key
 from dispatcher.reconnect import OUTAGE_ERRORS, retry_outage_async
 from dispatcher.replies import as_int, as_str
 from dispatcher.stream import JobFailed, StreamEvent, TextDeltas
@@ -58,12 +59,9 @@ class AsyncFleet(ProducerBase):
                  streams: StreamHub | None = None) -> None:
         super().__init__(redis_url, pool=pool, result_ttl=result_ttl, job_timeout=job_timeout,
                          queue_ttl=queue_ttl, retry_for=retry_for)
-        if redis is None:
-            # a bounded pool: a burst of requests waits for a connection instead of opening more
-            connections = BlockingConnectionPool.from_url(self.redis_url, max_connections=max_connections,
-                                                          **CLIENT_OPTIONS)
-            redis = Redis.from_pool(connections)
-        self.redis = redis
+        if self.durability != "primary":
+            raise ValueError("AsyncFleet supports durability 'primary' only (use Fleet for 'replicated')")
+        self.redis = redis if redis is not None else _client(self.redis_url, max_connections)
         self.streams = streams or StreamHub(self.redis)
         self._cancel_queued = self.redis.register_script(CANCEL_QUEUED)
         # RQ's enqueue is sync. Its writes are recorded into a pipeline of a client that never
@@ -106,8 +104,9 @@ class AsyncFleet(ProducerBase):
 
         await self._retry(enqueue)
         with contextlib.suppress(*OUTAGE_ERRORS):  # workers also poll: an outage costs only latency
-            async with self.redis.pipeline(transaction=False) as pipe:
-                queue_wake(pipe, self.pool)
+            async with self.redis.pipeline(transaction=False) as pipe:  # durability.push_wake's pushes
+                pipe.lpush(wake_key(self.pool), 1)
+                pipe.ltrim(wake_key(self.pool), 0, WAKE_TOKENS_KEPT - 1)
                 await pipe.execute()
         return AsyncFleetJob(self, job.job_id)
 
@@ -134,6 +133,14 @@ class AsyncFleet(ProducerBase):
 
     async def _retry(self, call: Callable[[], Awaitable[T]]) -> T:
         return await retry_outage_async(call, time.monotonic() + self.retry_for)
+
+
+def _client(url: str, max_connections: int) -> Redis:
+    if is_sentinel_url(url):  # Sentinel's own pool, which follows failovers
+        return async_redis_from_url(url, **CLIENT_OPTIONS)
+    # a bounded pool: a burst of requests waits for a connection instead of opening more
+    return Redis.from_pool(BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                           **CLIENT_OPTIONS))
 
 
 class AsyncFleetJob:

@@ -21,14 +21,15 @@ from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
 from redis import Redis
-from redis.asyncio.client import Pipeline as AsyncPipeline
 from redis.client import Pipeline
 from redis.typing import EncodableT
 from rq import Queue
 from rq.serializers import JSONSerializer
 
 from backends.base import PRIORITIES, GenerateRequest
+from backends.contract.connect import redis_from_url
 from dispatcher import stream
+from dispatcher.durability import DURABILITY_MODES, Durability, enqueue_replicated, push_wake
 from dispatcher.keys import (
     ATTEMPT_FIELD,
     JOB_FUNCTION,
@@ -37,7 +38,6 @@ from dispatcher.keys import (
     queue_key,
     queue_name,
     stream_key,
-    wake_key,
 )
 from dispatcher.reconnect import OUTAGE_ERRORS, retry_outage
 from dispatcher.replies import as_int, as_str
@@ -59,13 +59,18 @@ class ProducerBase:
     turned into one RQ enqueue (validated, its id fixed before the first try)."""
 
     def __init__(self, redis_url: str | None = None, *, pool: str = "llm", result_ttl: int = 3600,
-                 job_timeout: int = 600, queue_ttl: int | None = None, retry_for: float = 30.0) -> None:
+                 job_timeout: int = 600, queue_ttl: int | None = None, retry_for: float = 30.0,
+                 durability: Durability = "primary", replica_timeout: float = 1.0) -> None:
         self.redis_url = redis_url or "redis://127.0.0.1:6379/0"
         self.pool = pool
         self.result_ttl = result_ttl
         self.job_timeout = job_timeout
         self.queue_ttl = queue_ttl
         self.retry_for = retry_for
+        if durability not in DURABILITY_MODES:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, not {durability!r}")
+        self.durability = durability  # dispatcher/durability.py: what each mode promises and costs
+        self.replica_timeout = replica_timeout
 
     @classmethod
     def from_settings(cls, config: str | None = None) -> Self:
@@ -73,7 +78,7 @@ class ProducerBase:
 
         s = load_settings(config)
         return cls(s.redis_url, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
-                   queue_ttl=s.queue_ttl)
+                   queue_ttl=s.queue_ttl, durability=s.durability)
 
     def _prepare(self, prompt: str | None, priority: str, queue_ttl: int | None, job_timeout: int | None,
                  fields: dict[str, Any]) -> PreparedJob:
@@ -110,24 +115,20 @@ def rq_queues(pool: str, connection: Redis) -> dict[str, Queue]:
             for p in PRIORITIES}
 
 
-def queue_wake(pipe: Pipeline | AsyncPipeline, pool: str) -> None:
-    """Queue the push that wakes one idle worker of `pool` at once (they also poll)."""
-    pipe.lpush(wake_key(pool), 1)
-    pipe.ltrim(wake_key(pool), 0, 63)
-
-
 class Fleet(ProducerBase):
     """Producer handle on one pool. Every call rides out a Redis outage: it retries on a backoff
     for up to `retry_for` seconds (stream/result: until their own timeout) before raising."""
 
     def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
                  result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
-                 retry_for: float = 30.0) -> None:
+                 retry_for: float = 30.0, durability: Durability = "primary",
+                 replica_timeout: float = 1.0) -> None:
         super().__init__(redis_url, pool=pool, result_ttl=result_ttl, job_timeout=job_timeout,
-                         queue_ttl=queue_ttl, retry_for=retry_for)
+                         queue_ttl=queue_ttl, retry_for=retry_for, durability=durability,
+                         replica_timeout=replica_timeout)
         if redis is None:
             # this class decides how long to wait through an outage (reconnect.py)
-            redis = Redis.from_url(self.redis_url, **CLIENT_OPTIONS)
+            redis = redis_from_url(self.redis_url, **CLIENT_OPTIONS)
         self.redis = redis
         self._queues = rq_queues(pool, redis)
         self._cancel_queued = redis.register_script(CANCEL_QUEUED)
@@ -148,11 +149,15 @@ class Fleet(ProducerBase):
                 return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
             job.enqueue(self._queues[job.priority])
 
+        if self.durability == "replicated":
+            name = queue_name(self.pool, job.priority)
+            enqueue_replicated(
+                self.redis, lambda conn: job.enqueue(Queue(name, connection=conn, serializer=JSONSerializer)),
+                job.job_id, self.pool, self.replica_timeout, self.retry_for)
+            return FleetJob(self, job.job_id)
         self._retry(enqueue)
-        # wake one idle worker now (they also poll, so an outage here costs only latency)
-        with contextlib.suppress(*OUTAGE_ERRORS), self.redis.pipeline(transaction=False) as pipe:
-            queue_wake(pipe, self.pool)
-            pipe.execute()
+        with contextlib.suppress(*OUTAGE_ERRORS):
+            push_wake(self.redis, self.pool)
         return FleetJob(self, job.job_id)
 
     def job(self, job_id: str) -> FleetJob:
