@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,6 +28,14 @@ PROMPT = "Once upon a time"
 
 def oai(gw, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+
+
+def first_chunk(response: httpx.Response) -> tuple[str, Iterator[str]]:
+    """Read a streaming response up to its first text chunk: (its job id, the rest of the lines)."""
+    lines = response.iter_lines()
+    while not next(lines).startswith("data: {"):
+        pass
+    return response.headers["x-fleet-job-id"], lines
 
 
 def test_openai_completions_sync_async_stream_n_stop_usage(workers, gateways) -> None:
@@ -189,10 +198,7 @@ def test_disconnect_mid_stream_frees_the_slot_for_the_next_job(workers, gateways
     fleet = Fleet(redis_url)
     body = {"model": "llm", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0.8, "stream": True}
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as response:
-        first_job = response.headers["x-fleet-job-id"]
-        lines = response.iter_lines()
-        while not next(lines).startswith("data: {"):
-            pass
+        first_job, _lines = first_chunk(response)
         waiting = fleet.submit(prompt=PROMPT, max_tokens=4)  # queued behind the one slot
         enqueued_at = time.time()
         time.sleep(0.5)
@@ -213,10 +219,7 @@ def test_a_gateway_restart_loses_no_acknowledged_job(workers, gateways, redis_ur
     wait_until_healthy(gw)
     body = {"model": "llm", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as response:
-        job_id = response.headers["x-fleet-job-id"]
-        lines = response.iter_lines()
-        while not next(lines).startswith("data: {"):
-            pass
+        job_id, lines = first_chunk(response)
         assert gw.stop(signal.SIGTERM) in (0, -signal.SIGTERM)  # the gateway goes away mid-stream
         with pytest.raises(httpx.HTTPError):
             for _ in lines:
