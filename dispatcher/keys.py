@@ -55,6 +55,12 @@ def wake_key(pool: str) -> str:
     return f"fleet:wake:{pool}"
 
 
+def hub_wake_key(hub_id: str) -> str:
+    """Private stream of one asyncio stream reader (dispatcher.stream_hub): an entry here ends
+    its blocked XREAD so it starts over with a newly followed job. One entry, 60 s TTL."""
+    return f"fleet:hub:{hub_id}"
+
+
 # hash fields the fleet adds to RQ's job hash
 ATTEMPT_FIELD = "fleet_attempt"
 OWNER_FIELD = "fleet_owner"  # the worker whose in-flight list holds the job (set by the claim script)

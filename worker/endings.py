@@ -53,6 +53,8 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
             "total_ms": _round(total_s * 1000),
             "tokens_per_s": _round(done.completion_tokens / gen_s if gen_s > 0 else None),
         },
+        # per-token log-probabilities, when the request asked and the engine gave them
+        **({"logprobs": done.extra["logprobs"]} if done.extra.get("logprobs") else {}),
     }
 
 

@@ -25,6 +25,7 @@ from dispatcher.keys import WORKERS_SET, worker_key
 from dispatcher.reconnect import OUTAGE_ERRORS
 from dispatcher.replies import Fields
 from dispatcher.status import redact_url
+from worker.health import write_health
 
 if TYPE_CHECKING:
     from rq.worker import Worker
@@ -85,6 +86,7 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         link = self.fw.link
         while not self._halt.is_set():
+            self._write_health()
             try:
                 self.beat()
                 link.succeeded()
@@ -102,6 +104,16 @@ class Heartbeat(threading.Thread):
                 pass  # the heartbeat reports the outage; reap again next period
             except Exception:
                 log.exception("reaper error")
+
+    def _write_health(self) -> None:
+        """The local health file for `fleet health` (worker/health.py): written whether Redis
+        answers or not, so liveness never depends on Redis."""
+        path = self.fw.settings.health_file
+        if path is not None:
+            try:
+                write_health(path, self.fw)
+            except OSError as e:
+                log.warning("cannot write health file %s: %s", path, e)
 
     def _wait(self) -> None:
         """Until the next beat, or sooner when jobs ended, so that `fleet status` shows them at
