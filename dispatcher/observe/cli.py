@@ -104,7 +104,7 @@ def jobs(config: str | None, kind: str | None, limit: int, as_json: bool) -> Non
 def job(job_id: str, config: str | None, as_json: bool) -> None:
     """One job: params, worker, backend, every attempt and why it was restarted, timings, error."""
     _s, redis = connect(config)
-    record = history.get(redis, job_id)
+    record = history.get(redis, history.resolve(redis, job_id))
     if record is None:
         raise click.ClickException(f"no job {job_id!r}: unknown, or its history expired")
     if as_json:

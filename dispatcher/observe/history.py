@@ -79,6 +79,15 @@ def get(redis: Redis, job_id: str) -> dict[str, Any] | None:
     return from_rq(redis, job_id)
 
 
+def resolve(redis: Redis, prefix: str) -> str:
+    """A job id from the short ids the tables print: the one recent job starting with `prefix`
+    (the prefix itself when none or several do)."""
+    if len(prefix) < 6 or redis.exists(history_key(prefix)) or redis.exists(job_key(prefix)):
+        return prefix
+    matches = [i for x in redis.zrange(HISTORY_RECENT, 0, -1) if (i := as_str(x) or "").startswith(prefix)]
+    return matches[0] if len(matches) == 1 else prefix
+
+
 def from_rq(redis: Redis, job_id: str) -> dict[str, Any] | None:
     if not redis.exists(job_key(job_id)):
         return None

@@ -37,7 +37,7 @@ def num(value: Any, digits: int = 0) -> str:
 
 def _table(title: str, *columns: tuple[str, str]) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-              expand=False)
+              collapse_padding=True, expand=False)
     for name, justify in columns:
         t.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
     return t
@@ -48,25 +48,28 @@ STATE_STYLE = {"busy": "cyan", "idle": "dim", "draining": "yellow", "waiting for
 
 
 def workers_table(snap: dict[str, Any]) -> Table:
-    t = _table("workers", ("worker", "left"), ("state", "left"), ("slots", "right"), ("tok/s", "right"),
-               ("prefill", "right"), ("cpu%", "right"), ("rss", "right"), ("cpus/node", "left"),
-               ("backend", "left"), ("up", "right"))
-    t.columns[0].max_width = 14
-    t.columns[8].max_width = 16
+    # 8 columns: at 80 columns every one must stay readable, so decode/prefill and cpu/rss share one
+    t = _table("workers", ("worker", "left"), ("state", "left"), ("slots", "right"),
+               ("tok/s dec/pre", "right"), ("cpu% rss", "right"), ("cpus", "left"), ("backend", "left"),
+               ("up", "right"))
+    t.columns[0].max_width = 12
+    t.columns[6].max_width = 16
     now = snap.get("at") or time.time()
     for w in snap["workers"]:
         health = str(w.get("backend_health") or "ok")
         backend = Text(str(w.get("backend", "?")) + " ")
         backend.append(health, style=HEALTH_STYLE.get(health, ""))
         state = str(w.get("state", "?"))
-        cpus = f"{w.get('cpus') or 'all'}/n{w.get('numa_node', '?')}"
+        node = w.get("numa_node")
+        cpus = f"{w.get('cpus') or 'all'}" + (f"/n{node}" if node not in (None, "") else "")
         started = w.get("started_at")
         t.add_row(str(w.get("name")), Text(state, style=STATE_STYLE.get(state, "")),
-                  f"{w.get('inflight', 0)}/{w.get('slots', '?')}", num(w.get("tok_s"), 1),
-                  num(w.get("tok_s_prefill")), num(w.get("cpu_pct")), f"{num(w.get('rss_mb'))}M", cpus,
+                  f"{w.get('inflight', 0)}/{w.get('slots', '?')}",
+                  f"{num(w.get('tok_s'), 1)}/{num(w.get('tok_s_prefill'))}",
+                  f"{num(w.get('cpu_pct'))} {num(w.get('rss_mb'))}M", cpus,
                   backend, duration(now - started if isinstance(started, int | float) else None))
     if not snap["workers"]:
-        t.add_row("(no live workers)", *[""] * 9)
+        t.add_row("(no live workers)", *[""] * 7)
     return t
 
 
@@ -86,8 +89,8 @@ def running_jobs_table(snap: dict[str, Any]) -> Table | None:
                ("try", "right"), ("age", "right"))
     t.columns[0].max_width = 14
     for name, j in jobs[:JOBS_SHOWN]:
-        t.add_row(str(j.get("id")), str(name), progress_bar(int(j.get("tokens") or 0), j.get("max_tokens")),
-                  str(j.get("attempt", 1)), duration(j.get("age_s")))
+        bar = progress_bar(int(j.get("tokens") or 0), j.get("max_tokens"))
+        t.add_row(str(j.get("id"))[:12], str(name), bar, str(j.get("attempt", 1)), duration(j.get("age_s")))
     if len(jobs) > JOBS_SHOWN:
         t.add_row(f"… {len(jobs) - JOBS_SHOWN} more", "", "", "", "")
     return t
@@ -108,9 +111,10 @@ def totals_text(snap: dict[str, Any]) -> Text:
     jobs = tot["jobs"]
     text = Text()
     text.append(f"{tot['workers']} workers", style="bold")
-    text.append(f" · slots {tot['busy']}/{tot['slots']} · {num(tot['tok_s'], 1)} tok/s"
-                f" (prefill {num(tot['tok_s_prefill'])}) · queued {tot['queued']} · running {tot['running']}"
-                f" · failed 1h {tot['failed_1h']}\n")
+    text.append(f" · slots busy {tot['busy']}/{tot['slots']} · {num(tot['tok_s'], 1)} tok/s"
+                f" (prefill {num(tot['tok_s_prefill'])})\n")
+    text.append(f"queued {tot['queued']} · running {tot['running']} · failed in the last hour "
+                f"{tot['failed_1h']}\n")
     text.append(f"since start: {num(tot['tokens_generated'])} tokens generated, "
                 f"{num(tot['prompt_tokens'])} prompt; jobs {jobs['finished']} finished, "
                 f"{jobs['failed']} failed, {jobs['cancelled']} cancelled", style="dim")
@@ -133,14 +137,16 @@ def status_view(snap: dict[str, Any], header: str | None = None) -> RenderableTy
 
 
 def _ms(value: Any) -> str:
-    return "-" if value is None else f"{float(value):,.0f} ms"
+    if value is None:
+        return "-"
+    v = float(value)
+    return f"{v:,.0f} ms" if v < 10_000 else f"{v / 1000:,.1f} s"
 
 
 def jobs_table(records: list[dict[str, Any]], title: str) -> Table:
     t = _table(title, ("job", "left"), ("state", "left"), ("worker", "left"), ("try", "right"),
                ("ttft", "right"), ("total", "right"), ("prompt / error", "left"))
-    t.columns[0].max_width = 14
-    t.columns[6].max_width = 30
+    t.columns[6].max_width = 26
     now = time.time()
     for r in records:
         end = r.get("end") or {}
@@ -155,7 +161,7 @@ def jobs_table(records: list[dict[str, Any]], title: str) -> Table:
             total_text = duration(r.get("enqueued_at") and now - r["enqueued_at"])
         else:
             total_text = _ms(total)
-        t.add_row(str(r["id"]), Text(state, style="red" if state == "failed" else ""),
+        t.add_row(str(r["id"])[:12], Text(state, style="red" if state == "failed" else ""),
                   str(end.get("worker") or last.get("worker") or "-"),
                   str(end.get("attempt") or (last.get("attempt") if last else "-")),
                   _ms(timings.get("ttft_ms")), total_text, str(what).replace("\n", " "))
