@@ -73,6 +73,10 @@ def _cell(v: Any) -> str:
     return f"{v:,.1f}" if isinstance(v, float) else html.escape(str(v))
 
 
+def _ratio_cell(v: float | None) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
 def _fleet_ratio(r: Summary, by_users: dict[int, dict[str, float | None]]) -> float | None:
     return (by_users.get(r.users) or {}).get("tok_s") if r.role == "fleet" else None
 
@@ -90,7 +94,7 @@ def write_html(path: Path, rows: Sequence[Summary], title: str, meta: dict[str, 
             "tokens_per_request", "errors")
     body = "".join(
         "<tr>" + "".join(f"<td>{_cell(getattr(r, c))}</td>" for c in cols)
-        + f"<td>{_cell(_fleet_ratio(r, by_users))}</td></tr>"
+        + f"<td>{_ratio_cell(_fleet_ratio(r, by_users))}</td></tr>"
         for r in rows)
     head = "".join(f"<th>{c}</th>" for c in (*cols, "fleet/peer tok/s"))
     image = ""
