@@ -82,10 +82,11 @@ function renderWorkers(s) {
     const jobs = (w.jobs || []).map((jb) => `<div>${esc(jb.id.slice(0, 8))} ${bar(jb.tokens, jb.max_tokens)}</div>`)
       .join("");
     const health = w.backend_health || "ok";
+    const node = w.numa_node === "" || w.numa_node === null || w.numa_node === undefined ? "" : "/n" + esc(w.numa_node);
     return `<tr data-worker="${esc(w.name)}"><td>${esc(w.name)}</td><td class="${esc(w.state)}">${esc(w.state)}</td>` +
       `<td class="num">${esc(w.inflight)}/${esc(w.slots)}</td><td class="num">${num(w.tok_s, 1)}</td>` +
       `<td class="num">${num(w.tok_s_prefill)}</td><td class="num">${num(w.cpu_pct)}</td>` +
-      `<td class="num">${num(w.rss_mb)}M</td><td>${esc(w.cpus || "all")}/n${esc(w.numa_node ?? "?")}</td>` +
+      `<td class="num">${num(w.rss_mb)}M</td><td>${esc(w.cpus || "all")}${node}</td>` +
       `<td>${esc(w.backend)} <span class="${esc(health)}">${esc(health)}</span></td>` +
       `<td class="num">${dur(s.at - (w.started_at || s.at))}</td><td>${jobs}</td></tr>`;
   });
