@@ -14,6 +14,7 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from backends.contract.connect import redis_from_url
 from dispatcher import status as fleet_status
 from dispatcher.client import Fleet, JobFailed, JobTimeout
 from worker.settings import FleetSettings, SettingsError, load_settings
@@ -43,7 +44,7 @@ def settings_and_redis(config: str | None, **overrides: Any) -> tuple[FleetSetti
     s = load_settings(config, **{k: v for k, v in overrides.items() if v is not None})
     click.get_current_context().meta["redis_url"] = s.redis_url
     # a socket timeout and keepalive so a half-open connection cannot block the worker loop
-    redis = Redis.from_url(s.redis_url, socket_connect_timeout=3, socket_timeout=10, socket_keepalive=True,
+    redis = redis_from_url(s.redis_url, socket_connect_timeout=3, socket_timeout=10, socket_keepalive=True,
                            health_check_interval=30)
     redis.ping()
     return s, redis
@@ -124,10 +125,12 @@ def _register_extensions() -> None:
     from dispatcher import bench
     from dispatcher.observe import cli as observe_cli
     from ecosystem.cli import register
+    from worker import health
 
     register(cli)
     bench.register(cli)
     observe_cli.register(cli)
+    health.register(cli)
 
 
 _register_extensions()

@@ -50,6 +50,8 @@ class BackendSettings(BaseModel):
     connect_timeout: float = Field(30.0, gt=0)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     fallback: list[BackendSettings] = Field(default_factory=list)
+    step_delay: float = Field(0.0, ge=0, le=10, description="fake backend only: seconds each step takes "
+                              "(paces test jobs like a real engine)")
 
 
 class FleetSettings(BaseSettings):
@@ -71,6 +73,10 @@ class FleetSettings(BaseSettings):
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
     observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
                           "status hash is always written: it is the liveness signal)")
+    durability: Literal["primary", "replicated"] = Field(
+        "primary", description="producers: submit returns once the primary has the job, or (replicated) "
+        "once a replica has it too (Redis WAIT; docs/scale-out.md)")
+    health_file: Path | None = Field(None, description="worker: file refreshed every beat for `fleet health`")
 
     @field_validator("cpus")
     @classmethod
