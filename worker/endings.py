@@ -22,7 +22,7 @@ from dispatcher.keys import (
     results_key,
     stream_key,
 )
-from worker import rqjobs
+from worker import facts, rqjobs
 from worker.rqjobs import ClaimedJob
 
 log = logging.getLogger("fleet.worker")
@@ -68,6 +68,8 @@ def write_text(job: ClaimedJob, pipe: Pipeline, script: Script, worker: str) -> 
     args: list[Any] = [worker, OWNER_FIELD, ATTEMPT_FIELD, job.attempt, job.sent, stream.STREAM_MAXLEN,
                        *job.unsent]
     script(keys=[job_key(job.id), stream_key(job.id)], args=args, client=pipe)
+    if job.attempt_dirty:
+        facts.record_restart(pipe, job.id, job.queue, job.attempt - 1, job.restart_reason, "engine")
     return len(job.unsent)
 
 
@@ -112,6 +114,7 @@ def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, res
         entry = stream.encode_error(job.attempt, rqjobs.error_payload(reason, job, worker, backend))
     pipe.xadd(stream_key(job.id), entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
     expire_job(pipe, job.id, job.attempt, result_ttl)
+    facts.record_end(job, pipe, worker, backend)
 
 
 def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_ttl: int,

@@ -25,6 +25,7 @@ from dispatcher.keys import WORKERS_SET, worker_key
 from dispatcher.reconnect import OUTAGE_ERRORS
 from dispatcher.replies import Fields
 from dispatcher.status import redact_url
+from worker import facts
 from worker.health import write_health
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class Heartbeat(threading.Thread):
         self.beats = 0
         self.reaping = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
         self._refresh_execution = fleet_worker.redis.register_script(_REFRESH_EXECUTION)
+        facts.enable(fleet_worker.settings.observe)
+        self.facts = facts.LiveFacts(fleet_worker.settings.pool, fleet_worker.name)
 
     def start(self) -> None:
         super().start()
@@ -138,6 +141,7 @@ class Heartbeat(threading.Thread):
             "rss_mb": round(mem.rss / 2**20, 1),
             "cpu_pct": round(self.proc.cpu_percent(), 1),
             "backend_stats": redact(fw.backend.stats()),
+            **self.facts.status_fields(fw),
             "updated_at": round(time.time(), 3),
         }
 
@@ -151,6 +155,7 @@ class Heartbeat(threading.Thread):
             pipe.hset(worker_key(fw.name), mapping=status)
             pipe.pexpire(worker_key(fw.name), self.ttl_ms)
             pipe.sadd(WORKERS_SET, fw.name)
+            self.facts.on_beat(pipe)
             self.rq_worker.heartbeat(timeout=ttl_s + 60, pipeline=pipe)
             ttl = fw.settings.job_timeout + 60
             for job in list(fw.inflight.values()):

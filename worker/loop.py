@@ -28,12 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 from redis import Redis
+from redis.client import Pipeline
 
 from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
 from dispatcher.keys import cancel_key, job_key, queue_names, wake_key
 from dispatcher.reconnect import OUTAGE_ERRORS, Backoff
 from dispatcher.replies import as_str
-from worker import endings, limits, rqjobs
+from worker import endings, facts, limits, rqjobs
 from worker.claim import Claimer, Contended, log_refusals
 from worker.counters import WorkerCounters
 from worker.link import RedisLink
@@ -196,8 +197,13 @@ class FleetWorker:
             self._end_cancelled(job)
             return
         ttl = self.settings.job_timeout + 60
-        started = self.claimer.commit_held(  # fenced: only while this worker holds it (defect 10)
-            [job_id], lambda pipe, _id: rqjobs.mark_started(job, self.name, ttl, pipe), release=False)
+
+        def mark_started(pipe: Pipeline, _id: str) -> None:
+            rqjobs.mark_started(job, self.name, ttl, pipe)
+            facts.record_start(job, self.name, self.backend.name, pipe)
+
+        # fenced: only while this worker holds it (defect 10)
+        started = self.claimer.commit_held([job_id], mark_started, release=False)
         if not started:
             log.warning("job %s was taken over before it started here; dropped", job_id)
             return
@@ -268,6 +274,7 @@ class FleetWorker:
                 job.text.clear()
                 job.unsent.clear()
                 job.sent, job.attempt_dirty, job.first_token_at = 0, True, None
+                job.restart_reason = ev.reason
             elif isinstance(ev, Done):
                 self._engine_backoff.reset()
                 if job.timed_out:
@@ -353,6 +360,7 @@ class FleetWorker:
             if attempt < 0:
                 continue  # no longer ours: the reaper already handed it back
             self.counters.jobs_requeued += 1
+            facts.record_restart_now(self.redis, job_id, job.queue, attempt, why, self.name)
             log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
     def _end(self, job: ClaimedJob, ending: Ending) -> None:

@@ -71,6 +71,8 @@ class FleetSettings(BaseSettings):
     result_ttl: int = Field(3600, ge=1)
     max_attempts: int = Field(3, ge=1, le=20)
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
+    observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
+                          "status hash is always written: it is the liveness signal)")
     durability: Literal["primary", "replicated"] = Field(
         "primary", description="producers: submit returns once the primary has the job, or (replicated) "
         "once a replica has it too (Redis WAIT; docs/scale-out.md)")
