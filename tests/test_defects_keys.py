@@ -22,6 +22,8 @@ from tests.reliability_checks import fleet_workers, streaming
 pytestmark = pytest.mark.timeout(180)
 QUEUE = "llm:default"
 KEPT_WHILE_IDLE = {b"fleet:owners", b"rq:queues"}  # workers that claimed; RQ's set of queue names
+# docs/observability.md: job history (24 h), counters and histograms (90 days), each with a TTL
+OBSERVABILITY = (b"fleet:history", b"fleet:counters:", b"fleet:hist:", b"fleet:pools")
 
 
 def test_ended_jobs_leave_no_keys_behind(redis_url: str, redis: Redis, tmp_path: Path) -> None:
@@ -45,8 +47,11 @@ def test_ended_jobs_leave_no_keys_behind(redis_url: str, redis: Redis, tmp_path:
         for job_id in (finished.id, failed.id, cancelled.id):
             for key in (job_key(job_id), stream_key(job_id), f"rq:results:{job_id}"):
                 assert 0 < redis.ttl(key) <= 2 or not redis.exists(key), key
-        leftover = lambda: set(redis.keys()) - idle - KEPT_WHILE_IDLE  # noqa: E731
+        leftover = lambda: {k for k in set(redis.keys()) - idle - KEPT_WHILE_IDLE  # noqa: E731
+                            if not k.startswith(OBSERVABILITY)}
         wait_for(lambda: not leftover(), 30, "the ended jobs' keys and registry entries to go")
+        kept = [k for k in redis.scan_iter() if k.startswith(OBSERVABILITY)]
+        assert all(redis.ttl(k) > 0 for k in kept), kept  # history and counters: their own TTLs
     for registry in ("finished", "failed", "canceled"):
         assert not redis.exists(f"rq:{registry}:{QUEUE}")
 
