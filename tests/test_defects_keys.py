@@ -14,6 +14,7 @@ from rq.serializers import JSONSerializer
 
 from dispatcher import Fleet, JobFailed
 from dispatcher.keys import JOB_FUNCTION, job_key, stream_key
+from dispatcher.replies import as_str
 from ecosystem.private_redis import PrivateRedis
 from tests.harness import wait_for
 from tests.lossy import long_prompt
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 QUEUE = "llm:default"
 KEPT_WHILE_IDLE = {b"fleet:owners", b"rq:queues"}  # workers that claimed; RQ's set of queue names
 # docs/observability.md: job history (24 h), counters and histograms (90 days), each with a TTL
-OBSERVABILITY = (b"fleet:history", b"fleet:counters:", b"fleet:hist:", b"fleet:pools")
+OBSERVABILITY = ("fleet:history", "fleet:counters:", "fleet:hist:", "fleet:pools")
 
 
 def test_ended_jobs_leave_no_keys_behind(redis_url: str, redis: Redis, tmp_path: Path) -> None:
@@ -48,9 +49,9 @@ def test_ended_jobs_leave_no_keys_behind(redis_url: str, redis: Redis, tmp_path:
             for key in (job_key(job_id), stream_key(job_id), f"rq:results:{job_id}"):
                 assert 0 < redis.ttl(key) <= 2 or not redis.exists(key), key
         leftover = lambda: {k for k in set(redis.keys()) - idle - KEPT_WHILE_IDLE  # noqa: E731
-                            if not k.startswith(OBSERVABILITY)}
+                            if not str(as_str(k)).startswith(OBSERVABILITY)}
         wait_for(lambda: not leftover(), 30, "the ended jobs' keys and registry entries to go")
-        kept = [k for k in redis.scan_iter() if k.startswith(OBSERVABILITY)]
+        kept = [k for k in redis.scan_iter() if str(as_str(k)).startswith(OBSERVABILITY)]
         assert all(redis.ttl(k) > 0 for k in kept), kept  # history and counters: their own TTLs
     for registry in ("finished", "failed", "canceled"):
         assert not redis.exists(f"rq:{registry}:{QUEUE}")
