@@ -114,7 +114,7 @@ def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, res
         entry = stream.encode_error(job.attempt, rqjobs.error_payload(reason, job, worker, backend))
     pipe.xadd(stream_key(job.id), entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
     expire_job(pipe, job.id, job.attempt, result_ttl)
-    facts.record_end(job, pipe, worker, backend)
+    facts.record_end(job, pipe, worker, backend, result_ttl)
 
 
 def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_ttl: int,

@@ -70,11 +70,12 @@ def _observe(pipe: Pipe, metric: str, pool: str, seconds: float) -> None:
     pipe.expire(key, schema.POOL_COUNTERS_TTL)
 
 
-def _touch_history(pipe: Pipe, job_id: str, fields: dict[str, str], now: float) -> None:
+def _touch_history(pipe: Pipe, job_id: str, fields: dict[str, str], now: float,
+                   ttl: int = schema.HISTORY_TTL) -> None:
     key = history_key(job_id)
     mapping: dict[Any, Any] = {**fields, "updated_at": repr(round(now, 3))}
     pipe.hset(key, mapping=mapping)
-    pipe.expire(key, schema.HISTORY_TTL)
+    pipe.expire(key, ttl)
     pipe.zadd(HISTORY_RECENT, {job_id: now})
     pipe.zremrangebyrank(HISTORY_RECENT, 0, -schema.HISTORY_CAP - 1)
     pipe.expire(HISTORY_RECENT, schema.HISTORY_TTL)
@@ -96,8 +97,10 @@ def record_start(job: ClaimedJob, worker: str, backend: str, pipe: Pipe) -> None
     _touch_history(pipe, job.id, fields, time.time())
 
 
-def record_end(job: ClaimedJob, pipe: Pipe, worker: str, backend: str) -> None:
-    """A job's one final entry (queued inside the ending's MULTI: counted exactly once)."""
+def record_end(job: ClaimedJob, pipe: Pipe, worker: str, backend: str, result_ttl: int) -> None:
+    """A job's one final entry (queued inside the ending's MULTI: counted exactly once). A failed
+    job's history stays for post-mortems (HISTORY_TTL, capped index); any other lives as long as
+    its result, so a busy fleet's keys fall back to idle with its results."""
     if not _enabled or job.ending is None:
         return
     now = time.time()
@@ -128,7 +131,8 @@ def record_end(job: ClaimedJob, pipe: Pipe, worker: str, backend: str) -> None:
            "attempt": job.attempt, "ended_at": round(now, 3), "timings": timings,
            "finish_reason": (result or {}).get("finish_reason"), "usage": usage,
            "completion_tokens": job.completion_tokens, "error": job.ending.error}
-    _touch_history(pipe, job.id, {"queue": job.queue, "state": outcome, "end": _dumps(end)}, now)
+    ttl = schema.HISTORY_TTL if outcome == "failed" else min(result_ttl, schema.HISTORY_TTL)
+    _touch_history(pipe, job.id, {"queue": job.queue, "state": outcome, "end": _dumps(end)}, now, ttl)
     if outcome == "failed":
         failed = history_failed_key(job.queue)
         pipe.zadd(failed, {job.id: now})
