@@ -9,7 +9,7 @@ import pytest
 
 from backends.base import Done, Event, Failed, GenerateRequest, JobRejected, Token
 from backends.llamacpp import LlamaCppBackend
-from backends.llamacpp_invariance import FA_TILE_ROWS
+from backends.llamacpp.invariance import FA_TILE_ROWS
 from worker.settings import BackendSettings
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import llama_cpp as ll
 
 from backends.base import Done, Event, Failed, GenerateRequest, JobRejected, Sampling, Token
-from backends.llamacpp_invariance import FA_TILE_ROWS, SPLIT_KV_CELLS, reusable_prefix
-from backends.llamacpp_model import LoadedModel
-from backends.text import TextAssembler
+from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS, reusable_prefix
+from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.text import TextAssembler
 from worker.settings import BackendSettings
 
 MIN_SHARED_PREFIX = 8  # tokens; below this copying a prefix's KV costs more than prefilling it
