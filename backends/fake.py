@@ -54,6 +54,7 @@ class FakeBackend:
         self.fail_after = fail_after
         self.unavailable = unavailable
         self.label = label  # tells fakes apart in fallback tests
+        self.step_delay = settings.step_delay if settings else 0.0  # seconds per step, like a decode
         self.jobs: dict[str, FakeJob] = {}
         self.admitted: list[str] = []  # every job id ever admitted, in order
         self.closed = False
@@ -80,6 +81,8 @@ class FakeBackend:
         if not self.jobs:
             time.sleep(max(0.0, timeout))  # like a real engine waiting for work
             return []
+        if self.step_delay:
+            time.sleep(self.step_delay)
         events: list[Event] = []
         for job_id, job in list(self.jobs.items()):
             produced = self._advance(job_id, job)

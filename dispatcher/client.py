@@ -17,15 +17,19 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Self, TypeVar
 
 from redis import Redis
+from redis.client import Pipeline
 from redis.typing import EncodableT
 from rq import Queue
 from rq.serializers import JSONSerializer
 
 from backends.base import PRIORITIES, GenerateRequest
+from backends.contract.connect import redis_from_url
 from dispatcher import stream
+from dispatcher.durability import DURABILITY_MODES, Durability, enqueue_replicated, push_wake
 from dispatcher.keys import (
     ATTEMPT_FIELD,
     JOB_FUNCTION,
@@ -34,57 +38,100 @@ from dispatcher.keys import (
     queue_key,
     queue_name,
     stream_key,
-    wake_key,
 )
 from dispatcher.reconnect import OUTAGE_ERRORS, retry_outage
 from dispatcher.replies import as_int, as_str
-from dispatcher.stream import StreamEvent
+from dispatcher.stream import JobFailed, StreamEvent, TextDeltas
 
 T = TypeVar("T")
-
-
-class JobFailed(Exception):
-    """The job ended with an error; `.error` is the worker's reason."""
-
-    def __init__(self, job_id: str, error: str, details: dict[str, Any] | None = None) -> None:
-        super().__init__(f"job {job_id} failed: {error}")
-        self.job_id = job_id
-        self.error = error
-        self.details = details or {}
+ENDED_STATUSES = ("finished", "failed", "canceled")  # RQ statuses of a job that has its final entry
+# timeouts for producer clients (sync and asyncio); no redis-py retries of their own
+CLIENT_OPTIONS: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout": 30,
+                                  "health_check_interval": 30}
 
 
 class JobTimeout(Exception):
     pass
 
 
-class Fleet:
-    """Producer handle on one pool. Every call rides out a Redis outage: it retries on a backoff
-    for up to `retry_for` seconds (stream/result: until their own timeout) before raising."""
+class ProducerBase:
+    """What the sync `Fleet` and `AsyncFleet` (dispatcher.aio) share: settings, and a request
+    turned into one RQ enqueue (validated, its id fixed before the first try)."""
 
-    def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
-                 result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
-                 retry_for: float = 30.0) -> None:
-        if redis is None:
-            # no redis-py retries of its own: this class decides how long to wait (reconnect.py)
-            redis = Redis.from_url(redis_url or "redis://127.0.0.1:6379/0", socket_connect_timeout=5,
-                                   socket_timeout=30, health_check_interval=30)
-        self.redis = redis
+    def __init__(self, redis_url: str | None = None, *, pool: str = "llm", result_ttl: int = 3600,
+                 job_timeout: int = 600, queue_ttl: int | None = None, retry_for: float = 30.0,
+                 durability: Durability = "primary", replica_timeout: float = 1.0) -> None:
+        self.redis_url = redis_url or "redis://127.0.0.1:6379/0"
         self.pool = pool
         self.result_ttl = result_ttl
         self.job_timeout = job_timeout
         self.queue_ttl = queue_ttl
         self.retry_for = retry_for
-        self._queues = {p: Queue(queue_name(pool, p), connection=redis, serializer=JSONSerializer)
-                        for p in PRIORITIES}
-        self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
+        if durability not in DURABILITY_MODES:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, not {durability!r}")
+        self.durability = durability  # dispatcher/durability.py: what each mode promises and costs
+        self.replica_timeout = replica_timeout
 
     @classmethod
-    def from_settings(cls, config: str | None = None) -> Fleet:
+    def from_settings(cls, config: str | None = None) -> Self:
         from worker.settings import load_settings
 
         s = load_settings(config)
         return cls(s.redis_url, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
-                   queue_ttl=s.queue_ttl)
+                   queue_ttl=s.queue_ttl, durability=s.durability)
+
+    def _prepare(self, prompt: str | None, priority: str, queue_ttl: int | None, job_timeout: int | None,
+                 fields: dict[str, Any]) -> PreparedJob:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
+        if prompt is not None:
+            fields["prompt"] = prompt
+        request = validate_request(fields)
+        ttl = queue_ttl or self.queue_ttl
+        return PreparedJob(
+            job_id=uuid.uuid4().hex,  # fixed before the first try: a retry never enqueues twice
+            priority=priority,
+            payload=request.model_dump(exclude_none=True, exclude_defaults=True),
+            options={"job_timeout": job_timeout or self.job_timeout, "result_ttl": self.result_ttl,
+                     "failure_ttl": self.result_ttl, "meta": {"queue_ttl": ttl} if ttl else {}},
+        )
+
+
+@dataclass
+class PreparedJob:
+    job_id: str
+    priority: str
+    payload: dict[str, Any]
+    options: dict[str, Any]  # RQ's enqueue options
+
+    def enqueue(self, queue: Queue, pipeline: Pipeline | None = None) -> None:
+        """RQ's enqueue (into `pipeline` when given: its commands run at its execute)."""
+        queue.enqueue(JOB_FUNCTION, self.payload, job_id=self.job_id, pipeline=pipeline, **self.options)
+
+
+def rq_queues(pool: str, connection: Redis) -> dict[str, Queue]:
+    """The pool's RQ queues by priority (JSON serializer: fleet jobs are never pickled)."""
+    return {p: Queue(queue_name(pool, p), connection=connection, serializer=JSONSerializer)
+            for p in PRIORITIES}
+
+
+class Fleet(ProducerBase):
+    """Producer handle on one pool. Every call rides out a Redis outage: it retries on a backoff
+    for up to `retry_for` seconds (stream/result: until their own timeout) before raising."""
+
+    def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
+                 result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
+                 retry_for: float = 30.0, durability: Durability = "primary",
+                 replica_timeout: float = 1.0) -> None:
+        super().__init__(redis_url, pool=pool, result_ttl=result_ttl, job_timeout=job_timeout,
+                         queue_ttl=queue_ttl, retry_for=retry_for, durability=durability,
+                         replica_timeout=replica_timeout)
+        if redis is None:
+            # this class decides how long to wait through an outage (reconnect.py)
+            redis = redis_from_url(self.redis_url, **CLIENT_OPTIONS)
+        self.redis = redis
+        self._queues = rq_queues(pool, redis)
+        self._cancel_queued = redis.register_script(CANCEL_QUEUED)
 
     def submit(self, prompt: str | None = None, *, priority: str = "default", queue_ttl: int | None = None,
                job_timeout: int | None = None, **fields: Any) -> FleetJob:
@@ -92,34 +139,26 @@ class Fleet:
 
         `queue_ttl`: seconds the job may wait in the queue before its first run; a job claimed
         later fails with "expired". `job_timeout`: wall seconds one run may take."""
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
-        if prompt is not None:
-            fields["prompt"] = prompt
-        request = validate_request(fields)
-        payload = request.model_dump(exclude_none=True, exclude_defaults=True)
-        ttl = queue_ttl or self.queue_ttl
-        meta = {"queue_ttl": ttl} if ttl else {}
-        job_id = uuid.uuid4().hex  # fixed before the first try: a retry never enqueues twice
+        job = self._prepare(prompt, priority, queue_ttl, job_timeout, fields)
         tries = 0
 
         def enqueue() -> None:
             nonlocal tries
             tries += 1
-            if tries > 1 and self.redis.exists(job_key(job_id)):
+            if tries > 1 and self.redis.exists(job_key(job.job_id)):
                 return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
-            self._queues[priority].enqueue(
-                JOB_FUNCTION, payload, job_id=job_id, job_timeout=job_timeout or self.job_timeout,
-                result_ttl=self.result_ttl, failure_ttl=self.result_ttl, meta=meta,
-            )
+            job.enqueue(self._queues[job.priority])
 
+        if self.durability == "replicated":
+            name = queue_name(self.pool, job.priority)
+            enqueue_replicated(
+                self.redis, lambda conn: job.enqueue(Queue(name, connection=conn, serializer=JSONSerializer)),
+                job.job_id, self.pool, self.replica_timeout, self.retry_for)
+            return FleetJob(self, job.job_id)
         self._retry(enqueue)
-        # wake one idle worker now (they also poll, so an outage here costs only latency)
-        with contextlib.suppress(*OUTAGE_ERRORS), self.redis.pipeline(transaction=False) as pipe:
-            pipe.lpush(wake_key(self.pool), 1)
-            pipe.ltrim(wake_key(self.pool), 0, 63)
-            pipe.execute()
-        return FleetJob(self, job_id)
+        with contextlib.suppress(*OUTAGE_ERRORS):
+            push_wake(self.redis, self.pool)
+        return FleetJob(self, job.job_id)
 
     def job(self, job_id: str) -> FleetJob:
         return FleetJob(self, job_id)
@@ -132,7 +171,7 @@ class Fleet:
 # Cancels a job that is still queued, in one step: taken off the queue, marked canceled, final
 # stream entry written. Returns 0 when the job was not in the queue (a worker holds it, or it
 # ended), so a retried call after a lost reply cannot cancel twice.
-_CANCEL_QUEUED = """
+CANCEL_QUEUED = """
 if redis.call('LREM', KEYS[1], 0, ARGV[1]) == 0 then return 0 end
 local attempt = tonumber(redis.call('HGET', KEYS[2], ARGV[5]) or '0') or 0
 redis.call('HSET', KEYS[2], 'status', 'canceled')
@@ -141,6 +180,18 @@ redis.call('XADD', KEYS[3], '*', 'a', attempt + 1, 'k', 'd', 'v', ARGV[2])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 return 1
 """
+
+
+def cancel_queued_call(job_id: str, queue: str, attempts: int,
+                       result_ttl: int) -> tuple[list[str], list[EncodableT]]:
+    """KEYS and ARGV of CANCEL_QUEUED for a job on `queue` that ran `attempts` times before."""
+    result = {"job_id": job_id, "text": "", "finish_reason": "cancelled",
+              "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+              "worker": None, "backend": None, "attempt": attempts + 1,
+              "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None, "tokens_per_s": None}}
+    keys = [queue_key(queue), job_key(job_id), stream_key(job_id), f"rq:canceled:{queue}"]
+    args: list[EncodableT] = [job_id, json.dumps(result), result_ttl, time.time(), ATTEMPT_FIELD]
+    return keys, args
 
 
 def validate_request(fields: dict[str, Any]) -> GenerateRequest:
@@ -182,26 +233,11 @@ class FleetJob:
           was shown and call stream() again: a new call starts with the live attempt's first
           token and never replays a dead attempt.
         Raises JobFailed if the job fails; returns at the end of the job (or after `timeout`)."""
-        delivered = ""
-        current = ""
+        deltas = TextDeltas(self.id)
         for ev in self.events(timeout):
-            if ev.kind == "restart":
-                current = ""
-            elif ev.kind == "text":
-                current += ev.text
-                if not (current.startswith(delivered) or delivered.startswith(current)):
-                    raise JobRestarted(self.id, ev.attempt, delivered)
-                if len(current) > len(delivered):
-                    yield current[len(delivered):]
-                    delivered = current
-            elif ev.kind == "error":
-                raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
-            else:  # done: the final text may be shorter than the void text yielded before
-                final = str((ev.data or {}).get("text", current))
-                if final != delivered and final.startswith(delivered):
-                    yield final[len(delivered):]
-                elif final != delivered:
-                    raise JobRestarted(self.id, ev.attempt, delivered)
+            if delta := deltas.feed(ev):
+                yield delta
+            if deltas.ended:
                 return
 
     def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
@@ -235,29 +271,13 @@ class FleetJob:
         origin, attempts = r.hmget(job_key(self.id), ["origin", ATTEMPT_FIELD])
         queue = as_str(origin)
         if queue is not None:
-            result = {"job_id": self.id, "text": "", "finish_reason": "cancelled",
-                      "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-                      "worker": None, "backend": None, "attempt": as_int(attempts) + 1,
-                      "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None,
-                                  "tokens_per_s": None}}
-            keys = [queue_key(queue), job_key(self.id), stream_key(self.id), f"rq:canceled:{queue}"]
-            args: list[EncodableT] = [self.id, json.dumps(result), self.fleet.result_ttl, time.time(),
-                                      ATTEMPT_FIELD]
+            keys, args = cancel_queued_call(self.id, queue, as_int(attempts), self.fleet.result_ttl)
             if self.fleet._cancel_queued(keys=keys, args=args):
                 return "cancelled"
         status = self.status()
-        if status in ("finished", "failed", "canceled"):
+        if status in ENDED_STATUSES:
             return status
         r.set(cancel_key(self.id), 1, ex=self.fleet.job_timeout + 60)
         return "cancelling"
 
 
-class JobRestarted(Exception):
-    """The job restarted (its worker died) and the new attempt's text diverges from what
-    stream() already yielded; call stream() again for the new attempt's text."""
-
-    def __init__(self, job_id: str, attempt: int, delivered: str) -> None:
-        super().__init__(f"job {job_id} restarted (attempt {attempt}); call stream() again for the new text")
-        self.job_id = job_id
-        self.attempt = attempt
-        self.delivered = delivered

@@ -55,5 +55,44 @@ def wake_key(pool: str) -> str:
     return f"fleet:wake:{pool}"
 
 
+def hub_wake_key(hub_id: str) -> str:
+    """Private stream of one asyncio stream reader (dispatcher.stream_hub): an entry here ends
+    its blocked XREAD so it starts over with a newly followed job. One entry, 60 s TTL."""
+    return f"fleet:hub:{hub_id}"
+
+
 # hash fields the fleet adds to RQ's job hash
 ATTEMPT_FIELD = "fleet_attempt"
+
+
+# -- observability (docs/observability.md): monotonic counters, histograms, bounded job history --
+
+POOLS_SET = "fleet:pools"  # pools that have had a worker (so readers know which queues to show)
+
+
+def pool_counters_key(pool: str) -> str:
+    """Fleet-wide monotonic counters of a pool (HINCRBY only: never reset by a worker restart)."""
+    return f"fleet:counters:pool:{pool}"
+
+
+def worker_counters_key(name: str) -> str:
+    """Monotonic counters of one worker name (a worker restarted under its name continues them)."""
+    return f"fleet:counters:worker:{name}"
+
+
+def histogram_key(metric: str, pool: str) -> str:
+    """Bucket counts (one field per upper bound) and the sum of one histogram of a pool."""
+    return f"fleet:hist:{metric}:{pool}"
+
+
+def history_key(job_id: str) -> str:
+    """One job's history: params (prompt shortened), attempts, restart reasons, ending, timings."""
+    return f"fleet:history:{job_id}"
+
+
+HISTORY_RECENT = "fleet:history:recent"  # zset job id -> last change time (capped)
+
+
+def history_failed_key(queue: str) -> str:
+    """Failed jobs of one queue, zset job id -> end time (capped); `fleet status` counts the last hour."""
+    return f"fleet:history:failed:{queue}"

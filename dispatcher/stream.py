@@ -64,6 +64,10 @@ def encode_error(attempt: int, error: dict[str, Any]) -> Fields:
     return {"a": attempt, "k": "e", "v": json.dumps(error)}
 
 
+# One XREAD reply: [(stream key, [(entry id, fields), ...]), ...]
+XreadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
+
+
 def decode(fields: dict[bytes, bytes]) -> StreamEvent:
     kind = _KINDS[fields[b"k"]]
     attempt = int(fields[b"a"])
@@ -105,6 +109,67 @@ class AttemptFilter:
         return [*out, ev]
 
 
+class JobFailed(Exception):
+    """The job ended with an error; `.error` is the worker's reason."""
+
+    def __init__(self, job_id: str, error: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(f"job {job_id} failed: {error}")
+        self.job_id = job_id
+        self.error = error
+        self.details = details or {}
+
+
+class JobRestarted(Exception):
+    """The job restarted (its worker died) and the new attempt's text diverges from what
+    stream() already yielded; call stream() again for the new attempt's text."""
+
+    def __init__(self, job_id: str, attempt: int, delivered: str) -> None:
+        super().__init__(f"job {job_id} restarted (attempt {attempt}); call stream() again for the new text")
+        self.job_id = job_id
+        self.attempt = attempt
+        self.delivered = delivered
+
+
+class TextDeltas:
+    """Turns a job's live events (read_events, or the async reader) into the text deltas that
+    `stream()` yields, sync and async alike. A new attempt's text is held back until it passes
+    what was already yielded; if it diverges, JobRestarted (see FleetJob.stream)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.delivered = ""  # text yielded so far
+        self.current = ""  # text of the live attempt so far
+        self.ended = False
+
+    def feed(self, ev: StreamEvent) -> str:
+        """The delta to yield for one event ("" for none); sets `ended` at the final entry.
+        Raises JobFailed for an error entry, JobRestarted on a diverging attempt."""
+        if ev.kind == "restart":
+            self.current = ""
+        elif ev.kind == "text":
+            self.current += ev.text
+            if not (self.current.startswith(self.delivered) or self.delivered.startswith(self.current)):
+                raise JobRestarted(self.job_id, ev.attempt, self.delivered)
+            return self._advance(self.current)
+        elif ev.kind == "error":
+            self.ended = True
+            raise JobFailed(self.job_id, str((ev.data or {}).get("error")), ev.data)
+        else:  # done: the final text may be shorter than the void text yielded before
+            self.ended = True
+            final = str((ev.data or {}).get("text", self.current))
+            if final != self.delivered and not final.startswith(self.delivered):
+                raise JobRestarted(self.job_id, ev.attempt, self.delivered)
+            return self._advance(final)
+        return ""
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.delivered):
+            return ""
+        delta = text[len(self.delivered):]
+        self.delivered = text
+        return delta
+
+
 def read_events(
     redis: Redis, job_id: str, *, block_ms: int = 1000, deadline: float | None = None
 ) -> Iterator[StreamEvent]:
@@ -137,7 +202,7 @@ def read_events(
                 return
             raise
         backoff.reset()
-        streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]], reply or [])
+        streams = cast(XreadReply, reply or [])
         for _key, entries in streams:
             for entry_id, fields in entries:
                 last = entry_id.decode()

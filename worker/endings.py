@@ -12,7 +12,7 @@ from redis.client import Pipeline
 from backends.base import Done
 from dispatcher import stream
 from dispatcher.keys import ATTEMPT_FIELD, cancel_key, job_key, stream_key
-from worker import rqjobs
+from worker import facts, rqjobs
 from worker.rqjobs import ClaimedJob
 
 log = logging.getLogger("fleet.worker")
@@ -42,6 +42,8 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
             "total_ms": _round(total_s * 1000),
             "tokens_per_s": _round(done.completion_tokens / gen_s if gen_s > 0 else None),
         },
+        # per-token log-probabilities, when the request asked and the engine gave them
+        **({"logprobs": done.extra["logprobs"]} if done.extra.get("logprobs") else {}),
     }
 
 
@@ -50,6 +52,7 @@ def write_text(job: ClaimedJob, pipe: Pipeline) -> int:
     a duplicate). Returns how many; the caller marks them sent once the pipeline succeeded."""
     if job.attempt_dirty:  # the engine restarted it: the new attempt number goes first
         pipe.hset(job_key(job.id), ATTEMPT_FIELD, job.attempt - 1)
+        facts.record_restart(pipe, job.id, job.queue, job.attempt - 1, job.restart_reason, "engine")
     for i, text in enumerate(job.unsent):
         pipe.xadd(stream_key(job.id), stream.encode_text(job.attempt, job.sent + i, text),
                   maxlen=stream.STREAM_MAXLEN, approximate=True)
@@ -81,6 +84,7 @@ def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, res
     pipe.xadd(key, entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
     pipe.expire(key, result_ttl)
     pipe.delete(cancel_key(job.id))
+    facts.record_end(job, pipe, worker, backend)
 
 
 def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_ttl: int,

@@ -24,6 +24,8 @@ from dispatcher.keys import WORKERS_SET, worker_key
 from dispatcher.reconnect import OUTAGE_ERRORS
 from dispatcher.replies import Fields
 from dispatcher.status import redact_url
+from worker import facts
+from worker.health import write_health
 
 if TYPE_CHECKING:
     from rq.worker import Worker
@@ -50,6 +52,8 @@ class Heartbeat(threading.Thread):
         self.proc.cpu_percent()  # first call primes the counter
         self._halt = threading.Event()
         self.beats = 0
+        facts.enable(fleet_worker.settings.observe)
+        self.facts = facts.LiveFacts(fleet_worker.settings.pool, fleet_worker.name)
 
     def halt(self) -> None:
         self._halt.set()
@@ -59,6 +63,7 @@ class Heartbeat(threading.Thread):
         link = self.fw.link
         last_reap = time.monotonic()
         while not self._halt.is_set():
+            self._write_health()
             try:
                 self.beat()
                 link.succeeded()
@@ -70,6 +75,16 @@ class Heartbeat(threading.Thread):
             except Exception:
                 log.exception("heartbeat error")
             self._wait()
+
+    def _write_health(self) -> None:
+        """The local health file for `fleet health` (worker/health.py): written whether Redis
+        answers or not, so liveness never depends on Redis."""
+        path = self.fw.settings.health_file
+        if path is not None:
+            try:
+                write_health(path, self.fw)
+            except OSError as e:
+                log.warning("cannot write health file %s: %s", path, e)
 
     def _wait(self) -> None:
         """Until the next beat, or sooner when jobs ended, so that `fleet status` shows them at
@@ -94,6 +109,7 @@ class Heartbeat(threading.Thread):
             "rss_mb": round(mem.rss / 2**20, 1),
             "cpu_pct": round(self.proc.cpu_percent(), 1),
             "backend_stats": redact(fw.backend.stats()),
+            **self.facts.status_fields(fw),
             "updated_at": round(time.time(), 3),
         }
 
@@ -107,6 +123,7 @@ class Heartbeat(threading.Thread):
             pipe.hset(worker_key(fw.name), mapping=status)
             pipe.pexpire(worker_key(fw.name), self.ttl_ms)
             pipe.sadd(WORKERS_SET, fw.name)
+            self.facts.on_beat(pipe)
             self.rq_worker.heartbeat(timeout=ttl_s + 60, pipeline=pipe)
             for job in list(fw.inflight.values()):
                 if job.execution is not None and job.job is not None:

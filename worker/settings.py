@@ -50,6 +50,8 @@ class BackendSettings(BaseModel):
     connect_timeout: float = Field(30.0, gt=0)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     fallback: list[BackendSettings] = Field(default_factory=list)
+    step_delay: float = Field(0.0, ge=0, le=10, description="fake backend only: seconds each step takes "
+                              "(paces test jobs like a real engine)")
 
 
 class FleetSettings(BaseSettings):
@@ -69,6 +71,12 @@ class FleetSettings(BaseSettings):
     result_ttl: int = Field(3600, ge=1)
     max_attempts: int = Field(3, ge=1, le=20)
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
+    observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
+                          "status hash is always written: it is the liveness signal)")
+    durability: Literal["primary", "replicated"] = Field(
+        "primary", description="producers: submit returns once the primary has the job, or (replicated) "
+        "once a replica has it too (Redis WAIT; docs/scale-out.md)")
+    health_file: Path | None = Field(None, description="worker: file refreshed every beat for `fleet health`")
 
     @field_validator("cpus")
     @classmethod
@@ -110,13 +118,15 @@ def config_path(explicit: str | os.PathLike[str] | None = None) -> Path | None:
     return default if default.exists() else None
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> FleetSettings:
+def load_settings(path: str | os.PathLike[str] | None = None, *,
+                  model: type[FleetSettings] = FleetSettings, **overrides: Any) -> FleetSettings:
+    """`model`: FleetSettings or a subclass with more sections (e.g. the gateway's)."""
     cfg = config_path(path)
     if cfg is not None and not cfg.exists():
         raise SettingsError(f"config file not found: {cfg}")
     token = _config_path.set(cfg)
     try:
-        return FleetSettings(**overrides)
+        return model(**overrides)
     except ValidationError as e:
         where = f" in {cfg}" if cfg else ""
         problems = "; ".join(
