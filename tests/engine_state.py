@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from backends.base import Sampling
+from backends.base import GenerateRequest, Sampling, SamplingDefaults
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, StepPlan
 from backends.llamacpp.state import ActiveJob
 
 
 def sampling(max_tokens: int = 16) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=0.0, top_k=40, top_p=0.95, min_p=0.05,
-                    repeat_penalty=1.0, seed=None, stop=[])
+    return GenerateRequest(prompt="-", max_tokens=max_tokens, temperature=0.0).sampling(SamplingDefaults())
 
 
 def prompt(n: int, first: int = 1000) -> list[int]:
