@@ -120,7 +120,8 @@ class GenerateRequest(BaseModel):
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
-        return Sampling(**d, seed=self.seed, stop=list(self.stop))
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        return Sampling(**d, seed=self.seed, stop=list(self.stop), format=self.format, top_logprobs=top)
 
 
 def check_json_schema(schema: dict[str, Any]) -> None:
@@ -149,6 +150,8 @@ class Sampling:
     frequency_penalty: float
     seed: int | None
     stop: list[str]
+    format: Literal["json"] | dict[str, Any] | None = None  # structured output (a grammar)
+    top_logprobs: int | None = None  # None: no logprobs; else alternatives per token (0..20)
 
 
 # -- events a backend returns from step() ---------------------------------------------------------

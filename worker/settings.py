@@ -42,6 +42,9 @@ class BackendSettings(BaseModel):
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
+    chat_template: str | None = Field(
+        None, description="a llama.cpp built-in chat template name (e.g. gemma, chatml, llama3) for "
+        "chat requests; None: the model's own template, else `gemma` for gemma-family models")
     # llama-server / ollama (HTTP)
     endpoint: str | None = None
     model: str | None = None  # ollama model name

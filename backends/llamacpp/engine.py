@@ -20,10 +20,11 @@ import time
 
 import llama_cpp as ll
 
-from backends.base import Done, Event, Failed, FinishReason, GenerateRequest, Token
+from backends.base import Done, Event, Failed, FinishReason, GenerateRequest, JobRejected, Token
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.sampling import check_format
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, check_n_batch
 from backends.llamacpp.state import ActiveJob
 from worker.settings import BackendSettings
@@ -41,6 +42,7 @@ class LlamaCppBackend:
         check_n_batch(self.n_batch, streams)  # before the model loads
         self.model = LoadedModel(
             settings.model_path,
+            chat_template=settings.chat_template,
             n_ctx=settings.n_ctx_per_seq * streams if self.invariant else settings.n_ctx,
             n_batch=self.n_batch,
             n_seq_max=streams,
@@ -57,6 +59,7 @@ class LlamaCppBackend:
         self._finished: list[Event] = []
         self.prompt_tokens_prefilled = 0
         self.tokens_generated = 0
+        self.grammar_rejections = 0
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -67,7 +70,10 @@ class LlamaCppBackend:
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")  # before tokenizing: the worker checks first
         tokens = self.model.prompt_tokens(request)
-        self.scheduler.enqueue(job_id, tokens, request.sampling(self.settings.sampling))
+        sampling = request.sampling(self.settings.sampling)
+        if sampling.format is not None:
+            check_format(self.model, sampling.format)  # a schema that cannot compile fails now
+        self.scheduler.enqueue(job_id, tokens, sampling)
         self._start_waiting()
 
     def cancel(self, job_id: str) -> None:
@@ -102,6 +108,7 @@ class LlamaCppBackend:
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "prompt_tokens_reused": self.kv.reused_tokens,
             "tokens_generated": self.tokens_generated,
+            "grammar_rejections": self.grammar_rejections,
             "deferred_admissions": self.scheduler.deferred_admissions,
             "decode_seconds": round(self.executor.decode_seconds, 3),
         }
@@ -152,7 +159,13 @@ class LlamaCppBackend:
         return events
 
     def _sample(self, job: ActiveJob, events: list[Event]) -> None:
-        tok = self.executor.sample(job)
+        try:
+            tok = self.executor.sample(job)
+        except JobRejected as e:  # its grammar has no way on
+            job.done = None
+            self._release(job, keep_kv=False)
+            events.append(Failed(job.job_id, str(e)))
+            return
         if self.model.is_eog(tok):
             self._finish(job, "stop", events)
             return
@@ -162,7 +175,7 @@ class LlamaCppBackend:
         delta = job.text.feed(self.model.piece(tok))
         if delta:
             events.append(Token(job.job_id, delta))
-        if job.text.stopped:
+        if job.text.stopped or self.executor.sampler(job).grammar_complete:
             self._finish(job, "stop", events)
         elif job.generated >= job.sampling.max_tokens or job.n_past + 1 >= self.n_ctx_per_seq:
             self._finish(job, "length", events)
@@ -174,6 +187,10 @@ class LlamaCppBackend:
         if tail:
             events.append(Token(job.job_id, tail, n_tokens=0))
         job.done = Done(job.job_id, reason, len(job.tokens), job.generated)
+        sampler = self.executor.sampler(job)
+        self.grammar_rejections += sampler.rejections
+        if sampler.top_logprobs is not None:  # the end-of-generation token is not output
+            job.done.extra["logprobs"] = sampler.logprobs[: job.generated]
 
     def _fail(self, call: DecodeCall, rc: int, events: list[Event]) -> None:
         why = "KV cache full" if rc == 1 else f"llama_decode failed (rc={rc})"
