@@ -38,8 +38,12 @@ def generate(engine: LlamaCppBackend, **fields: Any) -> tuple[str, Done]:
     return texts.get("one", ""), done
 
 
+def rejections(engine: LlamaCppBackend) -> int:
+    return int(engine.stats()["grammar_rejections"])  # type: ignore[call-overload]
+
+
 def test_presence_and_frequency_penalties_change_greedy_output(engine: LlamaCppBackend) -> None:
-    prompt = "the " * 12
+    prompt = " ".join(["the"] * 12)
     plain, _ = generate(engine, prompt=prompt, max_tokens=12, temperature=0.0)
     assert plain.split().count("the") >= 10  # the model just repeats
     penalized, _ = generate(engine, prompt=prompt, max_tokens=12, temperature=0.0,
@@ -61,17 +65,19 @@ def test_logprobs_chosen_token_is_top_one_when_greedy(engine: LlamaCppBackend) -
         assert (tops[0]["token"], tops[0]["logprob"]) == (e["token"], e["logprob"])  # greedy: the best
         assert e["logprob"] <= 0.0 and bytes(e["bytes"]).decode() == e["token"]
     # logprobs without alternatives, and none at all when not asked
-    _, bare = generate(engine, prompt="The capital of France is", max_tokens=3, temperature=0.0, logprobs=True)
-    assert [e["top_logprobs"] for e in bare.extra["logprobs"]] == [[], [], []]  # type: ignore[union-attr]
+    _, bare = generate(engine, prompt="The capital of France is", max_tokens=3, temperature=0.0,
+                       logprobs=True)
+    bare_entries: Any = bare.extra["logprobs"]
+    assert [e["top_logprobs"] for e in bare_entries] == [[], [], []]
     _, none = generate(engine, prompt="The capital of France is", max_tokens=3, temperature=0.0)
     assert "logprobs" not in none.extra
 
 
 def test_json_schema_output_validates_for_sixteen_jobs_in_a_batch(engine: LlamaCppBackend) -> None:
-    rejections0 = engine.stats()["grammar_rejections"]
+    rejections0 = rejections(engine)
     for i in range(16):
-        engine.admit(f"s{i}", GenerateRequest(prompt=f"Person number {i} as JSON:\n" + EXAMPLES, max_tokens=48,
-                                              temperature=0.9, seed=i, format=PERSON))
+        engine.admit(f"s{i}", GenerateRequest(prompt=f"Person number {i} as JSON:\n" + EXAMPLES,
+                                              max_tokens=48, temperature=0.9, seed=i, format=PERSON))
     assert engine.stats()["active"] == 16
     texts, ends = run_all(engine)
     for i in range(16):
@@ -79,24 +85,27 @@ def test_json_schema_output_validates_for_sixteen_jobs_in_a_batch(engine: LlamaC
         assert isinstance(done, Done) and done.finish_reason == "stop", (done, texts.get(f"s{i}"))
         jsonschema.validate(json.loads(texts[f"s{i}"]), PERSON)
     # "json": any JSON object, on a prompt that does not invite one
-    text, done = generate(engine, prompt="Write a poem about rain.", max_tokens=64, temperature=0.0, format="json")
+    text, done = generate(engine, prompt="Write a poem about rain.", max_tokens=64, temperature=0.0,
+                          format="json")
     assert done.finish_reason == "stop" and isinstance(json.loads(text), dict)
-    assert engine.stats()["grammar_rejections"] > rejections0  # that prompt needed the full filter
+    assert rejections(engine) > rejections0  # that prompt needed the full filter
 
 
 def test_grammar_leaves_greedy_text_it_accepts_unchanged(engine: LlamaCppBackend) -> None:
     """The pick is only checked against the grammar: when the model already writes valid JSON,
     the constrained text is the unconstrained one, cut where the JSON value ends."""
     free, _ = generate(engine, prompt=EXAMPLES, max_tokens=24, temperature=0.0)
-    rejections0 = engine.stats()["grammar_rejections"]
+    rejections0 = rejections(engine)
     constrained, done = generate(engine, prompt=EXAMPLES, max_tokens=24, temperature=0.0, format=PERSON)
     assert done.finish_reason == "stop" and constrained.endswith("}")
     assert free.startswith(constrained)
-    assert engine.stats()["grammar_rejections"] == rejections0
+    assert rejections(engine) == rejections0
 
 
 def test_schema_that_cannot_compile_fails_at_admission(engine: LlamaCppBackend) -> None:
-    for schema, problem in [({"$ref": "#/$defs/missing"}, "$defs"), ({"not": {"type": "string"}}, "Unrecognized")]:
+    unusable: list[tuple[dict[str, Any], str]] = [({"$ref": "#/$defs/missing"}, "$defs"),
+                                                  ({"not": {"type": "string"}}, "Unrecognized")]
+    for schema, problem in unusable:
         with pytest.raises(JobRejected, match="cannot be turned into a grammar") as rejected:
             engine.admit("bad", GenerateRequest(prompt="x", max_tokens=4, format=schema))
         assert problem in str(rejected.value)
@@ -107,8 +116,9 @@ def test_schema_that_cannot_compile_fails_at_admission(engine: LlamaCppBackend) 
 
 def test_chat_on_the_default_model_uses_the_gemma_template(engine: LlamaCppBackend) -> None:
     assert engine.model.chat_template == b"gemma"  # the embedded GGUF has none of its own
-    request = GenerateRequest(messages=[{"role": "system", "content": "Answer briefly."},  # type: ignore[list-item]
-                                        {"role": "user", "content": "What is the capital of France?"}])
+    request = GenerateRequest.model_validate({"messages": [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is the capital of France?"}]})
     formatted = engine.model.apply_chat_template(request)
     assert formatted.startswith("<start_of_turn>user\nAnswer briefly.")
     assert formatted.endswith("<end_of_turn>\n<start_of_turn>model\n")
@@ -116,5 +126,5 @@ def test_chat_on_the_default_model_uses_the_gemma_template(engine: LlamaCppBacke
                           temperature=0.0)
     assert text.strip() and done.prompt_tokens == len(engine.model.tokenize(
         "<start_of_turn>user\nSay hello.<end_of_turn>\n<start_of_turn>model\n", special=True))
-    with pytest.raises(ValueError, match="not a llama.cpp built-in template.*chatml"):
+    with pytest.raises(ValueError, match=r"not a llama.cpp built-in template.*chatml"):
         check_builtin_template("gemma-4-imaginary")

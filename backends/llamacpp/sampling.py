@@ -78,7 +78,8 @@ def _schema_gbnf(schema: str) -> str:
     try:
         return json_schema_to_gbnf(schema)
     except Exception as e:  # the converter raises whatever its parser meets; name it for the user
-        raise JobRejected(f"the JSON schema cannot be turned into a grammar: {type(e).__name__}: {e}") from None
+        why = f"{type(e).__name__}: {e}"
+        raise JobRejected(f"the JSON schema cannot be turned into a grammar: {why}") from None
 
 
 def compile_grammar(model: LoadedModel, gbnf: str) -> ll.llama_sampler_p:
@@ -176,7 +177,7 @@ class SequenceSampler:
 
     def _grammar_allows(self, tok: int) -> bool:
         assert self.grammar is not None
-        self._one.id = tok
+        self._one.id = ll.llama_token(tok)
         self._one.logit = 1.0
         self._one_array.selected = -1
         ll.llama_sampler_apply(self.grammar, ctypes.byref(self._one_array))
