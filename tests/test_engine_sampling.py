@@ -5,6 +5,7 @@ without its own chat template."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,8 +13,9 @@ import jsonschema
 import pytest
 
 from backends.base import Done, GenerateRequest, JobRejected
-from backends.llamacpp import LlamaCppBackend
+from backends.llamacpp import LlamaCppBackend, sampling
 from backends.llamacpp.model import check_builtin_template
+from backends.llamacpp.schema_grammar import integer_range
 from tests.test_batched_engine import run_all
 from worker.settings import BackendSettings
 
@@ -128,3 +130,47 @@ def test_chat_on_the_default_model_uses_the_gemma_template(engine: LlamaCppBacke
         "<start_of_turn>user\nSay hello.<end_of_turn>\n<start_of_turn>model\n", special=True))
     with pytest.raises(ValueError, match=r"not a llama.cpp built-in template.*chatml"):
         check_builtin_template("gemma-4-imaginary")
+
+
+def test_shortlist_resampling_picks_what_the_full_filter_picks(engine: LlamaCppBackend,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused pick is re-sampled from the best SHORTLIST candidates when enough of them pass the
+    grammar; the text must be the one filtering the whole vocabulary gives (greedy and seeded)."""
+    def both() -> list[str]:
+        out = []
+        for fields in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 5}):
+            text, _ = generate(engine, prompt="Write a poem about rain.", max_tokens=24, format=PERSON,
+                               **fields)
+            out.append(text)
+        return out
+
+    rejections0 = rejections(engine)
+    shortlisted = both()
+    assert rejections(engine) > rejections0
+    monkeypatch.setattr(sampling, "chain_keeps", lambda s: None)  # always filter the whole vocabulary
+    assert both() == shortlisted
+
+
+@pytest.mark.parametrize(("lo", "hi"),
+                         [(0, 120), (5, 5), (-7, 3), (-120, -3), (17, 98765), (-999, 999), (10, 19)])
+def test_integer_bounds_grammar_matches_exactly_the_range(lo: int, hi: int) -> None:
+    """llama-cpp-python's converter ignores minimum/maximum; ours turns them into digit ranges.
+    Each GBNF alternative here is a sequence of literals and digit classes, so it reads as a regex."""
+    alts = integer_range(lo, hi)
+    as_regex = ["".join(part.strip('"') for part in alt.split(" ")) for alt in alts]
+    regex = re.compile("^(" + "|".join(as_regex) + ")$")
+    for n in range(lo - 1200, hi + 1200):
+        assert bool(regex.match(str(n))) == (lo <= n <= hi), n
+    assert not any(regex.match(s) for s in ("00", "01", "-0", "007"))  # no leading zeros
+
+
+def test_bounded_integers_hold_in_generated_json(engine: LlamaCppBackend) -> None:
+    tight = {"type": "object", "required": ["age"], "additionalProperties": False,
+             "properties": {"age": {"type": "integer", "minimum": 18, "exclusiveMaximum": 21}}}
+    for seed in range(4):
+        text, done = generate(engine, prompt='{"age":1255}\n{"age":4}\n', max_tokens=12, temperature=1.0,
+                              seed=seed, format=tight)
+        assert done.finish_reason == "stop" and json.loads(text)["age"] in (18, 19, 20), text
+    with pytest.raises(JobRejected, match="no integer lies within"):
+        engine.admit("empty", GenerateRequest(prompt="x", format={"type": "integer", "minimum": 3,
+                                                                  "maximum": 2}))

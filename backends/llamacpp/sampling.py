@@ -7,7 +7,10 @@ output) and optional log-probabilities.
 - Grammar: what llama-server does (`common_sampler_sample` with grammar_first=false). Filtering
   every candidate of a 262k vocabulary through the grammar each step is slow, so the chain samples
   first and only the picked token is checked against the grammar (a 1-element candidate array);
-  only when the grammar rejects it is the full candidate list filtered and sampled again.
+  only when the grammar rejects it is the candidate list filtered and sampled again. That
+  re-filter first tries the SHORTLIST best logits (a few ms instead of 60-200 ms for 262k pieces):
+  when at least as many of them pass as the chain keeps (its top-k; 1 for plain greedy), the
+  chain picks exactly what it would pick from the whole filtered vocabulary; else the whole one.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from typing import Any
 
 import llama_cpp as ll
 import numpy as np
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from backends.base import JobRejected, Sampling
 from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.schema_grammar import json_schema_to_gbnf
 
 PENALTY_LAST_N = 64  # llama-server's default window for repeat/frequency/presence penalties
+GREEDY_PENALTY_TOP_K = 64  # greedy with penalties looks at the best 64 only (see sampler_chain)
+SHORTLIST = 1024  # candidates a rejected pick is re-sampled from first
 GrammarFormat = str | dict[str, Any]
 
 
@@ -35,7 +41,7 @@ def sampler_chain(s: Sampling, n_vocab: int) -> ll.llama_sampler_p:
     chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
     if s.temperature <= 0:
         if has_penalties(s):  # penalties over the whole vocabulary are slow: the top 64 suffice
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(64))
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(GREEDY_PENALTY_TOP_K))
             ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s))
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
         return chain
@@ -53,6 +59,13 @@ def sampler_chain(s: Sampling, n_vocab: int) -> ll.llama_sampler_p:
 
 def has_penalties(s: Sampling) -> bool:
     return s.repeat_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
+
+
+def chain_keeps(s: Sampling) -> int | None:
+    """How many best candidates `sampler_chain` samples from (None: it may use all of them)."""
+    if s.temperature <= 0:
+        return GREEDY_PENALTY_TOP_K if has_penalties(s) else 1
+    return s.top_k if 0 < s.top_k <= SHORTLIST else None
 
 
 def _penalties(n_vocab: int, s: Sampling) -> ll.llama_sampler_p:
@@ -109,7 +122,22 @@ class Candidates:
         self._view["id"] = self._ids  # samplers sort and cut the array in place: refill it all
         self._view["logit"] = logits
         self._view["p"] = 0.0
-        self.array.size = self.n_vocab
+        return self._reset(self.n_vocab)
+
+    def fill_best(self, logits: np.ndarray, n: int) -> ll.llama_token_data_array:
+        """Only the n best logits (in no order)."""
+        best = np.argpartition(logits, -n)[-n:]
+        self._view["id"][:n] = best
+        self._view["logit"][:n] = logits[best]
+        self._view["p"][:n] = 0.0
+        return self._reset(n)
+
+    def passing(self) -> int:
+        """How many candidates of the array have not been ruled out (logit -inf)."""
+        return int(np.count_nonzero(self._view["logit"][: self.array.size] != -np.inf))
+
+    def _reset(self, size: int) -> ll.llama_token_data_array:
+        self.array.size = size
         self.array.selected = -1
         self.array.sorted = False
         return self.array
@@ -138,6 +166,7 @@ class SequenceSampler:
             self._one = ll.llama_token_data(0, 1.0, 0.0)
             self._one_array = ll.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
         self.top_logprobs = s.top_logprobs
+        self.keeps = chain_keeps(s)
         self.logprobs: list[dict[str, Any]] = []  # one entry per sampled token, when asked
         self.grammar_complete = False  # the grammar's text is whole: nothing but whitespace may follow
         self.rejections = 0  # picks the grammar refused (each one cost a full-vocabulary filter)
@@ -163,10 +192,7 @@ class SequenceSampler:
         tok, _ = self.candidates.selected()
         if not self._grammar_allows(tok):
             self.rejections += 1
-            cur = self.candidates.fill(logits)
-            ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
-            ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
-            tok, logit = self.candidates.selected()
+            tok, logit = self._resample(logits)
             if logit == -math.inf:  # accepting a token the grammar refuses would abort llama.cpp
                 raise JobRejected("the grammar allows no further token")
         ll.llama_sampler_accept(self.chain, tok)
@@ -174,6 +200,20 @@ class SequenceSampler:
             ll.llama_sampler_accept(self.grammar, tok)
             self.grammar_complete = self._whole(tok)
         return tok
+
+    def _resample(self, logits: np.ndarray) -> tuple[int, float]:
+        """Sample from the candidates the grammar allows (the picked one was refused)."""
+        assert self.grammar is not None and self.candidates is not None
+        if self.keeps is not None:
+            cur = self.candidates.fill_best(logits, SHORTLIST)
+            ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
+            if self.candidates.passing() >= self.keeps:  # the chain's choice lies in the shortlist
+                ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
+                return self.candidates.selected()
+        cur = self.candidates.fill(logits)
+        ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
+        ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
+        return self.candidates.selected()
 
     def _grammar_allows(self, tok: int) -> bool:
         assert self.grammar is not None
