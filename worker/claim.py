@@ -29,13 +29,15 @@ log = logging.getLogger("fleet.worker")
 
 DIED_ON_FIELD = "fleet_died_on"  # job hash: workers that died running it, comma-separated
 
-# KEYS: inflight, queue1..queueN (priority order)   ARGV: max jobs
+# KEYS: inflight, queue1..queueN (priority order)   ARGV: max jobs, then optionally per queue the
+# most jobs the claim may hold once it took from that queue (worker/priority.py)
 # returns a flat list: id1, queue1, id2, queue2, ...
 _CLAIM = """
 local out = {}
 local n = tonumber(ARGV[1])
 for i = 2, #KEYS do
-  while #out < 2 * n do
+  local cap = math.min(n, tonumber(ARGV[i] or ARGV[1]))
+  while #out < 2 * cap do
     local id = redis.call('LMOVE', KEYS[i], KEYS[1], 'LEFT', 'RIGHT')
     if not id then break end
     out[#out + 1] = id
@@ -81,12 +83,13 @@ class Claimer:
         self._claim = redis.register_script(_CLAIM)
         self._requeue = redis.register_script(_REQUEUE)
 
-    def claim(self, n: int) -> list[tuple[bytes, str]]:
-        """Up to n (raw job id, queue name) pairs, highest priority first. Ids stay bytes: a
-        producer may have pushed one that is not UTF-8, and it must still be failed visibly."""
+    def claim(self, n: int, limits: Sequence[int] = ()) -> list[tuple[bytes, str]]:
+        """Up to n (raw job id, queue name) pairs, highest priority first; `limits`: per queue, the
+        most the claim may hold after taking from it. Ids stay bytes: a producer may have pushed
+        one that is not UTF-8, and it must still be failed visibly."""
         if n <= 0:
             return []
-        flat = self._claim(keys=[self.inflight, *self.queue_keys], args=[n])
+        flat = self._claim(keys=[self.inflight, *self.queue_keys], args=[n, *limits])
         return [(bytes(flat[i]), flat[i + 1].decode()) for i in range(0, len(flat), 2)]
 
     def held_raw(self) -> list[bytes]:

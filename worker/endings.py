@@ -12,7 +12,7 @@ from redis.client import Pipeline
 from backends.base import Done
 from dispatcher import stream
 from dispatcher.keys import ATTEMPT_FIELD, cancel_key, job_key, stream_key
-from worker import rqjobs
+from worker import batch_hook, rqjobs
 from worker.rqjobs import ClaimedJob
 
 log = logging.getLogger("fleet.worker")
@@ -83,6 +83,7 @@ def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, res
     pipe.xadd(key, entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
     pipe.expire(key, result_ttl)
     pipe.delete(cancel_key(job.id))
+    batch_hook.record_ending(job, pipe)  # a batch line: its result into the batch's record
 
 
 def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_ttl: int,

@@ -37,6 +37,7 @@ from worker import endings, rqjobs
 from worker.claim import Claimer, Contended, log_refusals
 from worker.counters import WorkerCounters
 from worker.link import RedisLink
+from worker.priority import ClaimPolicy
 from worker.rqjobs import BadJob, ClaimedJob, Ending, NotToRun
 from worker.settings import FleetSettings
 
@@ -56,6 +57,7 @@ class FleetWorker:
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
         self.claimer = Claimer(redis, name, self.queues)
+        self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues)
         self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
         self.to_requeue: dict[str, tuple[ClaimedJob, str]] = {}  # handed back once Redis allows
         self.unstarted: list[tuple[bytes, str]] = []  # claimed; starting it met an outage
@@ -145,11 +147,12 @@ class FleetWorker:
         free = self.backend.free_slots() - len(self.unstarted)
         if free <= 0 or not self._engine_ready():
             return
-        claimed = self.claimer.claim(free)
+        limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
+        claimed = self.claimer.claim(free, limits)
         if not claimed and not self.inflight and not self.to_requeue:
             # idle: sleep on the wake list, then look again (plain-RQ producers never push it)
             self.redis.blpop([wake_key(self.settings.pool)], timeout=IDLE_WAIT)
-            claimed = self.claimer.claim(free)
+            claimed = self.claimer.claim(free, limits)
         self.unstarted.extend(claimed)
         self._start_unstarted()
 
