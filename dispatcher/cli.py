@@ -155,12 +155,14 @@ def status(config: str | None, as_json: bool) -> None:
 
 def _register_extensions() -> None:
     from dispatcher import bench
+    from dispatcher.batch import cli as batch_cli
     from dispatcher.gateway.serve import serve
     from ecosystem.cli import register
     from worker import health
 
     register(cli)
     bench.register(cli)
+    batch_cli.register(cli)
     health.register(cli)
     cli.add_command(serve)
 
