@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from redis import Redis
@@ -17,9 +19,30 @@ from rich.table import Table
 from dispatcher.batch import control, record
 from dispatcher.batch.lines import scan
 from dispatcher.batch.submit import DEFAULT_RETENTION, BatchRefused, BatchSpec, default_batch_id, submit_batch
-from dispatcher.cli import config_option, friendly_errors, settings_and_redis
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+F = TypeVar("F", bound=Callable[..., Any])
+config_option = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
+                             help="worker-config.json (default: $FLEET_CONFIG or ./worker-config.json)")
+
+
+def friendly_errors(func: F) -> F:
+    """dispatcher.cli's readable errors, imported when the command runs: dispatcher.cli imports
+    this module while it registers its commands."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from dispatcher.cli import friendly_errors as readable
+
+        return readable(func)(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def settings_and_redis(config: str | None) -> Any:
+    from dispatcher.cli import settings_and_redis as connect
+
+    return connect(config)
 
 
 def parse_duration(text: str) -> int:
