@@ -18,7 +18,14 @@ from rich.table import Table
 
 from dispatcher.batch import control, record
 from dispatcher.batch.lines import scan
-from dispatcher.batch.submit import DEFAULT_RETENTION, BatchRefused, BatchSpec, default_batch_id, submit_batch
+from dispatcher.batch.submit import (
+    CHUNK,
+    DEFAULT_RETENTION,
+    BatchRefused,
+    BatchSpec,
+    default_batch_id,
+    submit_batch,
+)
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 F = TypeVar("F", bound=Callable[..., Any])
@@ -68,9 +75,11 @@ def batch() -> None:
 @click.option("--retention", default=f"{DEFAULT_RETENTION // 86400}d", help="results kept after the end")
 @click.option("--skip-invalid", is_flag=True, help="enqueue the good lines even if some are bad")
 @click.option("--wait", is_flag=True, help="show progress until the batch ends")
+@click.option("--chunk-size", type=click.IntRange(1, 10_000), default=CHUNK,
+              help="lines per Redis transaction")
 @friendly_errors
 def submit(file: Path, config: str | None, batch_id: str | None, priority: str, completion_window: str,
-           retention: str, skip_invalid: bool, wait: bool) -> None:
+           retention: str, skip_invalid: bool, wait: bool, chunk_size: int) -> None:
     """Check every line of FILE, then enqueue one job per line (only those not enqueued before)."""
     s, redis = settings_and_redis(config)
     window, keep = parse_duration(completion_window), parse_duration(retention)
@@ -91,6 +100,7 @@ def submit(file: Path, config: str | None, batch_id: str | None, priority: str, 
         task = bar.add_task("enqueue", total=found.valid)
         try:
             report = submit_batch(redis, spec, open_lines, skip_invalid=skip_invalid, checked=found,
+                                  chunk=chunk_size,
                                   progress=lambda done, total: bar.update(task, completed=done))
         except BatchRefused as e:
             raise click.ClickException(str(e)) from None

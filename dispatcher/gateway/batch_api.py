@@ -30,7 +30,7 @@ from dispatcher.batch.lines import URLS, scan
 from dispatcher.batch.submit import BatchRefused, BatchSpec, new_batch_id, submit_batch
 from dispatcher.gateway.core import ApiError, Gateway
 from dispatcher.keys import batch_key, file_key
-from dispatcher.replies import as_str
+from dispatcher.replies import Fields, as_str
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 FILE_TTL = 7 * 86400
@@ -63,7 +63,7 @@ async def create_file(request: Request) -> Response:
         raise ApiError(413, f"the file is larger than {MAX_FILE_BYTES} bytes", param="file",
                        code="file_too_large")
     file_id = "file-" + secrets.token_hex(12)
-    meta: dict[str, str | int] = {"filename": filename, "purpose": purpose, "bytes": len(content),
+    meta: Fields = {"filename": filename, "purpose": purpose, "bytes": len(content),
                                   "created_at": int(time.time())}
 
     def store() -> None:
@@ -77,7 +77,7 @@ async def create_file(request: Request) -> Response:
     return JSONResponse(_file_object(file_id, meta))
 
 
-def _file_object(file_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+def _file_object(file_id: str, meta: Any) -> dict[str, Any]:
     created = int(meta.get("created_at") or 0)
     return {"id": file_id, "object": "file", "bytes": int(meta.get("bytes") or 0), "created_at": created,
             "filename": meta.get("filename"), "purpose": meta.get("purpose"), "status": "processed",
