@@ -68,11 +68,12 @@ def test_compact_endings_round_trip() -> None:
 
 def test_low_jobs_leave_the_reserve_free() -> None:
     # 16 slots, 2 reserved: with 14 low jobs running, 2 free slots are for high/default only
-    assert claim_limits(["high", "default", "low"], free=2, slots=16, low_in_flight=14, reserved=2) == [2, 2, 0]
+    order = ["high", "default", "low"]
+    assert claim_limits(order, free=2, slots=16, low_in_flight=14, reserved=2) == [2, 2, 0]
     # an idle worker takes at most 14 low jobs in one claim
-    assert claim_limits(["high", "default", "low"], free=16, slots=16, low_in_flight=0, reserved=2) == [16, 16, 14]
+    assert claim_limits(order, free=16, slots=16, low_in_flight=0, reserved=2) == [16, 16, 14]
     # interactive jobs running count against the low room too (via the peak)
-    assert claim_limits(["high", "low"], free=6, slots=16, low_in_flight=4, reserved=2, interactive_peak=6) == [6, 4]
+    assert claim_limits(order, free=6, slots=16, low_in_flight=4, reserved=2, interactive_peak=6) == [6, 6, 4]
     assert auto_reserved(16) == 2 and auto_reserved(4) == 1 and auto_reserved(2) == 0
 
 
