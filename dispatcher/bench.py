@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from backends.model import default_model_path
+from dispatcher.bench_html import write_html
 from dispatcher.bench_load import FleetTarget, LlamaServerTarget, Sample, Target, closed_loop
 from dispatcher.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
 from dispatcher.local import ROOT, RedisServer, WorkerProcess, start_worker
@@ -292,6 +293,8 @@ def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_fil
     console.print(f"JSON: {out}")
     if write_plot(out.with_suffix(".png"), rows, title):
         console.print(f"plot: {out.with_suffix('.png')}")
+    write_html(out.with_suffix(".html"), rows, title, meta, png=out.with_suffix(".png"))
+    console.print(f"HTML report: {out.with_suffix('.html')}")
 
 
 def _key_values(values: tuple[str, ...]) -> tuple[str, ...]:

@@ -13,8 +13,6 @@ import click
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rich.console import Console
-from rich.table import Table
 
 from backends.contract.connect import redis_from_url
 from dispatcher import status as fleet_status
@@ -123,46 +121,18 @@ def submit(prompt: str, config: str | None, max_tokens: int | None, temperature:
                    f"{t['tokens_per_s']} tok/s]", err=True)
 
 
-@cli.command()
-@config_option
-@click.option("--json", "as_json", is_flag=True)
-@friendly_errors
-def status(config: str | None, as_json: bool) -> None:
-    """Show workers (cpus, backend, state, in-flight, tok/s, RSS) and queue depths."""
-    s, redis = settings_and_redis(config)
-    snap = fleet_status.snapshot(redis, s.pool)
-    if as_json:
-        click.echo(json.dumps(snap))
-        return
-    console = Console()
-    wt = Table(title=f"workers (pool {s.pool}, redis {fleet_status.redact_url(s.redis_url)})")
-    for col in ("name", "host", "pid", "cpus", "node", "backend", "state", "in-flight", "tokens",
-                "tok/s", "RSS MiB"):
-        wt.add_column(col)
-    for w in snap["workers"]:
-        node = f"{w.get('numa_node', '')} ({w.get('numa_memory', '')})"
-        wt.add_row(str(w["name"]), str(w["host"]), str(w["pid"]), str(w.get("cpus") or "all"), node,
-                   str(w["backend"]), str(w["state"]), f"{w['inflight']}/{w['slots']}", str(w["tokens"]),
-                   str(w["tok_s"]), str(w["rss_mb"]))
-    console.print(wt)
-    qt = Table(title="queues")
-    for col in ("queue", "depth", "started", "finished", "failed"):
-        qt.add_column(col)
-    for q in snap["queues"]:
-        qt.add_row(q["queue"], str(q["depth"]), str(q["started"]), str(q["finished"]), str(q["failed"]))
-    console.print(qt)
-
-
 def _register_extensions() -> None:
     from dispatcher import bench
     from dispatcher.batch import cli as batch_cli
     from dispatcher.gateway.serve import serve
+    from dispatcher.observe import cli as observe_cli
     from ecosystem.cli import register
     from worker import health
 
     register(cli)
     bench.register(cli)
     batch_cli.register(cli)
+    observe_cli.register(cli)
     health.register(cli)
     cli.add_command(serve)
 

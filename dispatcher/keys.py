@@ -88,3 +88,36 @@ def batch_lock_key(batch_id: str) -> str:
 def file_key(file_id: str) -> str:
     """Hash: a file uploaded through the gateway's POST /v1/files (content + metadata), TTL."""
     return f"fleet:file:{file_id}"
+
+
+# -- observability (docs/observability.md): monotonic counters, histograms, bounded job history --
+
+POOLS_SET = "fleet:pools"  # pools that have had a worker (so readers know which queues to show)
+
+
+def pool_counters_key(pool: str) -> str:
+    """Fleet-wide monotonic counters of a pool (HINCRBY only: never reset by a worker restart)."""
+    return f"fleet:counters:pool:{pool}"
+
+
+def worker_counters_key(name: str) -> str:
+    """Monotonic counters of one worker name (a worker restarted under its name continues them)."""
+    return f"fleet:counters:worker:{name}"
+
+
+def histogram_key(metric: str, pool: str) -> str:
+    """Bucket counts (one field per upper bound) and the sum of one histogram of a pool."""
+    return f"fleet:hist:{metric}:{pool}"
+
+
+def history_key(job_id: str) -> str:
+    """One job's history: params (prompt shortened), attempts, restart reasons, ending, timings."""
+    return f"fleet:history:{job_id}"
+
+
+HISTORY_RECENT = "fleet:history:recent"  # zset job id -> last change time (capped)
+
+
+def history_failed_key(queue: str) -> str:
+    """Failed jobs of one queue, zset job id -> end time (capped); `fleet status` counts the last hour."""
+    return f"fleet:history:failed:{queue}"

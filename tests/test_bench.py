@@ -50,6 +50,7 @@ def test_one_small_run_end_to_end(tmp_path: Path) -> None:
     assert set(doc["ratios_fleet_over_peer"]) == {"1", "2"}
     assert doc["meta"]["config"]["fleet_backend"] == "llama-cpp"
     assert doc["meta"]["config"]["fleet_settings"] == ["prefix_cache=0"]
+    assert out.with_suffix(".html").read_text().count("<polyline") >= 8  # 4 plots x (fleet, peer)
 
 
 def test_fleet_set_must_be_key_value() -> None:

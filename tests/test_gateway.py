@@ -18,6 +18,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher import Fleet
 from tests.gateway_harness import start_gateway, wait_until_healthy
@@ -167,6 +168,14 @@ def test_errors_404_400_401_and_keys_never_logged(workers, gateways) -> None:
     authed = ollama.Client(host=gw.url, headers={"Authorization": "Bearer sk-fleet-secret-1"})
     assert authed.generate(model="llm", prompt=PROMPT, options={"num_predict": 2}).done
     assert httpx.get(f"{gw.url}/health").status_code == 200  # open: probes carry no key
+    assert httpx.get(f"{gw.url}/metrics").status_code == 401  # with keys set, so are these
+    assert httpx.get(f"{gw.url}/dashboard/api/status").status_code == 401
+    bearer = {"Authorization": "Bearer sk-fleet-secret-1"}
+    families = {f.name for f in text_string_to_metric_families(
+        httpx.get(f"{gw.url}/metrics", headers=bearer).text)}
+    assert {"llama_fleet_jobs", "llama_fleet_tokens_generated"} <= families, families
+    status = httpx.get(f"{gw.url}/dashboard/api/status", headers=bearer).json()
+    assert [w["name"] for w in status["workers"]] == ["w1"]
     gw.stop()
     assert "sk-fleet-secret" not in gw.output() and "sk-wrong" not in gw.output()
 

@@ -88,4 +88,8 @@ def test_ollama_chat_stream_and_format_schema(gateway: Any) -> None:
     jsonschema.validate(json.loads(structured.message.content or ""), PERSON)
     as_json = client.generate(model="gemma", prompt="A person as JSON:", format="json",
                               options={"num_predict": 100, "temperature": 0})
-    assert isinstance(json.loads(as_json.response), dict)
+    # the grammar forces JSON, not an end: a small model may still be inside a value at num_predict
+    if as_json.done_reason == "length":
+        assert as_json.response.lstrip().startswith("{"), as_json.response
+    else:
+        assert isinstance(json.loads(as_json.response), dict)

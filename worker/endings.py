@@ -12,7 +12,7 @@ from redis.client import Pipeline
 from backends.base import Done
 from dispatcher import stream
 from dispatcher.keys import ATTEMPT_FIELD, cancel_key, job_key, stream_key
-from worker import batch_hook, rqjobs
+from worker import batch_hook, facts, rqjobs
 from worker.rqjobs import ClaimedJob
 
 log = logging.getLogger("fleet.worker")
@@ -52,6 +52,7 @@ def write_text(job: ClaimedJob, pipe: Pipeline) -> int:
     a duplicate). Returns how many; the caller marks them sent once the pipeline succeeded."""
     if job.attempt_dirty:  # the engine restarted it: the new attempt number goes first
         pipe.hset(job_key(job.id), ATTEMPT_FIELD, job.attempt - 1)
+        facts.record_restart(pipe, job.id, job.queue, job.attempt - 1, job.restart_reason, "engine")
     for i, text in enumerate(job.unsent):
         pipe.xadd(stream_key(job.id), stream.encode_text(job.attempt, job.sent + i, text),
                   maxlen=stream.STREAM_MAXLEN, approximate=True)
@@ -84,6 +85,7 @@ def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, res
     pipe.expire(key, result_ttl)
     pipe.delete(cancel_key(job.id))
     batch_hook.record_ending(job, pipe)  # a batch line: its result into the batch's record
+    facts.record_end(job, pipe, worker, backend)
 
 
 def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_ttl: int,

@@ -24,6 +24,7 @@ from dispatcher.keys import WORKERS_SET, worker_key
 from dispatcher.reconnect import OUTAGE_ERRORS
 from dispatcher.replies import Fields
 from dispatcher.status import redact_url
+from worker import facts
 from worker.health import write_health
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ class Heartbeat(threading.Thread):
         self.proc.cpu_percent()  # first call primes the counter
         self._halt = threading.Event()
         self.beats = 0
+        facts.enable(fleet_worker.settings.observe)
+        self.facts = facts.LiveFacts(fleet_worker.settings.pool, fleet_worker.name)
 
     def halt(self) -> None:
         self._halt.set()
@@ -106,6 +109,7 @@ class Heartbeat(threading.Thread):
             "rss_mb": round(mem.rss / 2**20, 1),
             "cpu_pct": round(self.proc.cpu_percent(), 1),
             "backend_stats": redact(fw.backend.stats()),
+            **self.facts.status_fields(fw),
             "updated_at": round(time.time(), 3),
         }
 
@@ -119,6 +123,7 @@ class Heartbeat(threading.Thread):
             pipe.hset(worker_key(fw.name), mapping=status)
             pipe.pexpire(worker_key(fw.name), self.ttl_ms)
             pipe.sadd(WORKERS_SET, fw.name)
+            self.facts.on_beat(pipe)
             self.rq_worker.heartbeat(timeout=ttl_s + 60, pipeline=pipe)
             for job in list(fw.inflight.values()):
                 if job.execution is not None and job.job is not None:

@@ -33,7 +33,7 @@ from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobR
 from dispatcher.keys import cancel_key, job_key, queue_names, wake_key
 from dispatcher.reconnect import OUTAGE_ERRORS, Backoff
 from dispatcher.replies import as_str
-from worker import endings, rqjobs
+from worker import endings, facts, rqjobs
 from worker.claim import Claimer, Contended, log_refusals
 from worker.counters import WorkerCounters
 from worker.link import RedisLink
@@ -194,6 +194,7 @@ class FleetWorker:
             return
         with self.redis.pipeline(transaction=True) as pipe:
             rqjobs.mark_started(job, self.name, self.settings.job_timeout + 60, pipe)
+            facts.record_start(job, self.name, self.backend.name, pipe)
             pipe.execute()
         self.inflight[job_id] = job
         assert job.request is not None
@@ -259,6 +260,7 @@ class FleetWorker:
                 job.text.clear()
                 job.unsent.clear()
                 job.sent, job.attempt_dirty, job.first_token_at = 0, True, None
+                job.restart_reason = ev.reason
             elif isinstance(ev, Done):
                 self._engine_backoff.reset()
                 if job.timed_out:
@@ -340,6 +342,7 @@ class FleetWorker:
                     job.execution.delete(job.job, pipe)
                     pipe.execute()
             self.counters.jobs_requeued += 1
+            facts.record_restart_now(self.redis, job_id, job.queue, attempt, why, self.name)
             log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
     def _end(self, job: ClaimedJob, ending: Ending) -> None:

@@ -24,7 +24,7 @@ from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from dispatcher.keys import ATTEMPT_FIELD, REAPER_LOCK, WORKERS_SET, inflight_key, job_key, worker_key
 from dispatcher.replies import as_int, as_str
-from worker import claim, endings
+from worker import claim, endings, facts
 from worker.link import RedisLink
 from worker.rqjobs import ClaimedJob, Ending
 
@@ -77,11 +77,15 @@ class Reaper:
             elif used >= self.max_attempts:
                 self._end_execution(job_id, origin)
                 self._fail(job_id, origin, name, used, died_on)
+                facts.record_restart_now(self.redis, job_id, origin, used, _died(name, gone), self.me,
+                                         reaped=True, requeued=False)
             else:
                 self._end_execution(job_id, origin)
                 attempt = claim.requeue(self._requeue, inflight, job_id, origin, bump_attempt=True,
                                         died_on=name)
                 if attempt >= 0:
+                    facts.record_restart_now(self.redis, job_id, origin, attempt, _died(name, gone), self.me,
+                                             reaped=True)
                     log.warning("worker %s is dead: requeued %s at the front (attempt %d)", name, job_id,
                                 attempt + 1)
             n += 1
@@ -121,6 +125,12 @@ class Reaper:
 
         if claim.commit_held(self.redis, inflight_key(worker), [job_id], write):
             log.warning("job %s: %s", job_id, reason)
+
+
+def _died(name: str, gone: bool) -> str:
+    if gone:
+        return f"worker {name} died (its heartbeat expired)"
+    return f"the previous process named {name} died while running it"
 
 
 def recover_own(redis: Redis, name: str, reaper: Reaper) -> int:

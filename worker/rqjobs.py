@@ -72,6 +72,7 @@ class ClaimedJob:
     unsent: list[str] = field(default_factory=list)  # text deltas of this attempt
     sent: int = 0  # deltas of this attempt already written: the stream index of the next one
     attempt_dirty: bool = False  # the engine restarted the job: write the new attempt first
+    restart_reason: str = ""  # why the engine restarted it (for the job's history)
     started_written: bool = False  # RQ knows it started (mark_started applied)
     ending: Ending | None = None
 

@@ -73,6 +73,8 @@ class FleetSettings(BaseSettings):
     reserved_slots: int | None = Field(None, ge=0, description="slots a worker keeps free of low-priority "
                                        "(batch) jobs for interactive ones; None: 1 in 8 (worker/priority.py)")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
+    observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
+                          "status hash is always written: it is the liveness signal)")
     durability: Literal["primary", "replicated"] = Field(
         "primary", description="producers: submit returns once the primary has the job, or (replicated) "
         "once a replica has it too (Redis WAIT; docs/scale-out.md)")

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from dispatcher.gateway import batch_api, ollama_api, openai_api
 from dispatcher.gateway.core import ApiError, Gateway
@@ -81,8 +81,42 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/api/ps", guarded(ollama_api.ps)),
         Route("/api/version", ollama_api.version),  # Ollama clients probe it before anything else
         *batch_api.routes(guarded),
+        *observability_routes(settings),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error})
+
+
+def observability_routes(settings: ServeSettings) -> list[Route | Mount]:
+    """GET /metrics (Prometheus) and /dashboard, read with a sync client in Starlette's thread
+    pool. With API keys set, both need a key too (the dashboard shows prompts)."""
+    from backends.contract.connect import redis_from_url
+    from dispatcher.observe.dashboard import dashboard_app
+    from dispatcher.observe.metrics import metrics_route
+
+    redis = redis_from_url(settings.redis_url)
+    metrics = metrics_route(redis, settings.pool)
+    dashboard = dashboard_app(redis, settings.pool)
+    if settings.gateway.api_keys:
+        metrics = Route("/metrics", guarded(metrics.endpoint))
+        return [metrics, Mount("/dashboard", app=guarded_asgi(dashboard))]
+    return [metrics, Mount("/dashboard", app=dashboard)]
+
+
+def guarded_asgi(app: Starlette) -> Callable[..., Awaitable[None]]:
+    """An ASGI app behind the same key check as the API routes."""
+
+    async def check(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            request = Request(scope, receive)
+            gw: Gateway = request.app.state.gateway
+            if not gw.authorized(request.headers.get("authorization")):
+                response = JSONResponse({"error": "Incorrect or missing API key"}, status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return check
 
 
 def app_from_env() -> Starlette:
