@@ -152,13 +152,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def table(rows: Sequence[Summary], title: str) -> Table:
+    """The main table; a workload column only when the rows span several (print_report gives each
+    workload its own table, which keeps it narrow enough for a terminal)."""
     t = Table(title=title)
+    several = len(workloads_of(rows)) > 1
     for col in ("workload", "users", "system", "tok/s", "fleet/peer", "TTFT p50", "TTFT p95", "e2e p50",
-                "e2e p95", "tok/req", "CPU s/1k tok", "errors", "too long"):
+                "e2e p95", "tok/req", "CPU s/1k tok", "errors", "too long")[0 if several else 1:]:
         t.add_column(col, justify="left" if col in ("workload", "system") else "right")
     by_key = ratios(rows)
     for r in rows:
-        t.add_row(r.workload, str(r.users), r.system, f"{r.tok_s:.1f}",
+        t.add_row(*[r.workload][:several], str(r.users), r.system, f"{r.tok_s:.1f}",
                   _ratio_cell(r, by_key.get((r.workload, r.users), {})),
                   _fmt_ms(r.ttft_p50_ms), _fmt_ms(r.ttft_p95_ms), _fmt_ms(r.e2e_p50_ms),
                   _fmt_ms(r.e2e_p95_ms), f"{r.tokens_per_request:g}",
@@ -193,7 +196,9 @@ def _fmt_ms(v: float | None) -> str:
 
 
 def print_report(console: Console, rows: Sequence[Summary], title: str) -> None:
-    console.print(table(rows, title))
+    console.print(f"[bold]{title}")
+    for workload in workloads_of(rows):
+        console.print(table([r for r in rows if r.workload == workload], f"workload {workload}"))
     console.print(cpu_table(rows))
     for r in rows:
         if r.first_error:
