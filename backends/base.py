@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_TOKENS_LIMIT = 8192
 MAX_PROMPT_CHARS = 1_000_000
+# All of a request's text together (prompt, or every message): 256 messages of MAX_PROMPT_CHARS
+# each would otherwise pass (issue 10, defect 7). Workers bound it further by their context.
+MAX_REQUEST_CHARS = 1_000_000
 MAX_SCHEMA_CHARS = 32_768  # a JSON schema for structured output, serialized
 MAX_TOP_LOGPROBS = 20
 Priority = Literal["high", "default", "low"]
@@ -102,6 +105,10 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
+        total = sum(len(m.content) for m in self.messages or [])
+        if total > MAX_REQUEST_CHARS:
+            limit = MAX_REQUEST_CHARS
+            raise ValueError(f"messages hold {total:,} characters together; the limit is {limit:,}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

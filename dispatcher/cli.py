@@ -88,24 +88,33 @@ def worker(config: str | None, cpus: str | None, name: str | None, verbose: bool
 @click.option("--timeout", type=float, default=300.0, help="seconds to wait for the result")
 @click.option("--queue-ttl", type=int, default=None, help="fail the job if it waits longer in the queue")
 @click.option("--job-timeout", type=int, default=None, help="fail the job if it runs longer")
+@click.option("--detach", is_flag=True, help="on Ctrl-C, leave the job running (default: cancel it)")
 @friendly_errors
 def submit(prompt: str, config: str | None, max_tokens: int | None, temperature: float | None,
            seed: int | None, stop: tuple[str, ...], priority: str, do_stream: bool, as_json: bool,
-           timeout: float, queue_ttl: int | None, job_timeout: int | None) -> None:
-    """Submit one generation job and wait for its result."""
+           timeout: float, queue_ttl: int | None, job_timeout: int | None, detach: bool) -> None:
+    """Submit one generation job and wait for its result. Ctrl-C cancels it (unless --detach)."""
     s, redis = settings_and_redis(config)
     fleet = Fleet(redis=redis, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
                   queue_ttl=s.queue_ttl)
     fields: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                               "stop": list(stop) or None}
+    job = None
     try:
         job = fleet.submit(prompt, priority=priority, queue_ttl=queue_ttl, job_timeout=job_timeout,
                            **{k: v for k, v in fields.items() if v is not None})
         if do_stream and not as_json:
-            for text in job.stream(timeout=timeout):
+            for text in job.stream(timeout=timeout, detach=detach):
                 click.echo(text, nl=False)
             click.echo()
         res = job.result(timeout=timeout)
+    except KeyboardInterrupt:  # nobody reads the rest: stop the worker generating it (issue 10, #12)
+        if job is not None and not detach:
+            job.cancel_quietly()
+            click.echo(f"\ncancelled job {job.id}", err=True)
+        elif job is not None:
+            click.echo(f"\ndetached: job {job.id} goes on", err=True)
+        raise SystemExit(130) from None
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     except (JobFailed, JobTimeout) as e:

@@ -16,7 +16,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
@@ -32,6 +32,8 @@ from dispatcher import stream
 from dispatcher.durability import DURABILITY_MODES, Durability, enqueue_replicated, push_wake
 from dispatcher.keys import (
     ATTEMPT_FIELD,
+    ENQUEUED_MS_META,
+    FINAL_FIELD,
     JOB_FUNCTION,
     cancel_key,
     job_key,
@@ -41,7 +43,7 @@ from dispatcher.keys import (
 )
 from dispatcher.reconnect import OUTAGE_ERRORS, retry_outage
 from dispatcher.replies import as_int, as_str
-from dispatcher.stream import JobFailed, StreamEvent, TextDeltas
+from dispatcher.stream import JobFailed, JobRestarted, StreamEvent, TextDeltas
 
 T = TypeVar("T")
 ENDED_STATUSES = ("finished", "failed", "canceled")  # RQ statuses of a job that has its final entry
@@ -147,6 +149,10 @@ class Fleet(ProducerBase):
             tries += 1
             if tries > 1 and self.redis.exists(job_key(job.job_id)):
                 return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
+            options = job.options
+            if options["meta"].get("queue_ttl"):  # measured on Redis's clock (issue 10, defect 9)
+                seconds, micros = self.redis.time()
+                options["meta"][ENQUEUED_MS_META] = seconds * 1000 + micros // 1000
             job.enqueue(self._queues[job.priority])
 
         if self.durability == "replicated":
@@ -167,14 +173,17 @@ class Fleet(ProducerBase):
         return retry_outage(call, time.monotonic() + self.retry_for)
 
 
-# KEYS: queue, job hash, stream, canceled registry   ARGV: job id, result JSON, ttl, now, attempt field
+# KEYS: queue, job hash, stream, canceled registry   ARGV: job id, result JSON, ttl, now, attempt
+# field, final field
 # Cancels a job that is still queued, in one step: taken off the queue, marked canceled, final
-# stream entry written. Returns 0 when the job was not in the queue (a worker holds it, or it
-# ended), so a retried call after a lost reply cannot cancel twice.
+# stream entry written, the hash and the stream set to expire with the result. Returns 0 when the
+# job was not in the queue (a worker holds it, or it ended), so a retried call after a lost reply
+# cannot cancel twice.
 CANCEL_QUEUED = """
 if redis.call('LREM', KEYS[1], 0, ARGV[1]) == 0 then return 0 end
 local attempt = tonumber(redis.call('HGET', KEYS[2], ARGV[5]) or '0') or 0
-redis.call('HSET', KEYS[2], 'status', 'canceled')
+redis.call('HSET', KEYS[2], 'status', 'canceled', ARGV[6], attempt + 1)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[1])
 redis.call('XADD', KEYS[3], '*', 'a', attempt + 1, 'k', 'd', 'v', ARGV[2])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
@@ -190,7 +199,7 @@ def cancel_queued_call(job_id: str, queue: str, attempts: int,
               "worker": None, "backend": None, "attempt": attempts + 1,
               "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None, "tokens_per_s": None}}
     keys = [queue_key(queue), job_key(job_id), stream_key(job_id), f"rq:canceled:{queue}"]
-    args: list[EncodableT] = [job_id, json.dumps(result), result_ttl, time.time(), ATTEMPT_FIELD]
+    args: list[EncodableT] = [job_id, json.dumps(result), result_ttl, time.time(), ATTEMPT_FIELD, FINAL_FIELD]
     return keys, args
 
 
@@ -221,7 +230,21 @@ class FleetJob:
         deadline = time.monotonic() + timeout if timeout else None
         yield from stream.read_events(self.fleet.redis, self.id, deadline=deadline)
 
-    def stream(self, timeout: float | None = None) -> Iterator[str]:
+    def __enter__(self) -> FleetJob:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """`with fleet.submit(...) as job:` cancels the job when the block is left by an exception
+        (Ctrl-C included) before the job ended; JobRestarted and JobFailed do not cancel."""
+        if exc_type is not None and not issubclass(exc_type, JobRestarted | JobFailed):
+            self.cancel_quietly()
+
+    def cancel_quietly(self) -> None:
+        """Cancel on the way out of an interrupted read: one try, never raising (Redis may be gone)."""
+        with contextlib.suppress(Exception):
+            self._cancel()
+
+    def stream(self, timeout: float | None = None, *, detach: bool = False) -> Generator[str, None, None]:
         """Text deltas as they are generated; joined, they are the final result's text.
 
         A job whose worker dies (or whose engine fails) mid-generation runs again as a new
@@ -232,7 +255,19 @@ class FleetJob:
         - if it diverges, JobRestarted is raised (`.delivered` is the void text). Discard what
           was shown and call stream() again: a new call starts with the live attempt's first
           token and never replays a dead attempt.
-        Raises JobFailed if the job fails; returns at the end of the job (or after `timeout`)."""
+        Raises JobFailed if the job fails; returns at the end of the job (or after `timeout`).
+
+        Interrupted (Ctrl-C, or the generator closed before the job ended, e.g. by leaving a
+        `with`/`finally` around the loop), it cancels the job, unless `detach=True`: nobody
+        would read what the worker goes on generating (issue 10, defect 12)."""
+        try:
+            yield from self._stream(timeout)
+        except (GeneratorExit, KeyboardInterrupt):
+            if not detach:
+                self.cancel_quietly()
+            raise
+
+    def _stream(self, timeout: float | None) -> Iterator[str]:
         deltas = TextDeltas(self.id)
         for ev in self.events(timeout):
             if delta := deltas.feed(ev):

@@ -63,6 +63,27 @@ def hub_wake_key(hub_id: str) -> str:
 
 # hash fields the fleet adds to RQ's job hash
 ATTEMPT_FIELD = "fleet_attempt"
+OWNER_FIELD = "fleet_owner"  # the worker whose in-flight list holds the job (set by the claim script)
+FINAL_FIELD = "fleet_final"  # the attempt that got the job's final stream entry
+DRAINS_FIELD = "fleet_drains"  # attempts handed back by a draining worker (not failures)
+EXECUTION_FIELD = "fleet_execution"  # the RQ execution (rq:wip member) of the running attempt
+ENQUEUED_MS_META = "fleet_enqueued_ms"  # job meta: Redis server time of the enqueue (ms)
+
+OWNERS_SET = "fleet:owners"  # names of workers that claimed jobs: what the reaper looks at
+
+
+def results_key(job_id: str) -> str:
+    """RQ's result stream of one job."""
+    return f"rq:results:{job_id}"
+
+
+def executions_key(job_id: str) -> str:
+    """RQ's per-job execution registry."""
+    return f"rq:executions:{job_id}"
+
+
+# RQ registries of ended jobs, trimmed by the workers' housekeeping (scores are expiry times)
+ENDED_REGISTRIES = ("rq:finished:", "rq:failed:", "rq:canceled:")
 
 
 # -- observability (docs/observability.md): monotonic counters, histograms, bounded job history --

@@ -28,9 +28,9 @@ from typing import Any, Literal, cast
 
 from redis import Redis
 
-from dispatcher.keys import ATTEMPT_FIELD, job_key, stream_key
+from dispatcher.keys import ATTEMPT_FIELD, FINAL_FIELD, job_key, stream_key
 from dispatcher.reconnect import OUTAGE_ERRORS, Backoff, retry_outage
-from dispatcher.replies import Fields, as_int
+from dispatcher.replies import Fields, as_int, as_str
 
 STREAM_MAXLEN = 20_000  # approximate cap (tokens + markers) of one job's stream
 
@@ -187,6 +187,7 @@ def read_events(
             return  # Redis stayed away until the deadline: the caller reports a timeout
         raise
     last = "0-0"
+    void_below = 0  # attempts that RQ's own tools re-ran after their ending
     while True:
         wait_ms = block_ms
         if deadline is not None:
@@ -206,10 +207,30 @@ def read_events(
         for _key, entries in streams:
             for entry_id, fields in entries:
                 last = entry_id.decode()
-                for ev in filt.admit(decode(fields)):
-                    yield ev
-                    if ev.final:
+                ev = decode(fields)
+                if ev.attempt < void_below:
+                    continue
+                if ev.final and ev.attempt >= filt.attempt and _rerun(redis, job_id, deadline, backoff):
+                    void_below = ev.attempt + 1  # a re-run's new attempt (claim script) follows
+                    continue
+                for out in filt.admit(ev):
+                    yield out
+                    if out.final:
                         return
+
+
+# RQ statuses of a job that has not ended: a final entry read while the job is in one of these was
+# written by an attempt that RQ's own tools re-ran since (`rq requeue`), so it is not the ending.
+_NOT_ENDED = {"queued", "started", "deferred", "scheduled"}
+
+
+def _rerun(redis: Redis, job_id: str, deadline: float | None, backoff: Backoff) -> bool:
+    """Final entries, `fleet_final` and the ended status are written in one MULTI, so a final
+    entry whose job is not ended though it recorded an ending belongs to an attempt that was
+    re-run since (issue 10, defect 4)."""
+    status, final = retry_outage(lambda: redis.hmget(job_key(job_id), ["status", FINAL_FIELD]),
+                                 deadline, backoff)
+    return as_str(status) in _NOT_ENDED and final is not None
 
 
 def _passed(deadline: float | None) -> bool:

@@ -70,11 +70,12 @@ def _observe(pipe: Pipe, metric: str, pool: str, seconds: float) -> None:
     pipe.expire(key, schema.POOL_COUNTERS_TTL)
 
 
-def _touch_history(pipe: Pipe, job_id: str, fields: dict[str, str], now: float) -> None:
+def _touch_history(pipe: Pipe, job_id: str, fields: dict[str, str], now: float,
+                   ttl: int = schema.HISTORY_TTL) -> None:
     key = history_key(job_id)
     mapping: dict[Any, Any] = {**fields, "updated_at": repr(round(now, 3))}
     pipe.hset(key, mapping=mapping)
-    pipe.expire(key, schema.HISTORY_TTL)
+    pipe.expire(key, ttl)
     pipe.zadd(HISTORY_RECENT, {job_id: now})
     pipe.zremrangebyrank(HISTORY_RECENT, 0, -schema.HISTORY_CAP - 1)
     pipe.expire(HISTORY_RECENT, schema.HISTORY_TTL)
@@ -86,18 +87,20 @@ def record_start(job: ClaimedJob, worker: str, backend: str, pipe: Pipe) -> None
         return
     fields = {"queue": job.queue, "state": "running", "attempts": str(job.attempt),
               f"attempt:{job.attempt}": _dumps({"worker": worker, "backend": backend,
-                                                 "started_at": round(job.claimed_at, 3)})}
+                                                 "started_at": round(time.time(), 3)})}
     if job.request is not None:
         fields["params"] = _dumps(schema.short_params(job.request))
-    if job.enqueued_at:
-        fields["enqueued_at"] = repr(round(job.enqueued_at, 3))
-        if job.attempt == 1:  # a requeued job's wait would count its earlier attempts too
-            _observe(pipe, "queue_wait", pool_of(job.queue), job.claimed_at - job.enqueued_at)
-    _touch_history(pipe, job.id, fields, job.claimed_at)
+    if job.enqueued_ms:
+        fields["enqueued_at"] = repr(round(job.enqueued_ms / 1000, 3))
+        if job.attempt == 1 and job.claimed_ms:  # a requeued job's wait would count earlier attempts
+            _observe(pipe, "queue_wait", pool_of(job.queue), (job.claimed_ms - job.enqueued_ms) / 1000)
+    _touch_history(pipe, job.id, fields, time.time())
 
 
-def record_end(job: ClaimedJob, pipe: Pipe, worker: str, backend: str) -> None:
-    """A job's one final entry (queued inside the ending's MULTI: counted exactly once)."""
+def record_end(job: ClaimedJob, pipe: Pipe, worker: str, backend: str, result_ttl: int) -> None:
+    """A job's one final entry (queued inside the ending's MULTI: counted exactly once). A failed
+    job's history stays for post-mortems (HISTORY_TTL, capped index); any other lives as long as
+    its result, so a busy fleet's keys fall back to idle with its results."""
     if not _enabled or job.ending is None:
         return
     now = time.time()
@@ -116,19 +119,20 @@ def record_end(job: ClaimedJob, pipe: Pipe, worker: str, backend: str) -> None:
     })
     timings = dict((result or {}).get("timings") or {})
     if ran_here:
-        total = now - job.claimed_at
+        total = time.monotonic() - job.claimed_at  # claimed_at, first_token_at: monotonic
         _observe(pipe, "job_duration", pool, total)
         timings.setdefault("total_ms", round(total * 1000, 1))
         if job.first_token_at is not None:
             _observe(pipe, "ttft", pool, job.first_token_at - job.claimed_at)
             timings.setdefault("ttft_ms", round((job.first_token_at - job.claimed_at) * 1000, 1))
-        if job.enqueued_at:
-            timings.setdefault("queue_ms", round((job.claimed_at - job.enqueued_at) * 1000, 1))
+        if job.enqueued_ms and job.claimed_ms:  # Redis server time, both
+            timings.setdefault("queue_ms", float(job.claimed_ms - job.enqueued_ms))
     end = {"outcome": outcome, "worker": worker, "backend": (result or {}).get("backend", backend),
            "attempt": job.attempt, "ended_at": round(now, 3), "timings": timings,
            "finish_reason": (result or {}).get("finish_reason"), "usage": usage,
            "completion_tokens": job.completion_tokens, "error": job.ending.error}
-    _touch_history(pipe, job.id, {"queue": job.queue, "state": outcome, "end": _dumps(end)}, now)
+    ttl = schema.HISTORY_TTL if outcome == "failed" else min(result_ttl, schema.HISTORY_TTL)
+    _touch_history(pipe, job.id, {"queue": job.queue, "state": outcome, "end": _dumps(end)}, now, ttl)
     if outcome == "failed":
         failed = history_failed_key(job.queue)
         pipe.zadd(failed, {job.id: now})
@@ -165,7 +169,7 @@ class LiveFacts:
 
     def status_fields(self, fw: FleetWorker) -> dict[str, Any]:
         stats = fw.backend.stats()
-        now = time.time()
+        now = time.monotonic()  # ClaimedJob.claimed_at is monotonic
         jobs = [{"id": j.id, "tokens": j.completion_tokens,
                  "max_tokens": j.request.max_tokens if j.request is not None else None,
                  "attempt": j.attempt, "age_s": round(now - j.claimed_at, 1)}

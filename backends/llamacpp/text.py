@@ -1,4 +1,4 @@
-"""Text plumbing shared by backends: incremental UTF-8 decoding and stop-string holding.
+"""Token bytes -> text for the llama.cpp engine: incremental UTF-8 decoding and stop-string holding.
 
 Tokens arrive as byte pieces; a multi-byte character can be split across two tokens, and a stop
 string can be split across many. `TextAssembler` turns pieces into deltas that are always valid
@@ -26,10 +26,6 @@ class TextAssembler:
         text = self._held + self._decoder.decode(b"", final=True)
         self._held = ""
         return text
-
-    def push_text(self, text: str) -> str:
-        """Same as feed() for engines that already produce text (HTTP backends)."""
-        return self._push(text)
 
     def _push(self, text: str) -> str:
         if self.stopped:
