@@ -6,7 +6,8 @@ output) and optional log-probabilities.
 - Logprobs: a numpy log-softmax over the sequence's logits row, only for jobs that ask.
 - Grammar: what llama-server does (`common_sampler_sample` with grammar_first=false). Filtering
   every candidate of a 262k vocabulary through the grammar each step is slow, so the chain samples
-  first and only the picked token is checked against the grammar (a 1-element candidate array);
+  first (in C, llama_sampler_sample, unless penalties make the chain remember what it sees) and
+  only the picked token is checked against the grammar (a 1-element candidate array);
   only when the grammar rejects it is the candidate list filtered and sampled again. That
   re-filter first tries the SHORTLIST best logits (a few ms instead of 60-200 ms for 262k pieces):
   when at least as many of them pass as the chain keeps (its top-k; 1 for plain greedy), the
@@ -167,35 +168,40 @@ class SequenceSampler:
             self._one_array = ll.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
         self.top_logprobs = s.top_logprobs
         self.keeps = chain_keeps(s)
+        # with penalties the chain remembers what it accepts, so it may only see the final pick;
+        # without, accepting is a no-op and the first pick can be made in C (llama_sampler_sample)
+        self.remembers = has_penalties(s)
         self.logprobs: list[dict[str, Any]] = []  # one entry per sampled token, when asked
         self.grammar_complete = False  # the grammar's text is whole: nothing but whitespace may follow
         self.rejections = 0  # picks the grammar refused (each one cost a full-vocabulary filter)
 
     def sample(self, ctx: ll.llama_context_p, row: int) -> int:
-        logits = None
-        if self.grammar is not None or self.top_logprobs is not None:
-            logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, row), shape=(self.model.n_vocab,))
         if self.grammar is None:
             tok = int(ll.llama_sampler_sample(self.chain, ctx, row))
         else:
-            assert logits is not None
-            tok = self._sample_constrained(logits)
+            tok = self._sample_constrained(ctx, row)
         if self.top_logprobs is not None:
-            assert logits is not None
-            self.logprobs.append(self._logprob_entry(logits, tok))
+            self.logprobs.append(self._logprob_entry(self._logits(ctx, row), tok))
         return tok
 
-    def _sample_constrained(self, logits: np.ndarray) -> int:
+    def _logits(self, ctx: ll.llama_context_p, row: int) -> np.ndarray:
+        return np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, row), shape=(self.model.n_vocab,))
+
+    def _sample_constrained(self, ctx: ll.llama_context_p, row: int) -> int:
         assert self.grammar is not None and self.candidates is not None
-        cur = self.candidates.fill(logits)
-        ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
-        tok, _ = self.candidates.selected()
+        if self.remembers:
+            cur = self.candidates.fill(self._logits(ctx, row))
+            ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
+            tok, _ = self.candidates.selected()
+        else:
+            tok = int(ll.llama_sampler_sample(self.chain, ctx, row))
         if not self._grammar_allows(tok):
             self.rejections += 1
-            tok, logit = self._resample(logits)
+            tok, logit = self._resample(self._logits(ctx, row))
             if logit == -math.inf:  # accepting a token the grammar refuses would abort llama.cpp
                 raise JobRejected("the grammar allows no further token")
-        ll.llama_sampler_accept(self.chain, tok)
+        if self.remembers:
+            ll.llama_sampler_accept(self.chain, tok)
         if not self.model.is_eog(tok):  # an end-of-generation token ends the job, not the grammar
             ll.llama_sampler_accept(self.grammar, tok)
             self.grammar_complete = self._whole(tok)
