@@ -1,6 +1,6 @@
 """The backend protocol: what a worker asks of an engine, and what the engine answers.
 
-This module must stay importable without llama_cpp: producers validate requests with it.
+Importable without llama_cpp. Requests, sampling and results: backends/contract/schema.py.
 
 A backend holds up to `slots` jobs at once. The worker `admit`s jobs while `free_slots() > 0`,
 calls `step()` in a loop and turns the events it returns into Redis writes:
@@ -15,94 +15,9 @@ calls `step()` in a loop and turns the events it returns into Redis writes:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-MAX_TOKENS_LIMIT = 8192
-MAX_PROMPT_CHARS = 1_000_000
-Priority = Literal["high", "default", "low"]
-PRIORITIES: tuple[Priority, ...] = ("high", "default", "low")
-FinishReason = Literal["stop", "length", "cancelled"]
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
-
-
-class SamplingDefaults(BaseModel):
-    """Sampling values a worker uses for fields a request leaves out."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_tokens: int = Field(128, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float = Field(0.8, ge=0.0, le=5.0)
-    top_k: int = Field(40, ge=0, le=1000)
-    top_p: float = Field(0.95, gt=0.0, le=1.0)
-    min_p: float = Field(0.05, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(1.0, gt=0.0, le=5.0)
-
-
-class GenerateRequest(BaseModel):
-    """One generation job, as a producer sends it. Unset sampling fields take the worker's defaults."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-    messages: list[Message] | None = Field(None, max_length=256)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float | None = Field(None, ge=0.0, le=5.0)
-    top_k: int | None = Field(None, ge=0, le=1000)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repeat_penalty: float | None = Field(None, gt=0.0, le=5.0)
-    seed: int | None = Field(None, ge=0, lt=2**32)
-    stop: list[str] = Field(default_factory=list, max_length=16)
-
-    @field_validator("temperature", "top_p", "min_p", "repeat_penalty", mode="before")
-    @classmethod
-    def _int_is_a_float(cls, v: object) -> object:
-        # strict mode refuses 1 for a float field; JSON producers write 1 for 1.0
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, v: list[str]) -> list[str]:
-        if any(not s or len(s) > 256 for s in v):
-            raise ValueError("stop strings must be 1..256 characters")
-        return v
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
-        if self.prompt is not None and not self.prompt.strip():
-            raise ValueError("prompt is empty")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages is empty")
-        return self
-
-    def sampling(self, defaults: SamplingDefaults) -> Sampling:
-        """The request's sampling values with the worker's defaults filled in."""
-        d = defaults.model_dump()
-        for k in d:
-            v = getattr(self, k)
-            if v is not None:
-                d[k] = v
-        return Sampling(**d, seed=self.seed, stop=list(self.stop))
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_penalty: float
-    seed: int | None
-    stop: list[str]
-
+from backends.contract.schema import FinishReason, GenerateRequest
 
 # -- events a backend returns from step() ---------------------------------------------------------
 
@@ -164,6 +79,9 @@ class Backend(Protocol):
 
     def cancel(self, job_id: str) -> None:
         """Stop a job; a Done(finish_reason='cancelled') follows from a later step()."""
+
+    def probe(self) -> bool:
+        """True when the engine answers now (a fallback chain asks before trusting it again)."""
 
     def stats(self) -> dict[str, object]: ...
 

@@ -12,18 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from backends.base import (
-    BackendUnavailable,
-    Done,
-    Event,
-    Failed,
-    FinishReason,
-    GenerateRequest,
-    Sampling,
-    SamplingDefaults,
-    Token,
-)
-from worker.settings import BackendSettings
+from backends.base import BackendUnavailable, Done, Event, Failed, Token
+from backends.contract.schema import FinishReason, GenerateRequest, Sampling, SamplingDefaults
+from backends.contract.settings import EngineSettings
+
+
+class FakeSettings(EngineSettings):
+    """`backend.type: fake` reads `slots` and `sampling` only."""
 
 
 @dataclass
@@ -40,7 +35,7 @@ class FakeBackend:
 
     def __init__(
         self,
-        settings: BackendSettings | None = None,
+        settings: FakeSettings | None = None,
         *,
         slots: int | None = None,
         fail_after: int | None = None,

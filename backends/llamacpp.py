@@ -25,18 +25,21 @@ from dataclasses import dataclass, field
 
 import llama_cpp as ll
 
-from backends.base import Done, Event, Failed, GenerateRequest, JobRejected, Sampling, Token
+from backends.base import Done, Event, Failed, JobRejected, Token
+from backends.contract.schema import GenerateRequest, Sampling
 from backends.llamacpp_invariance import FA_TILE_ROWS, SPLIT_KV_CELLS, reusable_prefix
 from backends.llamacpp_model import LoadedModel
+from backends.llamacpp_settings import LlamaCppSettings
 from backends.text import TextAssembler
-from worker.settings import BackendSettings
 
 MIN_SHARED_PREFIX = 8  # tokens; below this copying a prefix's KV costs more than prefilling it
 Row = tuple[int, int, int, bool]  # token, position, sequence id, wants logits
 
 
 @dataclass
-class Sequence:
+class JobSeq:
+    """One running job's llama.cpp sequence and what the engine knows of it."""
+
     job_id: str
     seq_id: int
     tokens: list[int]  # the prompt
@@ -73,7 +76,7 @@ class EngineStats:
 class LlamaCppBackend:
     name = "llama-cpp"
 
-    def __init__(self, settings: BackendSettings, threads: int | None = None) -> None:
+    def __init__(self, settings: LlamaCppSettings, threads: int | None = None) -> None:
         self.settings = settings
         self.slots = settings.slots
         self.invariant = settings.batch_invariant
@@ -100,7 +103,7 @@ class LlamaCppBackend:
         # per-slot streams: a free slot keeps its last job's KV until the slot is reused, so a
         # job that repeats or continues it (the next turn of a chat) skips that prefill
         self._slot_kv: dict[int, PrefixEntry] = {}
-        self._active: dict[str, Sequence] = {}  # admission order = prefill order
+        self._active: dict[str, JobSeq] = {}  # admission order = prefill order
         self._waiting: list[tuple[str, list[int], Sampling]] = []
         self._finished: list[Event] = []
         self._reserved = 0
@@ -111,6 +114,10 @@ class LlamaCppBackend:
 
     def free_slots(self) -> int:
         return self.slots - len(self._active) - len(self._waiting)
+
+    def probe(self) -> bool:
+        """In process: the engine is there as long as this object is."""
+        return True
 
     def admit(self, job_id: str, request: GenerateRequest) -> None:
         if self.free_slots() <= 0:
@@ -182,7 +189,7 @@ class LlamaCppBackend:
                 self.stats_.deferred_admissions += 1
                 return  # running jobs will free KV cells; the job keeps its place in line
             self._waiting.pop(0)
-            seq = Sequence(
+            seq = JobSeq(
                 job_id=job_id,
                 seq_id=self._take_seq_id(),
                 tokens=tokens,
@@ -218,7 +225,7 @@ class LlamaCppBackend:
         self._free_prefix_ids.append(seq_id)
         return True
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
+    def _reuse_prefix(self, seq: JobSeq) -> None:
         """Reuse the KV of the longest shared prefix instead of prefilling it: in place from what
         this slot's last job left, or copied from a prefix entry or a running job."""
         kept = self._slot_kv.pop(seq.seq_id, None)
@@ -264,7 +271,7 @@ class LlamaCppBackend:
         else:  # one pool: the cells just gain a sequence id
             ll.llama_memory_seq_cp(mem, src, dst, 0, n_tokens)
 
-    def _release(self, seq: Sequence, keep_kv: bool = True) -> None:
+    def _release(self, seq: JobSeq, keep_kv: bool = True) -> None:
         """Free a finished/cancelled sequence's slot at once, and its KV cells (a per-slot stream
         keeps them for the slot's next job, see _slot_kv)."""
         if self.invariant and keep_kv:
@@ -296,14 +303,14 @@ class LlamaCppBackend:
         self._finished = []
         return events
 
-    def _pooled_step(self, decoding: list[Sequence], prefilling: list[Sequence], events: list[Event]) -> None:
+    def _pooled_step(self, decoding: list[JobSeq], prefilling: list[JobSeq], events: list[Event]) -> None:
         """One llama_decode: every decoder's next token plus prompt chunks, within n_batch tokens."""
         rows: list[Row] = []
         for s in decoding:
             s.batch_index = len(rows)
             rows.append(_decoder_row(s))
         budget = self.n_batch - len(rows)
-        fed: list[tuple[Sequence, int]] = []
+        fed: list[tuple[JobSeq, int]] = []
         for s in prefilling:
             if budget <= 0:
                 break
@@ -321,7 +328,7 @@ class LlamaCppBackend:
         for s, count in fed:
             self._prefilled(s, count, events)
 
-    def _invariant_step(self, decoding: list[Sequence], prefilling: list[Sequence],
+    def _invariant_step(self, decoding: list[JobSeq], prefilling: list[JobSeq],
                         events: list[Event]) -> None:
         """The same work as _pooled_step, split so that each row meets the same ggml kernels as if
         its job ran alone (see docs/ARCHITECTURE.md, "Determinism"): one llama_decode for the
@@ -360,10 +367,10 @@ class LlamaCppBackend:
             self._prefilled(s, count, events)
             budget -= count
 
-    def _pick_short(self, prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    def _pick_short(self, prefilling: list[JobSeq]) -> tuple[list[JobSeq], list[JobSeq]]:
         """Short prompts that fit one equal-width batch (see _equal_rows); the rest run alone."""
-        short: list[Sequence] = []
-        alone: list[Sequence] = []
+        short: list[JobSeq] = []
+        alone: list[JobSeq] = []
         for s in prefilling:
             if len(s.tokens) < FA_TILE_ROWS:
                 ids = [t.seq_id for t in short] + [s.seq_id]
@@ -375,7 +382,7 @@ class LlamaCppBackend:
         return short, alone
 
     def _equal_rows(self, members: dict[int, list[Row]],
-                    seqs: list[Sequence]) -> tuple[list[Row], list[tuple[int, int]]]:
+                    seqs: list[JobSeq]) -> tuple[list[Row], list[tuple[int, int]]]:
         """One ubatch: llama.cpp cuts a per-stream batch into ubatches of consecutive sequence
         ids holding equally many rows each, and a row's kernels depend on its ubatch. So every
         id from the lowest to the highest gets the same number of rows, topped up with throw-away
@@ -402,7 +409,7 @@ class LlamaCppBackend:
                 rows.extend((0, pos + i, seq_id, False) for i in range(width - len(own)))
         return rows, pads
 
-    def _decode_shared(self, rows: list[Row], pads: list[tuple[int, int]], seqs: list[Sequence],
+    def _decode_shared(self, rows: list[Row], pads: list[tuple[int, int]], seqs: list[JobSeq],
                        events: list[Event]) -> bool:
         rc = self._decode(rows)
         for seq_id, pos in pads:
@@ -411,7 +418,7 @@ class LlamaCppBackend:
             events.extend(self._fail_step(rc, seqs, []))
         return rc == 0
 
-    def _prompt_rows(self, s: Sequence, count: int, offset: int = 0) -> list[Row]:
+    def _prompt_rows(self, s: JobSeq, count: int, offset: int = 0) -> list[Row]:
         last = s.n_past + count == len(s.tokens)  # the prompt's last token yields the first logits
         s.batch_index = -1
         chunk = s.tokens[s.n_past : s.n_past + count]
@@ -421,7 +428,7 @@ class LlamaCppBackend:
             s.batch_index = offset + len(rows) - 1  # offset: rows already in this batch
         return rows
 
-    def _prefilled(self, s: Sequence, count: int, events: list[Event]) -> None:
+    def _prefilled(self, s: JobSeq, count: int, events: list[Event]) -> None:
         s.n_past += count
         self.stats_.prompt_tokens_prefilled += count
         if s.n_past == len(s.tokens):
@@ -442,7 +449,7 @@ class LlamaCppBackend:
         self.stats_.decode_calls += 1
         return int(rc)
 
-    def _sample(self, s: Sequence, events: list[Event]) -> None:
+    def _sample(self, s: JobSeq, events: list[Event]) -> None:
         tok = ll.llama_sampler_sample(s.chain, self.model.ctx, s.batch_index)
         if self.model.is_eog(tok):
             self._finish(s, "stop", events)
@@ -460,13 +467,13 @@ class LlamaCppBackend:
         else:
             s.next_token = tok
 
-    def _finish(self, s: Sequence, reason: str, events: list[Event]) -> None:
+    def _finish(self, s: JobSeq, reason: str, events: list[Event]) -> None:
         tail = "" if s.text.stopped else s.text.finish()
         if tail:
             events.append(Token(s.job_id, tail, n_tokens=0))
         s.done = Done(s.job_id, reason, len(s.tokens), s.generated)  # type: ignore[arg-type]
 
-    def _fail_step(self, rc: int, decoding: list[Sequence], fed: list[Sequence]) -> list[Event]:
+    def _fail_step(self, rc: int, decoding: list[JobSeq], fed: list[JobSeq]) -> list[Event]:
         # rc 1: no KV slot for the batch. Admission reserves cells, so this means the cache is
         # fragmented or over-committed: fail the newest prefilling job, keep the decoders.
         victims = fed[-1:] if rc == 1 and fed else [*decoding, *fed]
@@ -479,7 +486,7 @@ class LlamaCppBackend:
         return events
 
 
-def _decoder_row(s: Sequence) -> Row:
+def _decoder_row(s: JobSeq) -> Row:
     assert s.next_token is not None
     return (s.next_token, s.n_past, s.seq_id, True)
 

@@ -27,10 +27,6 @@ class TextAssembler:
         self._held = ""
         return text
 
-    def push_text(self, text: str) -> str:
-        """Same as feed() for engines that already produce text (HTTP backends)."""
-        return self._push(text)
-
     def _push(self, text: str) -> str:
         if self.stopped:
             return ""

@@ -16,6 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rich.console import Console
 from rich.table import Table
 
+from backends.contract.redact import redact_url
 from dispatcher import status as fleet_status
 from dispatcher.client import Fleet, JobFailed, JobTimeout
 from worker.settings import FleetSettings, SettingsError, load_settings
@@ -36,7 +37,7 @@ def friendly_errors(func: F) -> F:
             raise click.ClickException(str(e)) from None
         except (RedisConnectionError, RedisTimeoutError) as e:
             url = click.get_current_context().meta.get("redis_url", "?")
-            raise click.ClickException(f"cannot reach Redis at {fleet_status.redact_url(url)}: {e}") from None
+            raise click.ClickException(f"cannot reach Redis at {redact_url(url)}: {e}") from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -112,7 +113,7 @@ def submit(prompt: str, config: str | None, max_tokens: int | None, temperature:
     except (JobFailed, JobTimeout) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(res))
+        click.echo(json.dumps(res.model_dump(exclude_unset=True)))
     elif not do_stream:
         click.echo(res["text"])
     if not as_json:
@@ -134,7 +135,7 @@ def status(config: str | None, as_json: bool) -> None:
         click.echo(json.dumps(snap))
         return
     console = Console()
-    wt = Table(title=f"workers (pool {s.pool}, redis {fleet_status.redact_url(s.redis_url)})")
+    wt = Table(title=f"workers (pool {s.pool}, redis {redact_url(s.redis_url)})")
     for col in ("name", "host", "pid", "cpus", "node", "backend", "state", "in-flight", "tokens",
                 "tok/s", "RSS MiB"):
         wt.add_column(col)
@@ -153,8 +154,8 @@ def status(config: str | None, as_json: bool) -> None:
 
 
 def _register_extensions() -> None:
-    from dispatcher import bench
     from ecosystem.cli import register
+    from ecosystem.local import bench
 
     register(cli)
     bench.register(cli)

@@ -17,28 +17,38 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from importlib.resources import files
 from typing import Any, TypeVar
 
+from pydantic import ValidationError
 from redis import Redis
 from redis.typing import EncodableT
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from backends.base import PRIORITIES, GenerateRequest
-from dispatcher import stream
-from dispatcher.keys import (
+from backends.contract.keys import (
     ATTEMPT_FIELD,
     JOB_FUNCTION,
     cancel_key,
+    canceled_registry_key,
     job_key,
     queue_key,
     queue_name,
     stream_key,
     wake_key,
 )
-from dispatcher.reconnect import OUTAGE_ERRORS, retry_outage
-from dispatcher.replies import as_int, as_str
-from dispatcher.stream import StreamEvent
+from backends.contract.replies import as_int, as_str
+from backends.contract.retry import OUTAGE_ERRORS, retry_outage
+from backends.contract.schema import (
+    PRIORITIES,
+    GenerateRequest,
+    JobResult,
+    cancelled_in_queue,
+    describe_validation_error,
+)
+from backends.contract.settings import ProducerSettings, load
+from backends.contract.stream import StreamEvent
+from dispatcher import stream
 
 T = TypeVar("T")
 
@@ -76,13 +86,12 @@ class Fleet:
         self.retry_for = retry_for
         self._queues = {p: Queue(queue_name(pool, p), connection=redis, serializer=JSONSerializer)
                         for p in PRIORITIES}
-        self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
+        self._cancel_queued = redis.register_script(_CANCEL_QUEUED_LUA)
 
     @classmethod
     def from_settings(cls, config: str | None = None) -> Fleet:
-        from worker.settings import load_settings
-
-        s = load_settings(config)
+        """A Fleet on the shared config (worker-config.json + FLEET_* env); worker keys are ignored."""
+        s = load(ProducerSettings, config)
         return cls(s.redis_url, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
                    queue_ttl=s.queue_ttl)
 
@@ -128,29 +137,14 @@ class Fleet:
         return retry_outage(call, time.monotonic() + self.retry_for)
 
 
-# KEYS: queue, job hash, stream, canceled registry   ARGV: job id, result JSON, ttl, now, attempt field
-# Cancels a job that is still queued, in one step: taken off the queue, marked canceled, final
-# stream entry written. Returns 0 when the job was not in the queue (a worker holds it, or it
-# ended), so a retried call after a lost reply cannot cancel twice.
-_CANCEL_QUEUED = """
-if redis.call('LREM', KEYS[1], 0, ARGV[1]) == 0 then return 0 end
-local attempt = tonumber(redis.call('HGET', KEYS[2], ARGV[5]) or '0') or 0
-redis.call('HSET', KEYS[2], 'status', 'canceled')
-redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[1])
-redis.call('XADD', KEYS[3], '*', 'a', attempt + 1, 'k', 'd', 'v', ARGV[2])
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-return 1
-"""
+# Cancels a job that is still queued, in one step (see the script's header).
+_CANCEL_QUEUED_LUA = files("dispatcher").joinpath("cancel_queued.lua").read_text()
 
 
 def validate_request(fields: dict[str, Any]) -> GenerateRequest:
-    from pydantic import ValidationError
-
     try:
         return GenerateRequest.model_validate(fields)
     except ValidationError as e:
-        from worker.rqjobs import describe_validation_error
-
         raise ValueError("invalid request: " + describe_validation_error(e)) from None
 
 
@@ -204,12 +198,12 @@ class FleetJob:
                     raise JobRestarted(self.id, ev.attempt, delivered)
                 return
 
-    def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
+    def result(self, timeout: float | None = 60.0) -> JobResult:
         """Block until the job ends; return its one final result or raise JobFailed / JobTimeout.
         Waits through Redis outages (until `timeout`)."""
         for ev in self.events(timeout):
             if ev.kind == "done":
-                return ev.data or {}
+                return JobResult.model_validate(ev.data or {})
             if ev.kind == "error":
                 raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
         status = self._status_or_unknown()
@@ -235,12 +229,8 @@ class FleetJob:
         origin, attempts = r.hmget(job_key(self.id), ["origin", ATTEMPT_FIELD])
         queue = as_str(origin)
         if queue is not None:
-            result = {"job_id": self.id, "text": "", "finish_reason": "cancelled",
-                      "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-                      "worker": None, "backend": None, "attempt": as_int(attempts) + 1,
-                      "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None,
-                                  "tokens_per_s": None}}
-            keys = [queue_key(queue), job_key(self.id), stream_key(self.id), f"rq:canceled:{queue}"]
+            result = cancelled_in_queue(self.id, as_int(attempts) + 1).model_dump()
+            keys = [queue_key(queue), job_key(self.id), stream_key(self.id), canceled_registry_key(queue)]
             args: list[EncodableT] = [self.id, json.dumps(result), self.fleet.result_ttl, time.time(),
                                       ATTEMPT_FIELD]
             if self.fleet._cancel_queued(keys=keys, args=args):

@@ -10,8 +10,9 @@ from typing import Any
 from redis.client import Pipeline
 
 from backends.base import Done
-from dispatcher import stream
-from dispatcher.keys import ATTEMPT_FIELD, cancel_key, job_key, stream_key
+from backends.contract import stream
+from backends.contract.keys import ATTEMPT_FIELD, cancel_key, job_key, stream_key
+from backends.contract.schema import job_result
 from worker import rqjobs
 from worker.rqjobs import ClaimedJob
 
@@ -19,30 +20,17 @@ log = logging.getLogger("fleet.worker")
 
 
 def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str) -> dict[str, Any]:
-    """The result object job.result() returns (and RQ stores as the return value)."""
+    """The result job.result() returns, as the plain dict RQ stores (schema: JobResult)."""
     queue_ms = (job.claimed_at - job.enqueued_at) * 1000 if job.enqueued_at else None
     ttft_ms = (job.first_token_at - job.claimed_at) * 1000 if job.first_token_at else None
-    total_s = now - job.claimed_at
     gen_s = now - job.first_token_at if job.first_token_at else 0.0
-    return {
-        "job_id": job.id,
-        "text": "".join(job.text),
-        "finish_reason": done.finish_reason,
-        "usage": {
-            "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-        },
-        "worker": worker,
-        "backend": str(done.extra.get("backend", backend)),
-        "attempt": job.attempt,
-        "timings": {
-            "queue_ms": _round(queue_ms),
-            "ttft_ms": _round(ttft_ms),
-            "total_ms": _round(total_s * 1000),
-            "tokens_per_s": _round(done.completion_tokens / gen_s if gen_s > 0 else None),
-        },
-    }
+    return job_result(
+        job.id, "".join(job.text), done.finish_reason, prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens, worker=worker,
+        backend=str(done.extra.get("backend", backend)), attempt=job.attempt, queue_ms=queue_ms,
+        ttft_ms=ttft_ms, total_ms=(now - job.claimed_at) * 1000,
+        tokens_per_s=done.completion_tokens / gen_s if gen_s > 0 else None,
+    ).model_dump()
 
 
 def write_text(job: ClaimedJob, pipe: Pipeline) -> int:
@@ -92,7 +80,3 @@ def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_tt
     key = stream_key("").encode() + raw_id
     pipe.xadd(key, stream.encode_error(1, err))
     pipe.expire(key, result_ttl)
-
-
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 1)

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from redis import Redis
 
-from dispatcher.keys import WORKERS_SET, worker_key
-from dispatcher.reconnect import OUTAGE_ERRORS
-from dispatcher.replies import Fields
-from dispatcher.status import redact_url
+from backends.contract.keys import WORKERS_SET, worker_key
+from backends.contract.redact import redact_url
+from backends.contract.replies import Fields
+from backends.contract.retry import OUTAGE_ERRORS
 
 if TYPE_CHECKING:
     from rq.worker import Worker

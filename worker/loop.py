@@ -30,9 +30,9 @@ from typing import Any
 from redis import Redis
 
 from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
-from dispatcher.keys import cancel_key, job_key, queue_names, wake_key
-from dispatcher.reconnect import OUTAGE_ERRORS, Backoff
-from dispatcher.replies import as_str
+from backends.contract.keys import cancel_key, job_key, queue_names, wake_key
+from backends.contract.replies import as_str
+from backends.contract.retry import OUTAGE_ERRORS, Backoff
 from worker import endings, rqjobs
 from worker.claim import Claimer, Contended, log_refusals
 from worker.counters import WorkerCounters

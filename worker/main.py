@@ -11,9 +11,9 @@ from redis import Redis
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from backends import make_backend
-from dispatcher.keys import queue_names, worker_key
-from dispatcher.reconnect import OUTAGE_ERRORS
+from backends.contract.keys import RQ_WORKERS_SET, queue_names, worker_key
+from backends.contract.retry import OUTAGE_ERRORS
+from backends.registry import make_backend
 from worker.heartbeat import Heartbeat, clear_status, static_status
 from worker.link import RedisLink
 from worker.loop import FleetWorker
@@ -77,6 +77,6 @@ def _register_rq(rq_worker: Worker, redis: Redis) -> None:
     if redis.exists(rq_worker.key):
         with redis.pipeline() as pipe:
             pipe.delete(rq_worker.key)
-            pipe.srem("rq:workers", rq_worker.key)
+            pipe.srem(RQ_WORKERS_SET, rq_worker.key)
             pipe.execute()
     rq_worker.register_birth()

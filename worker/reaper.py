@@ -22,8 +22,17 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
-from dispatcher.keys import ATTEMPT_FIELD, REAPER_LOCK, WORKERS_SET, inflight_key, job_key, worker_key
-from dispatcher.replies import as_int, as_str
+from backends.contract.keys import (
+    ATTEMPT_FIELD,
+    DIED_ON_FIELD,
+    REAPER_LOCK,
+    WORKERS_SET,
+    inflight_key,
+    job_key,
+    rq_worker_key,
+    worker_key,
+)
+from backends.contract.replies import as_int, as_str
 from worker import claim, endings
 from worker.link import RedisLink
 from worker.rqjobs import ClaimedJob, Ending
@@ -69,7 +78,7 @@ class Reaper:
         for raw in self.redis.lrange(inflight, 0, -1):
             job_id = as_str(raw) or ""
             origin, attempts, died_on = (as_str(v) for v in self.redis.hmget(
-                job_key(job_id), ["origin", ATTEMPT_FIELD, claim.DIED_ON_FIELD]))
+                job_key(job_id), ["origin", ATTEMPT_FIELD, DIED_ON_FIELD]))
             used = as_int(attempts) + 1
             if origin is None:  # job hash gone (expired/deleted, or an id that is not text)
                 self.redis.lrem(inflight, 1, raw)  # type: ignore[arg-type]  # raw bytes as stored
@@ -98,7 +107,7 @@ class Reaper:
 
     def _forget_rq_worker(self, name: str) -> None:
         """Keep `rq info` truthful: a dead worker leaves RQ's worker registry now, not in a minute."""
-        rq_key = f"rq:worker:{name}"
+        rq_key = rq_worker_key(name)
         queues = (as_str(self.redis.hget(rq_key, "queues")) or "").split(",")
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(rq_key)

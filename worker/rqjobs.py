@@ -8,7 +8,6 @@ results in RQ's result stream, so `rq info`, rq-dashboard and `job.latest_result
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
@@ -20,14 +19,14 @@ from redis import Redis
 from redis.exceptions import ResponseError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.registry import CanceledJobRegistry, FailedJobRegistry
+from rq.registry import CanceledJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from backends.base import GenerateRequest
-from dispatcher.keys import ATTEMPT_FIELD, JOB_FUNCTION, inflight_key, job_key
-from dispatcher.replies import as_int
+from backends.contract.keys import ATTEMPT_FIELD, JOB_FUNCTION, failed_registry_key, inflight_key, job_key
+from backends.contract.replies import as_int
+from backends.contract.schema import GenerateRequest, describe_validation_error
 
 log = logging.getLogger("fleet.worker")
 
@@ -161,14 +160,6 @@ def _request_payload(args: Any, kwargs: Any) -> Any:
     return None
 
 
-def describe_validation_error(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "request"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
-
-
 def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
@@ -226,7 +217,7 @@ def store_plain_failure(key: str | bytes, member: str | bytes, queue: str, reaso
         "ended_at": utcformat(now()),
     })
     pipe.expire(key, ttl)
-    pipe.zadd(f"rq:failed:{queue}", {member: time.time() + ttl})
+    pipe.zadd(failed_registry_key(queue), {member: time.time() + ttl})
 
 
 def _execution_args(claimed: ClaimedJob) -> dict[str, Any]:
@@ -241,14 +232,6 @@ def _end_execution(claimed: ClaimedJob, pipe: Any) -> None:
         claimed.execution.delete(claimed.job, pipe)
 
 
-def failed_registry(redis: Redis, queue: str) -> FailedJobRegistry:
-    return FailedJobRegistry(queue, connection=redis, serializer=JSONSerializer)
-
-
 def error_payload(reason: str, claimed: ClaimedJob, worker_name: str, backend: str) -> dict[str, Any]:
     return {"job_id": claimed.id, "error": reason, "worker": worker_name, "backend": backend,
             "attempt": claimed.attempt}
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))

@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dispatcher.bench_load import LoadResult, Sample
+from ecosystem.local.bench_load import LoadResult, Sample
 
 FLEET, PEER = "fleet", "peer"  # the two roles compared in every row pair
 

@@ -19,7 +19,7 @@ import httpx
 from httpx_sse import connect_sse
 from redis import Redis
 
-from backends.base import GenerateRequest, Sampling, SamplingDefaults
+from backends.contract.schema import GenerateRequest, Sampling, SamplingDefaults
 from backends.llama_server import completion_body
 from dispatcher.client import Fleet
 
