@@ -131,8 +131,8 @@ def test_llama_server_stream_that_finishes_is_done() -> None:
 
 
 OLLAMA_CASES = [
-    (answers(httpx.Response(404, json={"error": "model 'gemma3:270m' not found"})),
-     "ollama at http://engine.test:8080 has no model 'gemma3:270m' (404): model 'gemma3:270m' not found", True),
+    (answers(httpx.Response(404, json={"error": "model not found"})),
+     "ollama at http://engine.test:8080 has no model 'gemma3:270m' (404): model not found", True),
     (answers(httpx.Response(503, json={"error": "server busy, please try again"})),
      "ollama at http://engine.test:8080 is busy (503): server busy, please try again", True),
     (answers(httpx.Response(400, json={"error": "invalid options"})),
@@ -156,7 +156,8 @@ def test_ollama_errors_map_to_one_failure_each(job: Job, message: str, retryable
 
 
 def test_ollama_without_the_model_is_unavailable_at_start() -> None:
-    with pytest.raises(BackendUnavailable, match=r"has no model 'gemma3:270m' \(run `ollama pull gemma3:270m`\)"):
+    pull = r"has no model 'gemma3:270m' \(run `ollama pull gemma3:270m`\)"
+    with pytest.raises(BackendUnavailable, match=pull):
         ollama(answers(httpx.Response(500)), show_status=404)
 
 
