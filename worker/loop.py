@@ -214,8 +214,7 @@ class FleetWorker:
         """After an engine failure, claim again only once the backoff passed and it answers."""
         if time.monotonic() < self._engine_hold_until:
             return False
-        probe = getattr(self.backend, "probe", None)
-        if self._engine_hold_until and callable(probe) and not probe():
+        if self._engine_hold_until and not self.backend.probe():
             self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
             return False
         self._engine_hold_until = 0.0
