@@ -17,7 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from backends.contract.schema import FinishReason, GenerateRequest
+from backends.contract.schema import FinishReason, GenerateRequest, Sampling
+
+# The request types in the protocol's signatures, importable from here too (defined in the contract)
+__all__ = ["Backend", "BackendUnavailable", "Done", "Event", "Failed", "FinishReason", "GenerateRequest",
+           "JobRejected", "Restarted", "Sampling", "Token"]
 
 # -- events a backend returns from step() ---------------------------------------------------------
 

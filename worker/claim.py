@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from importlib.resources import files
 from typing import Any
 
 from redis import Redis
@@ -28,15 +27,44 @@ from backends.contract.replies import as_str
 
 log = logging.getLogger("fleet.worker")
 
+# KEYS: inflight, queue1..queueN (priority order)   ARGV: max jobs
+# returns a flat list: id1, queue1, id2, queue2, ...
+_CLAIM = """
+local out = {}
+local n = tonumber(ARGV[1])
+for i = 2, #KEYS do
+  while #out < 2 * n do
+    local id = redis.call('LMOVE', KEYS[i], KEYS[1], 'LEFT', 'RIGHT')
+    if not id then break end
+    out[#out + 1] = id
+    out[#out + 1] = string.sub(KEYS[i], 10)  -- strip 'rq:queue:'
+  end
+  if #out >= 2 * n then break end
+end
+return out
+"""
 
-def _lua(name: str) -> str:
-    return files("worker").joinpath(name).read_text()
+# KEYS: inflight, queue, job hash   ARGV: job id, bump attempt (0/1), attempt field, died-on field,
+# name of the dead worker ('' if none)
+# Back to the FRONT of its queue (it already waited its turn). Returns the new attempt count
+# (or -1 if the id was no longer in flight: someone else requeued or finished it).
+_REQUEUE = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return -1 end
+redis.call('LPUSH', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[3], 'status', 'queued')
+if ARGV[5] ~= '' then
+  local before = redis.call('HGET', KEYS[3], ARGV[4])
+  redis.call('HSET', KEYS[3], ARGV[4], before and (before .. ',' .. ARGV[5]) or ARGV[5])
+end
+if ARGV[2] == '1' then return redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
+return tonumber(redis.call('HGET', KEYS[3], ARGV[3]) or '0') or 0
+"""
 
-
-# The scripts' KEYS, ARGV and replies are described in each file's header.
-_CLAIM = _lua("claim.lua")
-_REQUEUE = _lua("requeue.lua")
-_UNLOCK = _lua("unlock.lua")
+# KEYS: lock   ARGV: owner. Release a lock only if we still own it.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class Contended(Exception):

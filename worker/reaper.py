@@ -24,7 +24,6 @@ from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from backends.contract.keys import (
     ATTEMPT_FIELD,
-    DIED_ON_FIELD,
     REAPER_LOCK,
     WORKERS_SET,
     inflight_key,
@@ -78,7 +77,7 @@ class Reaper:
         for raw in self.redis.lrange(inflight, 0, -1):
             job_id = as_str(raw) or ""
             origin, attempts, died_on = (as_str(v) for v in self.redis.hmget(
-                job_key(job_id), ["origin", ATTEMPT_FIELD, DIED_ON_FIELD]))
+                job_key(job_id), ["origin", ATTEMPT_FIELD, claim.DIED_ON_FIELD]))
             used = as_int(attempts) + 1
             if origin is None:  # job hash gone (expired/deleted, or an id that is not text)
                 self.redis.lrem(inflight, 1, raw)  # type: ignore[arg-type]  # raw bytes as stored
