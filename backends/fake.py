@@ -12,13 +12,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from pydantic import Field
+
 from backends.base import BackendUnavailable, Done, Event, Failed, Token
 from backends.contract.schema import FinishReason, GenerateRequest, Sampling, SamplingDefaults
 from backends.contract.settings import EngineSettings
 
 
 class FakeSettings(EngineSettings):
-    """`backend.type: fake` reads `slots` and `sampling` only."""
+    """`backend.type: fake` reads `slots`, `sampling` and its own pacing."""
+
+    step_delay: float = Field(0.0, ge=0, le=10, description="fake backend only: seconds each step takes "
+                              "(paces test jobs like a real engine)")
 
 
 @dataclass
@@ -49,6 +54,7 @@ class FakeBackend:
         self.fail_after = fail_after
         self.unavailable = unavailable
         self.label = label  # tells fakes apart in fallback tests
+        self.step_delay = settings.step_delay if settings else 0.0  # seconds per step, like a decode
         self.jobs: dict[str, FakeJob] = {}
         self.admitted: list[str] = []  # every job id ever admitted, in order
         self.closed = False
@@ -75,6 +81,8 @@ class FakeBackend:
         if not self.jobs:
             time.sleep(max(0.0, timeout))  # like a real engine waiting for work
             return []
+        if self.step_delay:
+            time.sleep(self.step_delay)
         events: list[Event] = []
         for job_id, job in list(self.jobs.items()):
             produced = self._advance(job_id, job)

@@ -16,6 +16,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rich.console import Console
 from rich.table import Table
 
+from backends.contract.connect import redis_from_url
 from backends.contract.redact import redact_url
 from dispatcher import status as fleet_status
 from dispatcher.client import Fleet, JobFailed, JobTimeout
@@ -46,7 +47,7 @@ def settings_and_redis(config: str | None, **overrides: Any) -> tuple[FleetSetti
     s = load_settings(config, **{k: v for k, v in overrides.items() if v is not None})
     click.get_current_context().meta["redis_url"] = s.redis_url
     # a socket timeout and keepalive so a half-open connection cannot block the worker loop
-    redis = Redis.from_url(s.redis_url, socket_connect_timeout=3, socket_timeout=10, socket_keepalive=True,
+    redis = redis_from_url(s.redis_url, socket_connect_timeout=3, socket_timeout=10, socket_keepalive=True,
                            health_check_interval=30)
     redis.ping()
     return s, redis
@@ -156,9 +157,11 @@ def status(config: str | None, as_json: bool) -> None:
 def _register_extensions() -> None:
     from ecosystem.cli import register
     from ecosystem.local import bench
+    from worker import health
 
     register(cli)
     bench.register(cli)
+    health.register(cli)
 
 
 _register_extensions()

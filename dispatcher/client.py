@@ -26,6 +26,7 @@ from redis.typing import EncodableT
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from backends.contract.connect import redis_from_url
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     JOB_FUNCTION,
@@ -35,7 +36,6 @@ from backends.contract.keys import (
     queue_key,
     queue_name,
     stream_key,
-    wake_key,
 )
 from backends.contract.replies import as_int, as_str
 from backends.contract.retry import OUTAGE_ERRORS, retry_outage
@@ -49,6 +49,7 @@ from backends.contract.schema import (
 from backends.contract.settings import ProducerSettings, load
 from backends.contract.stream import StreamEvent
 from dispatcher import stream
+from dispatcher.durability import DURABILITY_MODES, Durability, enqueue_replicated, push_wake
 
 T = TypeVar("T")
 
@@ -73,10 +74,11 @@ class Fleet:
 
     def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
                  result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
-                 retry_for: float = 30.0) -> None:
+                 retry_for: float = 30.0, durability: Durability = "primary",
+                 replica_timeout: float = 1.0) -> None:
         if redis is None:
             # no redis-py retries of its own: this class decides how long to wait (reconnect.py)
-            redis = Redis.from_url(redis_url or "redis://127.0.0.1:6379/0", socket_connect_timeout=5,
+            redis = redis_from_url(redis_url or "redis://127.0.0.1:6379/0", socket_connect_timeout=5,
                                    socket_timeout=30, health_check_interval=30)
         self.redis = redis
         self.pool = pool
@@ -84,6 +86,10 @@ class Fleet:
         self.job_timeout = job_timeout
         self.queue_ttl = queue_ttl
         self.retry_for = retry_for
+        if durability not in DURABILITY_MODES:
+            raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, not {durability!r}")
+        self.durability = durability  # dispatcher/durability.py: what each mode promises and costs
+        self.replica_timeout = replica_timeout
         self._queues = {p: Queue(queue_name(pool, p), connection=redis, serializer=JSONSerializer)
                         for p in PRIORITIES}
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED_LUA)
@@ -93,7 +99,7 @@ class Fleet:
         """A Fleet on the shared config (worker-config.json + FLEET_* env); worker keys are ignored."""
         s = load(ProducerSettings, config)
         return cls(s.redis_url, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
-                   queue_ttl=s.queue_ttl)
+                   queue_ttl=s.queue_ttl, durability=s.durability)
 
     def submit(self, prompt: str | None = None, *, priority: str = "default", queue_ttl: int | None = None,
                job_timeout: int | None = None, **fields: Any) -> FleetJob:
@@ -112,22 +118,28 @@ class Fleet:
         job_id = uuid.uuid4().hex  # fixed before the first try: a retry never enqueues twice
         tries = 0
 
+        def enqueue_on(queue: Queue) -> None:
+            queue.enqueue(
+                JOB_FUNCTION, payload, job_id=job_id, job_timeout=job_timeout or self.job_timeout,
+                result_ttl=self.result_ttl, failure_ttl=self.result_ttl, meta=meta,
+            )
+
         def enqueue() -> None:
             nonlocal tries
             tries += 1
             if tries > 1 and self.redis.exists(job_key(job_id)):
                 return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
-            self._queues[priority].enqueue(
-                JOB_FUNCTION, payload, job_id=job_id, job_timeout=job_timeout or self.job_timeout,
-                result_ttl=self.result_ttl, failure_ttl=self.result_ttl, meta=meta,
-            )
+            enqueue_on(self._queues[priority])
 
+        if self.durability == "replicated":
+            name = queue_name(self.pool, priority)
+            enqueue_replicated(
+                self.redis, lambda conn: enqueue_on(Queue(name, connection=conn, serializer=JSONSerializer)),
+                job_id, self.pool, self.replica_timeout, self.retry_for)
+            return FleetJob(self, job_id)
         self._retry(enqueue)
-        # wake one idle worker now (they also poll, so an outage here costs only latency)
-        with contextlib.suppress(*OUTAGE_ERRORS), self.redis.pipeline(transaction=False) as pipe:
-            pipe.lpush(wake_key(self.pool), 1)
-            pipe.ltrim(wake_key(self.pool), 0, 63)
-            pipe.execute()
+        with contextlib.suppress(*OUTAGE_ERRORS):
+            push_wake(self.redis, self.pool)
         return FleetJob(self, job_id)
 
     def job(self, job_id: str) -> FleetJob:

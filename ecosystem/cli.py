@@ -8,17 +8,19 @@ import os
 import shlex
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import click
 from pydantic import ValidationError
 
+from ecosystem.kubernetes_cli import kubernetes_options, write_kubernetes
 from ecosystem.planner import Plan, PlanError, Workers, plan
 from ecosystem.render import FORMATS, Format, RenderOptions, default_command, render
 from ecosystem.topology import read_topology
 from worker.settings import FleetSettings, SettingsError, config_path, load_settings
 
 F = TypeVar("F", bound=Callable[..., Any])
+K8S_ARGS = ("image", "namespace", "memory_mib", "ttft_target", "tokens_per_s", "min_workers", "max_workers")
 
 
 class WorkersParam(click.ParamType):
@@ -151,7 +153,8 @@ def plan_command(config: Path | None, as_json: bool, **plan_args: Any) -> None:
 
 @click.command("ecosystem")
 @click.option(
-    "--format", "fmt", type=click.Choice(FORMATS), required=True, help="Process manager to write config for."
+    "--format", "fmt", type=click.Choice((*FORMATS, "kubernetes")), required=True,
+    help="Process manager (or kubernetes) to write config for.",
 )
 @plan_options
 @click.option(
@@ -174,8 +177,9 @@ def plan_command(config: Path | None, as_json: bool, **plan_args: Any) -> None:
 )
 @click.option("--env", "extra_env", multiple=True, help="Extra KEY=VALUE for every worker (repeatable).")
 @click.option("--user", help="systemd: User= to run the workers as.")
+@kubernetes_options
 def ecosystem_command(
-    fmt: Format,
+    fmt: Format | Literal["kubernetes"],
     config: Path | None,
     output: Path | None,
     command: str | None,
@@ -183,11 +187,16 @@ def ecosystem_command(
     run_dir: str,
     extra_env: tuple[str, ...],
     user: str | None,
-    **plan_args: Any,
+    **args: Any,
 ) -> None:
-    """Write a PM2, supervisord or systemd config that runs the planned workers."""
+    """Write a PM2, supervisord or systemd config, or Kubernetes manifests, for the planned workers."""
+    k8s = {key: args.pop(key) for key in K8S_ARGS}
+    plan_args = args
     settings, cfg = plan_settings(config)
     result = make_plan(settings=settings, **plan_args)
+    if fmt == "kubernetes":
+        write_kubernetes(result, settings, cfg, output, k8s)
+        return
     env: dict[str, str] = {}
     for item in extra_env:
         key, sep, value = item.partition("=")
@@ -238,8 +247,9 @@ def _write(path: Path, text: str) -> None:
 
 
 def register(cli: click.Group) -> None:
-    """Add `plan`, `ecosystem`, `up` and `down` to the `fleet` group."""
+    """Add `plan`, `ecosystem`, `scale`, `up` and `down` to the `fleet` group."""
+    from ecosystem.kubernetes_cli import scale_command
     from ecosystem.up_cli import down_command, up_command  # imports this module
 
-    for command in (plan_command, ecosystem_command, up_command, down_command):
+    for command in (plan_command, ecosystem_command, scale_command, up_command, down_command):
         cli.add_command(command)

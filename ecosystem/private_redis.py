@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from redis import Redis
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from backends.contract.connect import redis_from_url
 from backends.contract.redact import redact_url
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
@@ -71,7 +71,7 @@ def redis_server_binary() -> str:
 def reachable(url: str, timeout: float = 1.0) -> bool:
     """True when a Redis answers at `url`. A server that refuses our credentials is reported, not
     replaced: starting a second one on its port would fail anyway."""
-    client = Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    client = redis_from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(client.ping())
     except (RedisConnectionError, RedisTimeoutError, OSError):

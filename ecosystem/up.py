@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from redis import Redis
 from redis.exceptions import RedisError
 
+from backends.contract.connect import redis_from_url
 from backends.contract.redact import redact_url
 from dispatcher import status as fleet_status
 from ecosystem.planner import Plan
@@ -286,7 +286,7 @@ class Launch:
     def _registered(self) -> list[dict[str, Any]] | None:
         """Worker status rows once each planned worker is registered with supervisord's pid for it."""
         try:
-            with Redis.from_url(self.redis_url, socket_connect_timeout=1, socket_timeout=2) as redis:
+            with redis_from_url(self.redis_url, socket_connect_timeout=1, socket_timeout=2) as redis:
                 live = {str(w["name"]): w for w in fleet_status.workers(redis)}
         except (RedisError, OSError):
             return None

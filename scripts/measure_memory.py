@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
-from redis import Redis  # noqa: E402
 
+from backends.contract.connect import redis_from_url  # noqa: E402
 from dispatcher import Fleet  # noqa: E402
 from dispatcher import status as fleet_status  # noqa: E402
 
@@ -140,7 +140,7 @@ def measure(pid: int) -> dict[str, Any]:
 def serve(url: str, names: list[str], jobs: int, max_tokens: int) -> dict[str, dict[str, Any]]:
     """Submit rounds of jobs until every worker has finished at least `jobs`; their status rows."""
     producer = Fleet(url)
-    redis = Redis.from_url(url)
+    redis = redis_from_url(url)
     for rnd in range(20):
         batch = [
             producer.submit(prompt=f"Round {rnd}, story {i}: once upon a time", max_tokens=max_tokens, seed=i)

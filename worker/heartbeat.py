@@ -24,6 +24,7 @@ from backends.contract.keys import WORKERS_SET, worker_key
 from backends.contract.redact import redact_url
 from backends.contract.replies import Fields
 from backends.contract.retry import OUTAGE_ERRORS
+from worker.health import write_health
 
 if TYPE_CHECKING:
     from rq.worker import Worker
@@ -59,6 +60,7 @@ class Heartbeat(threading.Thread):
         link = self.fw.link
         last_reap = time.monotonic()
         while not self._halt.is_set():
+            self._write_health()
             try:
                 self.beat()
                 link.succeeded()
@@ -70,6 +72,16 @@ class Heartbeat(threading.Thread):
             except Exception:
                 log.exception("heartbeat error")
             self._wait()
+
+    def _write_health(self) -> None:
+        """The local health file for `fleet health` (worker/health.py): written whether Redis
+        answers or not, so liveness never depends on Redis."""
+        path = self.fw.settings.health_file
+        if path is not None:
+            try:
+                write_health(path, self.fw)
+            except OSError as e:
+                log.warning("cannot write health file %s: %s", path, e)
 
     def _wait(self) -> None:
         """Until the next beat, or sooner when jobs ended, so that `fleet status` shows them at

@@ -9,6 +9,7 @@ pydantic's message, which names the key.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -31,6 +32,7 @@ class FleetSettings(ProducerSettings):
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
     max_attempts: int = Field(3, ge=1, le=20)
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
+    health_file: Path | None = Field(None, description="worker: file refreshed every beat for `fleet health`")
 
     @field_validator("cpus")
     @classmethod

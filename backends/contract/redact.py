@@ -6,8 +6,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 
 def redact_url(url: str) -> str:
-    """A Redis URL fit to print: the password of `user:password@host` and of a `password=` query
-    parameter (redis-py reads both) become ***; the rest, IPv6 brackets included, stays as is."""
+    """A Redis URL fit to print: the password of `user:password@host` and of a `password=` (or
+    `sentinel_password=`) query parameter become ***; the rest, IPv6 brackets and a Sentinel
+    URL's host list included, stays as is."""
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
@@ -23,4 +24,4 @@ def redact_url(url: str) -> str:
 
 def _redact_param(kv: str) -> str:
     key = kv.split("=", 1)[0]
-    return f"{key}=***" if key.lower() == "password" else kv
+    return f"{key}=***" if key.lower() in ("password", "sentinel_password") else kv

@@ -2,7 +2,7 @@
 exponential backoff every retry in the project uses (Redis reconnects of producers and workers,
 HTTP engines coming up, a fallback chain resting a failed backend).
 
-Clients are made with `Redis.from_url`, which does not retry by itself, so a failed call returns at
+Clients (connect.py `redis_from_url`) do not retry by themselves, so a failed call returns at
 once and the caller decides: producers retry until their own deadline, workers keep generating
 and retry their writes on a backoff (docs/reliability.md).
 """

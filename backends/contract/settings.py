@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import (
@@ -67,6 +67,9 @@ class ProducerSettings(FileAndEnvSettings):
     job_timeout: int = Field(600, ge=1, description="wall seconds a job may run")
     queue_ttl: int | None = Field(None, ge=1, description="seconds a job may wait in the queue")
     result_ttl: int = Field(3600, ge=1)
+    durability: Literal["primary", "replicated"] = Field(
+        "primary", description="producers: submit returns once the primary has the job, or (replicated) "
+        "once a replica has it too (Redis WAIT; docs/scale-out.md)")
 
 
 class EngineSettings(BaseModel):

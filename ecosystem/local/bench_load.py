@@ -17,8 +17,8 @@ from typing import Protocol
 
 import httpx
 from httpx_sse import connect_sse
-from redis import Redis
 
+from backends.contract.connect import redis_from_url
 from backends.contract.schema import GenerateRequest, Sampling, SamplingDefaults
 from backends.llama_server import completion_body
 from dispatcher.client import Fleet
@@ -47,7 +47,7 @@ class FleetTarget:
     """Jobs through Redis: submit, then read the job's stream once (text deltas, then done/error)."""
 
     def __init__(self, redis_url: str, pool: str = "llm") -> None:
-        self.fleet = Fleet(redis=Redis.from_url(redis_url), pool=pool)
+        self.fleet = Fleet(redis=redis_from_url(redis_url), pool=pool)
 
     def request(self, prompt: str, max_tokens: int) -> Sample:
         req = greedy(prompt, max_tokens)

@@ -23,6 +23,7 @@ from typing import Any
 
 from redis import Redis
 
+from backends.contract.connect import redis_from_url
 from backends.contract.keys import worker_key
 from backends.contract.settings import config_path
 from ecosystem.private_redis import redis_server_binary
@@ -57,7 +58,7 @@ class RedisServer:
         return server
 
     def client(self) -> Redis:
-        return Redis.from_url(self.url)
+        return redis_from_url(self.url)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process.poll() is None:
@@ -78,7 +79,7 @@ class RedisServer:
 
 def _pings(url: str) -> bool:
     try:
-        return bool(Redis.from_url(url, socket_connect_timeout=0.5).ping())
+        return bool(redis_from_url(url, socket_connect_timeout=0.5).ping())
     except Exception:
         return False
 
@@ -145,7 +146,7 @@ def start_worker(redis_url: str, name: str, log_dir: Path, *, wait: bool = True,
     )
     w = WorkerProcess(name, proc, log)
     if wait:
-        r = Redis.from_url(redis_url)
+        r = redis_from_url(redis_url)
 
         def up() -> bool:
             if proc.poll() is not None:

@@ -1,0 +1,284 @@
+"""A plan -> Kubernetes manifests: worker Deployment, ConfigMap, Secret, gateway Deployment +
+Service, KEDA ScaledObject, and a helm-free kustomization.yaml (`kubectl apply -k DIR`).
+
+- Workers: CPU requests = limits = the planned cores per worker, memory requests = limits = the
+  sizing estimate, so pods are in the Guaranteed QoS class and a kubelet with the static CPU
+  manager policy gives each worker exclusive cores (its cpuset is what the worker pins to; no
+  FLEET_CPUS). With the Topology Manager's `single-numa-node` policy the cores come from one
+  node, which is what the planner does on bare metal.
+- terminationGracePeriodSeconds = drain_grace + STOP_MARGIN: SIGTERM drains, then SIGKILL.
+- Probes run `fleet health` against the worker's local health file (liveness never asks Redis);
+  a startup probe covers the model load.
+- The Redis URL (and, for KEDA, the password) comes from a Secret; worker-config.json minus
+  `redis_url` is a ConfigMap mounted at CONFIG_DIR.
+- KEDA: one `redis` (or `redis-sentinel`) trigger per priority queue of the pool, summed by a
+  scaling-modifier formula; target = queue_target_per_worker() (ecosystem/sizing.py), the same
+  function `fleet scale --suggest` uses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import yaml
+
+from backends.contract.connect import is_sentinel_url, parse_sentinel_url
+from backends.contract.keys import queue_key, queue_name
+from backends.contract.redact import redact_url
+from backends.contract.schema import PRIORITIES
+from ecosystem.planner import Plan
+from ecosystem.render import STOP_MARGIN
+from ecosystem.sizing import Throughput, queue_target_per_worker, worker_memory_mib
+from worker.settings import FleetSettings
+
+APP = "llama-fleet"
+CONFIG_DIR = "/etc/llama-fleet"
+HEALTH_FILE = "/tmp/fleet-health.json"
+GATEWAY_PORT = 8000
+SECRET = f"{APP}-redis"
+PER_HOST_KEYS = ("redis_url", "name", "cpus", "numa_node", "health_file")  # not for the ConfigMap
+
+
+@dataclass(frozen=True)
+class KubernetesOptions:
+    image: str = f"{APP}:0.1.0"
+    namespace: str | None = None
+    ttft_target_s: float = 10.0
+    min_workers: int = 1
+    max_workers: int = 10
+    tokens_per_s: float | None = None  # per worker; None: the measured figure for its cores
+    memory_mib: int | None = None  # per worker; None: the sizing estimate
+    gateway_replicas: int = 1
+    show_secrets: bool = False  # False: the Secret's values are redacted (stdout)
+
+
+def render_kubernetes(plan: Plan, settings: FleetSettings, config: dict[str, Any],
+                      options: KubernetesOptions) -> dict[str, str]:
+    """Files by name. `config` is worker-config.json as read (or {} for defaults)."""
+    cores = max(w.threads for w in plan.workers)
+    slots = max(w.slots for w in plan.workers)
+    docs = {
+        "configmap.yaml": _configmap(config),
+        "secret.yaml": _secret(settings.redis_url, options.show_secrets),
+        "worker-deployment.yaml": _worker_deployment(plan, settings, cores, slots, options),
+        "gateway-deployment.yaml": _gateway_deployment(options),
+        "gateway-service.yaml": _gateway_service(),
+        "scaledobject.yaml": _scaled_object(settings, cores, options),
+    }
+    files = {name: _yaml(doc) for name, doc in docs.items()}
+    kustomization: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": list(docs),
+    }
+    if options.namespace:
+        kustomization["namespace"] = options.namespace
+    files["kustomization.yaml"] = _yaml(kustomization)
+    return files
+
+
+def scale_target(settings: FleetSettings, cores: int, options: KubernetesOptions) -> int:
+    """Queued jobs per worker the ScaledObject aims at (see ecosystem/sizing.py)."""
+    tokens_per_job = settings.backend.sampling.max_tokens or 128
+    throughput = (Throughput(options.tokens_per_s, tokens_per_job) if options.tokens_per_s
+                  else Throughput.measured(cores, tokens_per_job))
+    return queue_target_per_worker(throughput.jobs_per_s, options.ttft_target_s)
+
+
+def _yaml(doc: dict[str, Any]) -> str:
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def _meta(name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "labels": _labels(component)}
+
+
+def _labels(component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": component}
+
+
+def _configmap(config: dict[str, Any]) -> dict[str, Any]:
+    shared = {k: v for k, v in config.items() if k not in PER_HOST_KEYS}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{APP}-config", "config"),
+            "data": {"worker-config.json": json.dumps(shared, indent=2) + "\n"}}
+
+
+def _secret(redis_url: str, show: bool) -> dict[str, Any]:
+    if redis_url.startswith("unix:"):
+        raise ValueError("a unix:// Redis URL cannot reach pods: configure redis://, rediss:// or "
+                         "redis+sentinel:// for Kubernetes")
+    data = {"redis-url": redis_url, "redis-password": _password(redis_url)}
+    if is_sentinel_url(redis_url):
+        data["sentinel-password"] = parse_sentinel_url(redis_url).sentinel_password or ""
+    if not show:
+        data = {k: (redact_url(v) if k == "redis-url" else ("***" if v else "")) for k, v in data.items()}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(SECRET, "redis"), "type": "Opaque",
+            "stringData": data}
+
+
+def _password(url: str) -> str:
+    if is_sentinel_url(url):
+        return parse_sentinel_url(url).password or ""
+    password = urlsplit(url).password
+    return unquote(password) if password else ""
+
+
+def _secret_env(name: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key}}}
+
+
+def _shared_env() -> list[dict[str, Any]]:
+    return [{"name": "FLEET_CONFIG", "value": f"{CONFIG_DIR}/worker-config.json"},
+            _secret_env("FLEET_REDIS_URL", "redis-url")]
+
+
+def _config_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    volume = {"name": "config", "configMap": {"name": f"{APP}-config"}}
+    mount = {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
+    return volume, mount
+
+
+def _exec_probe(*args: str, period: int, failures: int) -> dict[str, Any]:
+    return {"exec": {"command": ["fleet", "health", *args]}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: int,
+                       options: KubernetesOptions) -> dict[str, Any]:
+    memory = options.memory_mib or worker_memory_mib(settings.backend)
+    resources = {"cpu": str(cores), "memory": f"{memory}Mi"}
+    volume, mount = _config_volume()
+    env = [
+        *_shared_env(),
+        {"name": "FLEET_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "FLEET_HEALTH_FILE", "value": HEALTH_FILE},
+        {"name": "FLEET_BACKEND__THREADS", "value": str(cores)},
+        {"name": "FLEET_BACKEND__SLOTS", "value": str(slots)},
+        # read by KEDA's scaler from the scale target's container (passwordFromEnv)
+        _secret_env("REDIS_PASSWORD", "redis-password"),
+    ]
+    if is_sentinel_url(settings.redis_url):
+        env.append(_secret_env("REDIS_SENTINEL_PASSWORD", "sentinel-password"))
+    container = {
+        "name": "worker",
+        "image": options.image,
+        "command": ["fleet", "worker"],
+        "env": env,
+        "resources": {"requests": resources, "limits": resources},
+        "volumeMounts": [mount],
+        # the model load: up to 5 min before liveness applies
+        "startupProbe": _exec_probe(period=5, failures=60),
+        "livenessProbe": _exec_probe(period=10, failures=3),
+        "readinessProbe": _exec_probe("--ready", period=5, failures=2),
+    }
+    grace = int(settings.drain_grace + STOP_MARGIN + 0.999)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(f"{APP}-worker", "worker"),
+        "spec": {
+            "replicas": max(options.min_workers, len(plan.workers)),
+            "selector": {"matchLabels": _labels("worker")},
+            # a new pod loads its model before an old one drains
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": _labels("worker")},
+                "spec": {"terminationGracePeriodSeconds": grace, "containers": [container],
+                         "volumes": [volume]},
+            },
+        },
+    }
+
+
+def _gateway_deployment(options: KubernetesOptions) -> dict[str, Any]:
+    volume, mount = _config_volume()
+    container = {
+        "name": "gateway",
+        "image": options.image,
+        "command": ["fleet", "serve", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)],
+        "env": _shared_env(),
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+        "volumeMounts": [mount],
+        # ready = Redis up and a live worker (its /health); alive = it accepts connections
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(f"{APP}-gateway", "gateway"),
+        "spec": {
+            "replicas": options.gateway_replicas,
+            "selector": {"matchLabels": _labels("gateway")},
+            "template": {"metadata": {"labels": _labels("gateway")},
+                         "spec": {"containers": [container], "volumes": [volume]}},
+        },
+    }
+
+
+def _gateway_service() -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(f"{APP}-gateway", "gateway"),
+        "spec": {"selector": _labels("gateway"),
+                 "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http"}]},
+    }
+
+
+def _trigger_connection(url: str) -> tuple[str, dict[str, str]]:
+    """KEDA trigger type and its connection metadata (no secrets: those come from env)."""
+    if is_sentinel_url(url):
+        target = parse_sentinel_url(url)
+        meta = {"addresses": ",".join(f"{_host(h)}:{p}" for h, p in target.sentinels),
+                "sentinelMaster": target.service, "databaseIndex": str(target.db),
+                "enableTLS": "true" if target.tls else "false", "passwordFromEnv": "REDIS_PASSWORD",
+                "sentinelPasswordFromEnv": "REDIS_SENTINEL_PASSWORD"}
+        return "redis-sentinel", meta
+    parts = urlsplit(url)
+    db = parts.path.strip("/") or "0"
+    meta = {"address": f"{_host(parts.hostname or 'localhost')}:{parts.port or 6379}", "databaseIndex": db,
+            "enableTLS": "true" if parts.scheme == "rediss" else "false", "passwordFromEnv": "REDIS_PASSWORD"}
+    return "redis", meta
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _scaled_object(settings: FleetSettings, cores: int, options: KubernetesOptions) -> dict[str, Any]:
+    target = scale_target(settings, cores, options)
+    kind, connection = _trigger_connection(settings.redis_url)
+    triggers: list[dict[str, Any]] = []
+    for priority in PRIORITIES:
+        triggers.append({
+            "type": kind,
+            "name": f"q_{priority}",
+            "metadata": {**connection, "listName": queue_key(queue_name(settings.pool, priority)),
+                         "listLength": str(target), "activationListLength": "0"},
+        })
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _meta(f"{APP}-worker", "worker"),
+        "spec": {
+            "scaleTargetRef": {"name": f"{APP}-worker"},
+            "minReplicaCount": options.min_workers,
+            "maxReplicaCount": options.max_workers,
+            "pollingInterval": 15,
+            "cooldownPeriod": 300,  # a worker costs a model load: do not flap
+            "advanced": {
+                # HPA: replicas = ceil(sum of the pool's queues / target) = sizing.workers_needed
+                "scalingModifiers": {
+                    "formula": " + ".join(t["name"] for t in triggers),
+                    "target": str(target),
+                    "metricType": "AverageValue",
+                },
+            },
+            "triggers": triggers,
+        },
+    }

@@ -1,0 +1,129 @@
+"""`fleet ecosystem --format kubernetes`: the rendered manifests validate (core objects with
+kubernetes-validate, the ScaledObject against KEDA's published CRD schema, vendored in
+tests/fixtures/keda/), carry the planned resources, and `fleet scale --suggest` computes what the
+ScaledObject computes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from dispatcher.cli import cli
+from ecosystem.sizing import workers_needed
+from tests.harness import ROOT
+
+FIXTURES = Path(__file__).parent / "fixtures"
+K8S_VERSION = "1.30"
+
+
+def render(tmp_path: Path, *args: str, url: str = "redis://:s3cret@redis.example:6379/2") -> dict[str, Any]:
+    config = tmp_path / "worker-config.json"
+    raw = json.loads((ROOT / "worker-config.json").read_text())
+    config.write_text(json.dumps({**raw, "redis_url": url}))
+    out = tmp_path / "k8s"
+    result = CliRunner().invoke(cli, ["ecosystem", "--format", "kubernetes", "--config", str(config),
+                                      "--workers", "1", "-o", str(out), *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return {p.name: yaml.safe_load(p.read_text()) for p in sorted(out.glob("*.yaml"))}
+
+
+def scaled_object_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((FIXTURES / "keda" / "keda.sh_scaledobjects.yaml").read_text())
+    return dict(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+def test_core_objects_validate_and_carry_the_plan(tmp_path: Path) -> None:
+    sysfs = str(FIXTURES / "sysfs" / "1node-2core")
+    docs = render(tmp_path, "--cores-per-worker", "2", "--sysfs-root", sysfs)
+    for doc in docs.values():
+        if doc["apiVersion"].startswith("keda.sh") or doc["kind"] == "Kustomization":
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    kustomization = docs["kustomization.yaml"]
+    assert sorted(kustomization["resources"]) == sorted(n for n in docs if n != "kustomization.yaml")
+
+    worker = docs["worker-deployment.yaml"]["spec"]["template"]["spec"]
+    container = worker["containers"][0]
+    # Guaranteed QoS: requests = limits, integer CPUs = the planned cores (static CPU manager)
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    assert container["resources"]["requests"]["cpu"] == "2"
+    memory = int(container["resources"]["requests"]["memory"].removesuffix("Mi"))
+    assert 700 <= memory <= 900  # measured 710 MiB RSS for the default config (docs/placement.md)
+    assert worker["terminationGracePeriodSeconds"] > 20  # > drain_grace
+    assert container["livenessProbe"]["exec"]["command"] == ["fleet", "health"]
+    assert container["readinessProbe"]["exec"]["command"] == ["fleet", "health", "--ready"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["FLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"]["key"] == "redis-url"
+    # the password lives in the Secret only, never in the ConfigMap
+    config = json.loads(docs["configmap.yaml"]["data"]["worker-config.json"])
+    assert "redis_url" not in config
+    assert docs["secret.yaml"]["stringData"]["redis-password"] == "s3cret"
+    gateway = docs["gateway-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["command"][:2] == ["fleet", "serve"]
+    assert docs["gateway-service.yaml"]["spec"]["ports"][0]["port"] == 8000
+
+
+def test_scaled_object_validates_against_kedas_crd(tmp_path: Path) -> None:
+    docs = render(tmp_path, "--ttft-target", "20", "--max-workers", "7")
+    so = docs["scaledobject.yaml"]
+    jsonschema.validate(so, scaled_object_schema())
+    triggers = so["spec"]["triggers"]
+    assert [t["metadata"]["listName"] for t in triggers] == ["rq:queue:llm:high", "rq:queue:llm:default",
+                                                             "rq:queue:llm:low"]
+    assert {t["type"] for t in triggers} == {"redis"}
+    assert triggers[0]["metadata"]["address"] == "redis.example:6379"
+    assert triggers[0]["metadata"]["databaseIndex"] == "2"
+    # 2 cores x 95 tok/s / 128 tokens a job = 1.48 jobs/s; x 20 s = 29 queued jobs per worker
+    assert so["spec"]["advanced"]["scalingModifiers"]["target"] == "29"
+    assert so["spec"]["maxReplicaCount"] == 7
+
+
+def test_a_broken_scaled_object_fails_the_schema() -> None:
+    """The schema check can fail: a trigger without its required type is refused."""
+    so = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "x"},
+          "spec": {"scaleTargetRef": {"name": "w"}, "triggers": [{"metadata": {"listName": "q"}}]}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(so, scaled_object_schema())
+
+
+def test_sentinel_url_renders_a_redis_sentinel_trigger(tmp_path: Path) -> None:
+    docs = render(tmp_path, url="redis+sentinel://:pw@s1:26379,s2:26380/fleet/0?sentinel_password=spw")
+    so = docs["scaledobject.yaml"]
+    jsonschema.validate(so, scaled_object_schema())
+    meta = so["spec"]["triggers"][0]["metadata"]
+    assert so["spec"]["triggers"][0]["type"] == "redis-sentinel"
+    assert meta["addresses"] == "s1:26379,s2:26380" and meta["sentinelMaster"] == "fleet"
+    assert docs["secret.yaml"]["stringData"]["sentinel-password"] == "spw"
+
+
+def test_stdout_render_redacts_the_secret(tmp_path: Path) -> None:
+    config = tmp_path / "worker-config.json"
+    config.write_text(json.dumps({"redis_url": "redis://:s3cret@redis.example:6379/0"}))
+    result = CliRunner().invoke(cli, ["ecosystem", "--format", "kubernetes", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "s3cret" not in result.output and "kind: ScaledObject" in result.output
+
+
+def test_scale_suggest_uses_the_scaled_objects_formula(redis_url: str, tmp_path: Path) -> None:
+    from dispatcher import Fleet
+
+    fleet = Fleet(redis_url)
+    for i in range(100):
+        fleet.submit(f"job {i}", max_tokens=4)
+    config = tmp_path / "worker-config.json"
+    config.write_text(json.dumps({"redis_url": redis_url}))
+    args = ["scale", "--suggest", "--config", str(config), "--cores", "2", "--ttft-target", "5",
+            "--max-workers", "50", "--json"]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    row = json.loads(result.output)
+    target = math.floor(2 * 95 / 128 * 5)  # 7 queued jobs per worker
+    assert row["queued"] == 100 and row["target_per_worker"] == target
+    assert row["suggested_workers"] == workers_needed(100, target, 1, 50) == math.ceil(100 / target) == 15
