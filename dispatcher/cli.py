@@ -114,7 +114,7 @@ def submit(prompt: str, config: str | None, max_tokens: int | None, temperature:
     except (JobFailed, JobTimeout) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(res.model_dump(exclude_unset=True)))
+        click.echo(json.dumps(res))
     elif not do_stream:
         click.echo(res["text"])
     if not as_json:

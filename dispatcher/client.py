@@ -215,7 +215,7 @@ class FleetJob:
         Waits through Redis outages (until `timeout`)."""
         for ev in self.events(timeout):
             if ev.kind == "done":
-                return JobResult.model_validate(ev.data or {})
+                return JobResult(ev.data or {})
             if ev.kind == "error":
                 raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
         status = self._status_or_unknown()

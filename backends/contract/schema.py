@@ -6,9 +6,9 @@ Importable without llama_cpp and without Redis: producers, workers and backends 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -109,68 +109,27 @@ def describe_validation_error(e: ValidationError) -> str:
 # -- the result ------------------------------------------------------------------------------------
 
 
-class _ReadsLikeADict(BaseModel):
-    """Attribute access (`res.text`) and, for code written against the plain dict RQ stores,
-    read-only mapping access (`res["text"]`, `res.get(...)`, `dict(res)`, `res == {...}`).
-    The mapping shows the fields the worker sent (a newer worker's extra fields included)."""
-
+class Usage(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-    def _as_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_unset=True)
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.model_fields_set and key not in (self.model_extra or {}):
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
-    def keys(self) -> list[str]:
-        return list(self._as_dict())
-
-    def items(self) -> list[tuple[str, Any]]:
-        return [(k, self[k]) for k in self.keys()]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._as_dict()
-
-    def __iter__(self) -> Iterator[str]:  # type: ignore[override]  # a mapping iterates its keys
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self._as_dict())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return self._as_dict() == dict(other)
-        return super().__eq__(other)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, like the dict it stands for
-
-
-class Usage(_ReadsLikeADict):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
 
 
-class Timings(_ReadsLikeADict):
+class Timings(BaseModel):
+    model_config = ConfigDict(extra="allow")
     queue_ms: float | None = None  # enqueued -> claimed
     ttft_ms: float | None = None  # claimed -> first token
     total_ms: float | None = None  # claimed -> done
     tokens_per_s: float | None = None  # completion tokens / (first token -> done)
 
 
-class JobResult(_ReadsLikeADict):
-    """What a finished (or cancelled) job returns: `FleetJob.result()` gives this object; RQ stores
-    `model_dump()` (a plain JSON dict) as the job's return value and the stream's final entry
-    carries the same dict. Build one with `job_result()` / `cancelled_in_queue()`."""
+class JobResultModel(BaseModel):
+    """The schema of a job's result. Workers build it (`job_result()`) and store `model_dump()`:
+    RQ's return value and the stream's final entry are that plain JSON dict. Fields a writer leaves
+    out take these defaults; extra fields (a newer worker's) are kept."""
 
+    model_config = ConfigDict(extra="allow")
     job_id: str = ""
     text: str = ""
     finish_reason: FinishReason = "stop"
@@ -181,12 +140,38 @@ class JobResult(_ReadsLikeADict):
     timings: Timings = Field(default_factory=Timings)
 
 
+class JobResult(dict[str, Any]):
+    """What `FleetJob.result()` returns: the stored result dict itself (so `res["text"]`,
+    `isinstance(res, dict)` and `json.dumps(res)` work as they do for plain RQ users), checked
+    against `JobResultModel` and readable as typed attributes: `res.text`,
+    `res.usage.completion_tokens`. A read-only view: edit a copy, not the result."""
+
+    if TYPE_CHECKING:  # the attributes, typed; at run time __getattr__ reads them from the model
+        job_id: str
+        text: str
+        finish_reason: FinishReason
+        usage: Usage
+        worker: str | None
+        backend: str | None
+        attempt: int
+        timings: Timings
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        super().__init__(data)
+        self.model = JobResultModel.model_validate(data)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # not set yet (during unpickling/copy): no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
 def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_tokens: int,
                completion_tokens: int, worker: str | None, backend: str | None, attempt: int,
                queue_ms: float | None = None, ttft_ms: float | None = None, total_ms: float | None = None,
-               tokens_per_s: float | None = None) -> JobResult:
+               tokens_per_s: float | None = None) -> JobResultModel:
     """The one place a job's result is put together (times rounded to 0.1)."""
-    return JobResult(
+    return JobResultModel(
         job_id=job_id,
         text=text,
         finish_reason=finish_reason,
@@ -200,7 +185,7 @@ def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_to
     )
 
 
-def cancelled_in_queue(job_id: str, attempt: int) -> JobResult:
+def cancelled_in_queue(job_id: str, attempt: int) -> JobResultModel:
     """The result of a job cancelled before any worker ran it."""
     return job_result(job_id, "", "cancelled", prompt_tokens=0, completion_tokens=0, worker=None,
                       backend=None, attempt=attempt)
