@@ -100,6 +100,8 @@ def sampler_fields(s: Sampling) -> dict[str, float | int]:
         "top_p": s.top_p,
         "min_p": s.min_p,
         "repeat_penalty": s.repeat_penalty,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
     }
 
 

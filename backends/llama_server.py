@@ -15,7 +15,7 @@ import httpx
 from httpx_sse import connect_sse
 
 from backends.base import BackendUnavailable, Done, Event, Token
-from backends.contract.schema import FinishReason, Sampling
+from backends.contract.schema import FinishReason, GenerateRequest, Sampling
 from backends.http_pool import HttpStreamBackend, StreamFailure, StreamJob, sampler_fields
 from backends.http_settings import HttpSettings
 
@@ -58,16 +58,19 @@ class LlamaServerBackend(HttpStreamBackend):
             path = "/v1/chat/completions"
             body = {
                 **common_fields(s),
+                **structured_fields(job.request),
                 "messages": [m.model_dump() for m in job.request.messages],
                 "max_tokens": s.max_tokens,
                 "stream_options": {"include_usage": True},
             }
-            reader = ChatChunkReader(job.job_id)
+            reader = ChatChunkReader(job.job_id, job.request.top_logprobs)
         else:
             assert job.request.prompt is not None
             path = "/completion"
-            body = completion_body(job.request.prompt, s)
-            reader = CompletionChunkReader(job.job_id)
+            body = {**completion_body(job.request.prompt, s), **structured_fields(job.request)}
+            if job.request.logprobs:  # /completion names it n_probs; at least 1 to get any
+                body["n_probs"] = max(1, job.request.top_logprobs or 0)
+            reader = CompletionChunkReader(job.job_id, job.request.top_logprobs)
         with connect_sse(self.client, "POST", path, json=body) as source:
             job.response = source.response
             self._check_status(source.response)
@@ -97,20 +100,54 @@ def common_fields(s: Sampling) -> dict[str, Any]:
             "stream": True, "cache_prompt": True}
 
 
+def structured_fields(request: GenerateRequest) -> dict[str, Any]:
+    """Structured output and logprobs, in the names both llama-server endpoints read (the
+    chat endpoint turns logprobs/top_logprobs into n_probs itself)."""
+    out: dict[str, Any] = {}
+    if request.format is not None:  # "json": any JSON object, as llama-server's json_object
+        out["json_schema"] = {"type": "object"} if request.format == "json" else request.format
+    if request.logprobs:
+        out["logprobs"] = True
+        out["top_logprobs"] = max(1, request.top_logprobs or 0)
+    return out
+
+
 def completion_body(prompt: str, s: Sampling) -> dict[str, Any]:
     """The streaming `/completion` request this backend sends for a prompt job (`fleet bench` sends
     the very same to llama-server directly)."""
     return {**common_fields(s), "prompt": prompt, "n_predict": s.max_tokens}
 
 
+class LogprobsCollector:
+    """Per-token log-probabilities from llama-server's chunks, kept in OpenAI's chat shape
+    ([{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]) for the result."""
+
+    def __init__(self, top: int | None) -> None:
+        self.top = top or 0
+        self.tokens: list[dict[str, Any]] = []
+
+    def add(self, entries: object) -> None:
+        for e in entries if isinstance(entries, list) else []:
+            tops = e.get("top_logprobs") or []
+            self.tokens.append({"token": e.get("token", ""), "logprob": e.get("logprob"),
+                                "bytes": e.get("bytes"),
+                                "top_logprobs": [{k: t.get(k) for k in ("token", "logprob", "bytes")}
+                                                 for t in tops[: self.top]]})
+
+    def extra(self) -> dict[str, Any]:
+        return {"logprobs": self.tokens} if self.tokens else {}
+
+
 class CompletionChunkReader:
     """Reads `/completion` SSE chunks: {"content", "stop": false} ... then {"stop": true, ...usage}."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, top_logprobs: int | None = None) -> None:
         self.job_id = job_id
         self.done: Done | None = None
+        self.logprobs = LogprobsCollector(top_logprobs)
 
     def feed(self, chunk: dict[str, Any]) -> Iterator[Event]:
+        self.logprobs.add(chunk.get("completion_probabilities"))
         if chunk.get("content"):
             yield Token(self.job_id, chunk["content"])
         if chunk.get("stop"):
@@ -126,6 +163,7 @@ class CompletionChunkReader:
                     "stop_type": stop_type,
                     "stopping_word": chunk.get("stopping_word", ""),
                     "tokens_cached": chunk.get("tokens_cached", 0),
+                    **self.logprobs.extra(),
                 },
             )
 
@@ -136,15 +174,17 @@ class CompletionChunkReader:
 class ChatChunkReader:
     """Reads `/v1/chat/completions` chunks: deltas, a chunk with finish_reason, then a usage chunk."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, top_logprobs: int | None = None) -> None:
         self.job_id = job_id
         self.done: Done | None = None
+        self.logprobs = LogprobsCollector(top_logprobs)
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] = {}
         self.timings: dict[str, Any] = {}
 
     def feed(self, chunk: dict[str, Any]) -> Iterator[Event]:
         for choice in chunk.get("choices") or []:
+            self.logprobs.add((choice.get("logprobs") or {}).get("content"))
             text = (choice.get("delta") or {}).get("content")
             if text:
                 yield Token(self.job_id, text)
@@ -165,5 +205,6 @@ class ChatChunkReader:
             "length" if self.finish_reason == "length" else "stop",
             prompt_tokens=int(self.usage.get("prompt_tokens") or 0),
             completion_tokens=int(self.usage.get("completion_tokens") or 0),
-            extra={"timings": self.timings, "server_finish_reason": self.finish_reason},
+            extra={"timings": self.timings, "server_finish_reason": self.finish_reason,
+                   **self.logprobs.extra()},
         )

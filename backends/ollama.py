@@ -73,6 +73,11 @@ class OllamaBackend(HttpStreamBackend):
             "keep_alive": self.settings.keep_alive,
             "options": options,
         }
+        if job.request.format is not None:
+            body["format"] = job.request.format
+        if job.request.logprobs:  # Ollama >= 0.12.11 returns them; older servers ignore the fields
+            body["logprobs"] = True
+            body["top_logprobs"] = job.request.top_logprobs or 0
         if job.request.messages is not None:
             path = "/api/chat"
             body["messages"] = [m.model_dump() for m in job.request.messages]

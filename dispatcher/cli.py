@@ -13,12 +13,9 @@ import click
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from rich.console import Console
-from rich.table import Table
 
 from backends.contract.connect import redis_from_url
 from backends.contract.redact import redact_url
-from dispatcher import status as fleet_status
 from dispatcher.client import Fleet, JobFailed, JobTimeout
 from worker.settings import FleetSettings, SettingsError, load_settings
 
@@ -91,24 +88,33 @@ def worker(config: str | None, cpus: str | None, name: str | None, verbose: bool
 @click.option("--timeout", type=float, default=300.0, help="seconds to wait for the result")
 @click.option("--queue-ttl", type=int, default=None, help="fail the job if it waits longer in the queue")
 @click.option("--job-timeout", type=int, default=None, help="fail the job if it runs longer")
+@click.option("--detach", is_flag=True, help="on Ctrl-C, leave the job running (default: cancel it)")
 @friendly_errors
 def submit(prompt: str, config: str | None, max_tokens: int | None, temperature: float | None,
            seed: int | None, stop: tuple[str, ...], priority: str, do_stream: bool, as_json: bool,
-           timeout: float, queue_ttl: int | None, job_timeout: int | None) -> None:
-    """Submit one generation job and wait for its result."""
+           timeout: float, queue_ttl: int | None, job_timeout: int | None, detach: bool) -> None:
+    """Submit one generation job and wait for its result. Ctrl-C cancels it (unless --detach)."""
     s, redis = settings_and_redis(config)
     fleet = Fleet(redis=redis, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
                   queue_ttl=s.queue_ttl)
     fields: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                               "stop": list(stop) or None}
+    job = None
     try:
         job = fleet.submit(prompt, priority=priority, queue_ttl=queue_ttl, job_timeout=job_timeout,
                            **{k: v for k, v in fields.items() if v is not None})
         if do_stream and not as_json:
-            for text in job.stream(timeout=timeout):
+            for text in job.stream(timeout=timeout, detach=detach):
                 click.echo(text, nl=False)
             click.echo()
         res = job.result(timeout=timeout)
+    except KeyboardInterrupt:  # nobody reads the rest: stop the worker generating it (issue 10, #12)
+        if job is not None and not detach:
+            job.cancel_quietly()
+            click.echo(f"\ncancelled job {job.id}", err=True)
+        elif job is not None:
+            click.echo(f"\ndetached: job {job.id} goes on", err=True)
+        raise SystemExit(130) from None
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     except (JobFailed, JobTimeout) as e:
@@ -124,44 +130,20 @@ def submit(prompt: str, config: str | None, max_tokens: int | None, temperature:
                    f"{t['tokens_per_s']} tok/s]", err=True)
 
 
-@cli.command()
-@config_option
-@click.option("--json", "as_json", is_flag=True)
-@friendly_errors
-def status(config: str | None, as_json: bool) -> None:
-    """Show workers (cpus, backend, state, in-flight, tok/s, RSS) and queue depths."""
-    s, redis = settings_and_redis(config)
-    snap = fleet_status.snapshot(redis, s.pool)
-    if as_json:
-        click.echo(json.dumps(snap))
-        return
-    console = Console()
-    wt = Table(title=f"workers (pool {s.pool}, redis {redact_url(s.redis_url)})")
-    for col in ("name", "host", "pid", "cpus", "node", "backend", "state", "in-flight", "tokens",
-                "tok/s", "RSS MiB"):
-        wt.add_column(col)
-    for w in snap["workers"]:
-        node = f"{w.get('numa_node', '')} ({w.get('numa_memory', '')})"
-        wt.add_row(str(w["name"]), str(w["host"]), str(w["pid"]), str(w.get("cpus") or "all"), node,
-                   str(w["backend"]), str(w["state"]), f"{w['inflight']}/{w['slots']}", str(w["tokens"]),
-                   str(w["tok_s"]), str(w["rss_mb"]))
-    console.print(wt)
-    qt = Table(title="queues")
-    for col in ("queue", "depth", "started", "finished", "failed"):
-        qt.add_column(col)
-    for q in snap["queues"]:
-        qt.add_row(q["queue"], str(q["depth"]), str(q["started"]), str(q["finished"]), str(q["failed"]))
-    console.print(qt)
-
-
 def _register_extensions() -> None:
+    from dispatcher.batch import cli as batch_cli
+    from dispatcher.gateway.serve import serve
+    from dispatcher.observe import cli as observe_cli
     from ecosystem.cli import register
     from ecosystem.local import bench
     from worker import health
 
     register(cli)
     bench.register(cli)
+    batch_cli.register(cli)
+    observe_cli.register(cli)
     health.register(cli)
+    cli.add_command(serve)
 
 
 _register_extensions()

@@ -16,12 +16,14 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from importlib.resources import files
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from pydantic import ValidationError
 from redis import Redis
+from redis.client import Pipeline
 from redis.typing import EncodableT
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -29,6 +31,8 @@ from rq.serializers import JSONSerializer
 from backends.contract.connect import redis_from_url
 from backends.contract.keys import (
     ATTEMPT_FIELD,
+    ENQUEUED_MS_META,
+    FINAL_FIELD,
     JOB_FUNCTION,
     cancel_key,
     canceled_registry_key,
@@ -50,37 +54,27 @@ from backends.contract.settings import ProducerSettings, load
 from backends.contract.stream import StreamEvent
 from dispatcher import stream
 from dispatcher.durability import DURABILITY_MODES, Durability, enqueue_replicated, push_wake
+from dispatcher.stream import JobFailed, JobRestarted, TextDeltas
 
 T = TypeVar("T")
-
-
-class JobFailed(Exception):
-    """The job ended with an error; `.error` is the worker's reason."""
-
-    def __init__(self, job_id: str, error: str, details: dict[str, Any] | None = None) -> None:
-        super().__init__(f"job {job_id} failed: {error}")
-        self.job_id = job_id
-        self.error = error
-        self.details = details or {}
+ENDED_STATUSES = ("finished", "failed", "canceled")  # RQ statuses of a job that has its final entry
+# timeouts for producer clients (sync and asyncio); no redis-py retries of their own
+CLIENT_OPTIONS: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout": 30,
+                                  "health_check_interval": 30}
 
 
 class JobTimeout(Exception):
     pass
 
 
-class Fleet:
-    """Producer handle on one pool. Every call rides out a Redis outage: it retries on a backoff
-    for up to `retry_for` seconds (stream/result: until their own timeout) before raising."""
+class ProducerBase:
+    """What the sync `Fleet` and `AsyncFleet` (dispatcher.aio) share: settings, and a request
+    turned into one RQ enqueue (validated, its id fixed before the first try)."""
 
-    def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
-                 result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
-                 retry_for: float = 30.0, durability: Durability = "primary",
-                 replica_timeout: float = 1.0) -> None:
-        if redis is None:
-            # no redis-py retries of its own: this class decides how long to wait (reconnect.py)
-            redis = redis_from_url(redis_url or "redis://127.0.0.1:6379/0", socket_connect_timeout=5,
-                                   socket_timeout=30, health_check_interval=30)
-        self.redis = redis
+    def __init__(self, redis_url: str | None = None, *, pool: str = "llm", result_ttl: int = 3600,
+                 job_timeout: int = 600, queue_ttl: int | None = None, retry_for: float = 30.0,
+                 durability: Durability = "primary", replica_timeout: float = 1.0) -> None:
+        self.redis_url = redis_url or "redis://127.0.0.1:6379/0"
         self.pool = pool
         self.result_ttl = result_ttl
         self.job_timeout = job_timeout
@@ -90,16 +84,66 @@ class Fleet:
             raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, not {durability!r}")
         self.durability = durability  # dispatcher/durability.py: what each mode promises and costs
         self.replica_timeout = replica_timeout
-        self._queues = {p: Queue(queue_name(pool, p), connection=redis, serializer=JSONSerializer)
-                        for p in PRIORITIES}
-        self._cancel_queued = redis.register_script(_CANCEL_QUEUED_LUA)
 
     @classmethod
-    def from_settings(cls, config: str | None = None) -> Fleet:
-        """A Fleet on the shared config (worker-config.json + FLEET_* env); worker keys are ignored."""
+    def from_settings(cls, config: str | None = None) -> Self:
+        """A producer on the shared config (worker-config.json + FLEET_* env); worker keys are ignored."""
         s = load(ProducerSettings, config)
         return cls(s.redis_url, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
                    queue_ttl=s.queue_ttl, durability=s.durability)
+
+    def _prepare(self, prompt: str | None, priority: str, queue_ttl: int | None, job_timeout: int | None,
+                 fields: dict[str, Any]) -> PreparedJob:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
+        if prompt is not None:
+            fields["prompt"] = prompt
+        request = validate_request(fields)
+        ttl = queue_ttl or self.queue_ttl
+        return PreparedJob(
+            job_id=uuid.uuid4().hex,  # fixed before the first try: a retry never enqueues twice
+            priority=priority,
+            payload=request.model_dump(exclude_none=True, exclude_defaults=True),
+            options={"job_timeout": job_timeout or self.job_timeout, "result_ttl": self.result_ttl,
+                     "failure_ttl": self.result_ttl, "meta": {"queue_ttl": ttl} if ttl else {}},
+        )
+
+
+@dataclass
+class PreparedJob:
+    job_id: str
+    priority: str
+    payload: dict[str, Any]
+    options: dict[str, Any]  # RQ's enqueue options
+
+    def enqueue(self, queue: Queue, pipeline: Pipeline | None = None) -> None:
+        """RQ's enqueue (into `pipeline` when given: its commands run at its execute)."""
+        queue.enqueue(JOB_FUNCTION, self.payload, job_id=self.job_id, pipeline=pipeline, **self.options)
+
+
+def rq_queues(pool: str, connection: Redis) -> dict[str, Queue]:
+    """The pool's RQ queues by priority (JSON serializer: fleet jobs are never pickled)."""
+    return {p: Queue(queue_name(pool, p), connection=connection, serializer=JSONSerializer)
+            for p in PRIORITIES}
+
+
+class Fleet(ProducerBase):
+    """Producer handle on one pool. Every call rides out a Redis outage: it retries on a backoff
+    for up to `retry_for` seconds (stream/result: until their own timeout) before raising."""
+
+    def __init__(self, redis_url: str | None = None, *, pool: str = "llm", redis: Redis | None = None,
+                 result_ttl: int = 3600, job_timeout: int = 600, queue_ttl: int | None = None,
+                 retry_for: float = 30.0, durability: Durability = "primary",
+                 replica_timeout: float = 1.0) -> None:
+        super().__init__(redis_url, pool=pool, result_ttl=result_ttl, job_timeout=job_timeout,
+                         queue_ttl=queue_ttl, retry_for=retry_for, durability=durability,
+                         replica_timeout=replica_timeout)
+        if redis is None:
+            # this class decides how long to wait through an outage (reconnect.py)
+            redis = redis_from_url(self.redis_url, **CLIENT_OPTIONS)
+        self.redis = redis
+        self._queues = rq_queues(pool, redis)
+        self._cancel_queued = redis.register_script(CANCEL_QUEUED)
 
     def submit(self, prompt: str | None = None, *, priority: str = "default", queue_ttl: int | None = None,
                job_timeout: int | None = None, **fields: Any) -> FleetJob:
@@ -107,40 +151,30 @@ class Fleet:
 
         `queue_ttl`: seconds the job may wait in the queue before its first run; a job claimed
         later fails with "expired". `job_timeout`: wall seconds one run may take."""
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
-        if prompt is not None:
-            fields["prompt"] = prompt
-        request = validate_request(fields)
-        payload = request.model_dump(exclude_none=True, exclude_defaults=True)
-        ttl = queue_ttl or self.queue_ttl
-        meta = {"queue_ttl": ttl} if ttl else {}
-        job_id = uuid.uuid4().hex  # fixed before the first try: a retry never enqueues twice
+        job = self._prepare(prompt, priority, queue_ttl, job_timeout, fields)
         tries = 0
-
-        def enqueue_on(queue: Queue) -> None:
-            queue.enqueue(
-                JOB_FUNCTION, payload, job_id=job_id, job_timeout=job_timeout or self.job_timeout,
-                result_ttl=self.result_ttl, failure_ttl=self.result_ttl, meta=meta,
-            )
 
         def enqueue() -> None:
             nonlocal tries
             tries += 1
-            if tries > 1 and self.redis.exists(job_key(job_id)):
+            if tries > 1 and self.redis.exists(job_key(job.job_id)):
                 return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
-            enqueue_on(self._queues[priority])
+            options = job.options
+            if options["meta"].get("queue_ttl"):  # measured on Redis's clock (issue 10, defect 9)
+                seconds, micros = self.redis.time()
+                options["meta"][ENQUEUED_MS_META] = seconds * 1000 + micros // 1000
+            job.enqueue(self._queues[job.priority])
 
         if self.durability == "replicated":
-            name = queue_name(self.pool, priority)
+            name = queue_name(self.pool, job.priority)
             enqueue_replicated(
-                self.redis, lambda conn: enqueue_on(Queue(name, connection=conn, serializer=JSONSerializer)),
-                job_id, self.pool, self.replica_timeout, self.retry_for)
-            return FleetJob(self, job_id)
+                self.redis, lambda conn: job.enqueue(Queue(name, connection=conn, serializer=JSONSerializer)),
+                job.job_id, self.pool, self.replica_timeout, self.retry_for)
+            return FleetJob(self, job.job_id)
         self._retry(enqueue)
         with contextlib.suppress(*OUTAGE_ERRORS):
             push_wake(self.redis, self.pool)
-        return FleetJob(self, job_id)
+        return FleetJob(self, job.job_id)
 
     def job(self, job_id: str) -> FleetJob:
         return FleetJob(self, job_id)
@@ -149,8 +183,17 @@ class Fleet:
         return retry_outage(call, time.monotonic() + self.retry_for)
 
 
-# Cancels a job that is still queued, in one step (see the script's header).
-_CANCEL_QUEUED_LUA = files("dispatcher").joinpath("cancel_queued.lua").read_text()
+# Cancels a job that is still queued, in one step (KEYS, ARGV and reply: the script's header).
+CANCEL_QUEUED = files("dispatcher").joinpath("cancel_queued.lua").read_text()
+
+
+def cancel_queued_call(job_id: str, queue: str, attempts: int,
+                       result_ttl: int) -> tuple[list[str], list[EncodableT]]:
+    """KEYS and ARGV of CANCEL_QUEUED for a job on `queue` that ran `attempts` times before."""
+    result = cancelled_in_queue(job_id, attempts + 1).model_dump()
+    keys = [queue_key(queue), job_key(job_id), stream_key(job_id), canceled_registry_key(queue)]
+    args: list[EncodableT] = [job_id, json.dumps(result), result_ttl, time.time(), ATTEMPT_FIELD, FINAL_FIELD]
+    return keys, args
 
 
 def validate_request(fields: dict[str, Any]) -> GenerateRequest:
@@ -176,7 +219,21 @@ class FleetJob:
         deadline = time.monotonic() + timeout if timeout else None
         yield from stream.read_events(self.fleet.redis, self.id, deadline=deadline)
 
-    def stream(self, timeout: float | None = None) -> Iterator[str]:
+    def __enter__(self) -> FleetJob:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """`with fleet.submit(...) as job:` cancels the job when the block is left by an exception
+        (Ctrl-C included) before the job ended; JobRestarted and JobFailed do not cancel."""
+        if exc_type is not None and not issubclass(exc_type, JobRestarted | JobFailed):
+            self.cancel_quietly()
+
+    def cancel_quietly(self) -> None:
+        """Cancel on the way out of an interrupted read: one try, never raising (Redis may be gone)."""
+        with contextlib.suppress(Exception):
+            self._cancel()
+
+    def stream(self, timeout: float | None = None, *, detach: bool = False) -> Generator[str, None, None]:
         """Text deltas as they are generated; joined, they are the final result's text.
 
         A job whose worker dies (or whose engine fails) mid-generation runs again as a new
@@ -187,27 +244,24 @@ class FleetJob:
         - if it diverges, JobRestarted is raised (`.delivered` is the void text). Discard what
           was shown and call stream() again: a new call starts with the live attempt's first
           token and never replays a dead attempt.
-        Raises JobFailed if the job fails; returns at the end of the job (or after `timeout`)."""
-        delivered = ""
-        current = ""
+        Raises JobFailed if the job fails; returns at the end of the job (or after `timeout`).
+
+        Interrupted (Ctrl-C, or the generator closed before the job ended, e.g. by leaving a
+        `with`/`finally` around the loop), it cancels the job, unless `detach=True`: nobody
+        would read what the worker goes on generating (issue 10, defect 12)."""
+        try:
+            yield from self._stream(timeout)
+        except (GeneratorExit, KeyboardInterrupt):
+            if not detach:
+                self.cancel_quietly()
+            raise
+
+    def _stream(self, timeout: float | None) -> Iterator[str]:
+        deltas = TextDeltas(self.id)
         for ev in self.events(timeout):
-            if ev.kind == "restart":
-                current = ""
-            elif ev.kind == "text":
-                current += ev.text
-                if not (current.startswith(delivered) or delivered.startswith(current)):
-                    raise JobRestarted(self.id, ev.attempt, delivered)
-                if len(current) > len(delivered):
-                    yield current[len(delivered):]
-                    delivered = current
-            elif ev.kind == "error":
-                raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
-            else:  # done: the final text may be shorter than the void text yielded before
-                final = str((ev.data or {}).get("text", current))
-                if final != delivered and final.startswith(delivered):
-                    yield final[len(delivered):]
-                elif final != delivered:
-                    raise JobRestarted(self.id, ev.attempt, delivered)
+            if delta := deltas.feed(ev):
+                yield delta
+            if deltas.ended:
                 return
 
     def result(self, timeout: float | None = 60.0) -> JobResult:
@@ -241,25 +295,13 @@ class FleetJob:
         origin, attempts = r.hmget(job_key(self.id), ["origin", ATTEMPT_FIELD])
         queue = as_str(origin)
         if queue is not None:
-            result = cancelled_in_queue(self.id, as_int(attempts) + 1).model_dump()
-            keys = [queue_key(queue), job_key(self.id), stream_key(self.id), canceled_registry_key(queue)]
-            args: list[EncodableT] = [self.id, json.dumps(result), self.fleet.result_ttl, time.time(),
-                                      ATTEMPT_FIELD]
+            keys, args = cancel_queued_call(self.id, queue, as_int(attempts), self.fleet.result_ttl)
             if self.fleet._cancel_queued(keys=keys, args=args):
                 return "cancelled"
         status = self.status()
-        if status in ("finished", "failed", "canceled"):
+        if status in ENDED_STATUSES:
             return status
         r.set(cancel_key(self.id), 1, ex=self.fleet.job_timeout + 60)
         return "cancelling"
 
 
-class JobRestarted(Exception):
-    """The job restarted (its worker died) and the new attempt's text diverges from what
-    stream() already yielded; call stream() again for the new attempt's text."""
-
-    def __init__(self, job_id: str, attempt: int, delivered: str) -> None:
-        super().__init__(f"job {job_id} restarted (attempt {attempt}); call stream() again for the new text")
-        self.job_id = job_id
-        self.attempt = attempt
-        self.delivered = delivered

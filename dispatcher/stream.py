@@ -16,14 +16,17 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 from redis import Redis
 
-from backends.contract.keys import ATTEMPT_FIELD, job_key, stream_key
-from backends.contract.replies import as_int
+from backends.contract.keys import ATTEMPT_FIELD, FINAL_FIELD, job_key, stream_key
+from backends.contract.replies import as_int, as_str
 from backends.contract.retry import OUTAGE_ERRORS, Backoff, retry_outage
 from backends.contract.stream import StreamEvent, decode
+
+# One XREAD reply: [(stream key, [(entry id, fields), ...]), ...]
+XreadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
 def live_attempt(redis: Redis, job_id: str) -> int:
@@ -57,6 +60,67 @@ class AttemptFilter:
         return [*out, ev]
 
 
+class JobFailed(Exception):
+    """The job ended with an error; `.error` is the worker's reason."""
+
+    def __init__(self, job_id: str, error: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(f"job {job_id} failed: {error}")
+        self.job_id = job_id
+        self.error = error
+        self.details = details or {}
+
+
+class JobRestarted(Exception):
+    """The job restarted (its worker died) and the new attempt's text diverges from what
+    stream() already yielded; call stream() again for the new attempt's text."""
+
+    def __init__(self, job_id: str, attempt: int, delivered: str) -> None:
+        super().__init__(f"job {job_id} restarted (attempt {attempt}); call stream() again for the new text")
+        self.job_id = job_id
+        self.attempt = attempt
+        self.delivered = delivered
+
+
+class TextDeltas:
+    """Turns a job's live events (read_events, or the async reader) into the text deltas that
+    `stream()` yields, sync and async alike. A new attempt's text is held back until it passes
+    what was already yielded; if it diverges, JobRestarted (see FleetJob.stream)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.delivered = ""  # text yielded so far
+        self.current = ""  # text of the live attempt so far
+        self.ended = False
+
+    def feed(self, ev: StreamEvent) -> str:
+        """The delta to yield for one event ("" for none); sets `ended` at the final entry.
+        Raises JobFailed for an error entry, JobRestarted on a diverging attempt."""
+        if ev.kind == "restart":
+            self.current = ""
+        elif ev.kind == "text":
+            self.current += ev.text
+            if not (self.current.startswith(self.delivered) or self.delivered.startswith(self.current)):
+                raise JobRestarted(self.job_id, ev.attempt, self.delivered)
+            return self._advance(self.current)
+        elif ev.kind == "error":
+            self.ended = True
+            raise JobFailed(self.job_id, str((ev.data or {}).get("error")), ev.data)
+        else:  # done: the final text may be shorter than the void text yielded before
+            self.ended = True
+            final = str((ev.data or {}).get("text", self.current))
+            if final != self.delivered and not final.startswith(self.delivered):
+                raise JobRestarted(self.job_id, ev.attempt, self.delivered)
+            return self._advance(final)
+        return ""
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.delivered):
+            return ""
+        delta = text[len(self.delivered):]
+        self.delivered = text
+        return delta
+
+
 def read_events(
     redis: Redis, job_id: str, *, block_ms: int = 1000, deadline: float | None = None
 ) -> Iterator[StreamEvent]:
@@ -74,6 +138,7 @@ def read_events(
             return  # Redis stayed away until the deadline: the caller reports a timeout
         raise
     last = "0-0"
+    void_below = 0  # attempts that RQ's own tools re-ran after their ending
     while True:
         wait_ms = block_ms
         if deadline is not None:
@@ -89,14 +154,34 @@ def read_events(
                 return
             raise
         backoff.reset()
-        streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]], reply or [])
+        streams = cast(XreadReply, reply or [])
         for _key, entries in streams:
             for entry_id, fields in entries:
                 last = entry_id.decode()
-                for ev in filt.admit(decode(fields)):
-                    yield ev
-                    if ev.final:
+                ev = decode(fields)
+                if ev.attempt < void_below:
+                    continue
+                if ev.final and ev.attempt >= filt.attempt and _rerun(redis, job_id, deadline, backoff):
+                    void_below = ev.attempt + 1  # a re-run's new attempt (claim script) follows
+                    continue
+                for out in filt.admit(ev):
+                    yield out
+                    if out.final:
                         return
+
+
+# RQ statuses of a job that has not ended: a final entry read while the job is in one of these was
+# written by an attempt that RQ's own tools re-ran since (`rq requeue`), so it is not the ending.
+_NOT_ENDED = {"queued", "started", "deferred", "scheduled"}
+
+
+def _rerun(redis: Redis, job_id: str, deadline: float | None, backoff: Backoff) -> bool:
+    """Final entries, `fleet_final` and the ended status are written in one MULTI, so a final
+    entry whose job is not ended though it recorded an ending belongs to an attempt that was
+    re-run since (issue 10, defect 4)."""
+    status, final = retry_outage(lambda: redis.hmget(job_key(job_id), ["status", FINAL_FIELD]),
+                                 deadline, backoff)
+    return as_str(status) in _NOT_ENDED and final is not None
 
 
 def _passed(deadline: float | None) -> bool:

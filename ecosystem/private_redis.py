@@ -32,6 +32,10 @@ class PrivateRedis:
     port: int
     username: str | None = None
     password: str | None = None
+    # everysec: a Redis crash (or a power cut) can lose up to ~1 s of acknowledged writes, enqueues
+    # included; always: fsync before every reply, nothing acknowledged is lost, several times
+    # slower writes (docs/reliability.md, "Redis outages"). `fleet up --redis-fsync always`.
+    appendfsync: str = "everysec"
 
     def config(self, data_dir: Path) -> str:
         """redis.conf text (written 0600: it may hold the password)."""
@@ -45,7 +49,7 @@ class PrivateRedis:
             'logfile ""',
             'save ""',
             "appendonly yes",
-            "appendfsync everysec",
+            f"appendfsync {self.appendfsync}",
         ]
         if self.password is not None:
             lines.append(f"requirepass {_quote(self.password)}")
@@ -84,7 +88,7 @@ def reachable(url: str, timeout: float = 1.0) -> bool:
         client.close()
 
 
-def private_redis_for(url: str) -> PrivateRedis | None:
+def private_redis_for(url: str, appendfsync: str = "everysec") -> PrivateRedis | None:
     """None when a Redis answers at `url`; the server to start when it is local and silent."""
     if reachable(url):
         return None
@@ -105,4 +109,5 @@ def private_redis_for(url: str) -> PrivateRedis | None:
         port=parts.port or 6379,
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password is not None else None,
+        appendfsync=appendfsync,
     )

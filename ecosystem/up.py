@@ -158,7 +158,8 @@ class Launch:
     stop_requested: bool = False
 
     @classmethod
-    def prepare(cls, run: RunDir, plan: Plan, options: RenderOptions, redis_url: str) -> Launch:
+    def prepare(cls, run: RunDir, plan: Plan, options: RenderOptions, redis_url: str,
+                appendfsync: str = "everysec") -> Launch:
         """Check nothing runs here yet, decide about Redis, write the configs."""
         if state := run.running():
             raise UpError(
@@ -169,7 +170,7 @@ class Launch:
             import supervisor.supervisord  # noqa: F401
         except ImportError:
             raise UpError("supervisor is not installed: pip install 'llama-fleet[supervisor]'") from None
-        private = private_redis_for(redis_url)
+        private = private_redis_for(redis_url, appendfsync)
         run.root.mkdir(parents=True, exist_ok=True)
         services: tuple[Service, ...] = ()
         if private is not None:

@@ -47,7 +47,7 @@ KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s
 ENGINE_PROBE = """
 import sys
 import llama_cpp as ll
-import backends.llamacpp_model as loaded_model
+import backends.llamacpp.model as loaded_model
 import dispatcher.cli, worker.main
 from backends.registry import make_backend
 from worker.settings import load_settings

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
+from tests.gateway_harness import Gateways
 from tests.harness import RedisServer, WorkerProcess, start_worker
 
 
@@ -46,3 +47,11 @@ def workers(redis_url: str, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
     for w in started:
         if w.alive():
             w.kill()
+
+
+@pytest.fixture
+def gateways(redis_url: str, tmp_path: Path) -> Iterator[Gateways]:
+    """Call `gateways.start(**settings)` for a `fleet serve` process; all are killed at the end."""
+    started = Gateways(redis_url, tmp_path / "logs")
+    yield started
+    started.close()

@@ -10,7 +10,7 @@ import pytest
 from backends.base import Done, Event, Failed, JobRejected, Token
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
-from backends.llamacpp_invariance import FA_TILE_ROWS
+from backends.llamacpp.invariance import FA_TILE_ROWS
 from backends.registry import BackendSettings
 
 
@@ -161,7 +161,7 @@ def test_shared_prefix_is_copied_not_prefilled(engine: LlamaCppBackend) -> None:
     n_prefix = len(engine.model.prompt_tokens(req(system)))
     reused = int(after["prompt_tokens_reused"]) - int(before["prompt_tokens_reused"])
     # batch-invariant: the last FA_TILE_ROWS prompt tokens are prefilled again, so they meet the
-    # same attention kernel as alone (see LlamaCppBackend._invariant_prefix)
+    # same attention kernel as alone (see backends/llamacpp/invariance.py)
     assert reused >= 4 * (n_prefix - FA_TILE_ROWS), (reused, n_prefix)
     _texts, ends = run_all(engine)
     assert all(isinstance(ends[f"p{i}"], Done) for i in range(5))

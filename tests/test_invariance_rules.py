@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.llamacpp_invariance import FA_TILE_ROWS, reusable_prefix, tiled
+from backends.llamacpp.invariance import FA_TILE_ROWS, reusable_prefix, tiled
 
 
 def test_kernel_of_a_position() -> None:

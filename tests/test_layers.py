@@ -17,16 +17,19 @@ PACKAGES = ("backends", "dispatcher", "ecosystem", "worker")
 # The layer table, top to bottom: a module may import from its own row or any row below it.
 # A module belongs to the row of the longest prefix that names it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("tools: the CLI that assembles everything", ("dispatcher.cli",)),
+    # the `fleet` group and the command modules that import it (their own modules, registered by it)
+    ("tools: the CLI that assembles everything", ("dispatcher.cli", "dispatcher.batch.cli",
+                                                  "dispatcher.observe.cli")),
     ("ecosystem: placement, process managers, local fleets, bench", ("ecosystem",)),
     ("worker: the worker process", ("worker",)),
     ("producers: Fleet, AsyncFleet, the gateway", ("dispatcher",)),
     ("backends: engines", ("backends",)),
     ("contract: keys, codec, retry, schemas, settings", ("backends.contract",)),
 )
-# Units of the package graph: packages, with the CLI apart (it sits above the producer package
-# it lives in). A unit is a module prefix; the longest prefix that names a module wins.
-EXTRA_UNITS = ("dispatcher.cli",)
+# Units of the package graph: the top-level packages and every prefix of the layer table (so the
+# contract is apart from the backends); a subpackage belongs to its package; the tools layer (the
+# CLI and its command modules, which live inside the producer package) is one unit.
+TOOLS = "tools"
 
 
 def module_name(path: Path) -> str:
@@ -98,18 +101,21 @@ def edges() -> list[tuple[str, str, int]]:
     return sorted(out)
 
 
-def unit_of(module: str, units: tuple[str, ...]) -> str:
+def unit_of(module: str) -> str:
+    if layer_of(module) == 0:
+        return TOOLS
+    units = (*PACKAGES, *(p for _, ps in LAYERS[1:] for p in ps))
     hit = longest_prefix(module, units)
     assert hit is not None, module
     return hit
 
 
 def package_graph() -> dict[str, set[str]]:
-    known = project_modules()
-    packages = tuple(sorted({n for n, p in known.items() if p.name == "__init__.py"} | set(EXTRA_UNITS)))
-    graph: dict[str, set[str]] = {p: set() for p in packages}
+    graph: dict[str, set[str]] = {}
     for src, dst, _line in edges():
-        a, b = unit_of(src, packages), unit_of(dst, packages)
+        a, b = unit_of(src), unit_of(dst)
+        graph.setdefault(a, set())
+        graph.setdefault(b, set())
         if a != b:
             graph[a].add(b)
     return graph

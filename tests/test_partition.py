@@ -18,8 +18,9 @@ from pathlib import Path
 
 from redis import Redis
 
+from backends.contract import stream
 from backends.contract.keys import inflight_key, stream_key, worker_key
-from dispatcher import Fleet, stream
+from dispatcher import Fleet
 from tests.multihost_checks import Timeline, ended, final_counts, late_text, start_worker_in, submit_all
 from tests.netns import NetLab, RedisInNamespace
 from tests.reliability_checks import held

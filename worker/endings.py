@@ -8,39 +8,56 @@ import logging
 from typing import Any
 
 from redis.client import Pipeline
+from redis.commands.core import Script
 
 from backends.base import Done
 from backends.contract import stream
-from backends.contract.keys import ATTEMPT_FIELD, cancel_key, job_key, stream_key
+from backends.contract.keys import (
+    ATTEMPT_FIELD,
+    FINAL_FIELD,
+    OWNER_FIELD,
+    cancel_key,
+    executions_key,
+    job_key,
+    results_key,
+    stream_key,
+)
 from backends.contract.schema import job_result
-from worker import rqjobs
+from worker import batch_hook, facts, rqjobs
 from worker.rqjobs import ClaimedJob
 
 log = logging.getLogger("fleet.worker")
 
 
 def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str) -> dict[str, Any]:
-    """The result job.result() returns, as the plain dict RQ stores (schema: JobResult)."""
-    queue_ms = (job.claimed_at - job.enqueued_at) * 1000 if job.enqueued_at else None
+    """The result job.result() returns, as the plain dict RQ stores (schema: JobResultModel)."""
+    waited = job.claimed_ms is not None and job.enqueued_ms is not None
+    queue_ms = float(job.claimed_ms - job.enqueued_ms) if waited else None  # type: ignore[operator]
     ttft_ms = (job.first_token_at - job.claimed_at) * 1000 if job.first_token_at else None
     gen_s = now - job.first_token_at if job.first_token_at else 0.0
+    # per-token log-probabilities, when the request asked and the engine gave them
+    extra = {"logprobs": done.extra["logprobs"]} if done.extra.get("logprobs") else {}
     return job_result(
         job.id, "".join(job.text), done.finish_reason, prompt_tokens=done.prompt_tokens,
         completion_tokens=done.completion_tokens, worker=worker,
         backend=str(done.extra.get("backend", backend)), attempt=job.attempt, queue_ms=queue_ms,
         ttft_ms=ttft_ms, total_ms=(now - job.claimed_at) * 1000,
-        tokens_per_s=done.completion_tokens / gen_s if gen_s > 0 else None,
+        tokens_per_s=done.completion_tokens / gen_s if gen_s > 0 else None, **extra,
     ).model_dump()
 
 
-def write_text(job: ClaimedJob, pipe: Pipeline) -> int:
+def write_text(job: ClaimedJob, pipe: Pipeline, script: Script, worker: str) -> int:
     """Queue the job's unsent deltas (numbered, so a re-send after a lost reply is recognised as
-    a duplicate). Returns how many; the caller marks them sent once the pipeline succeeded."""
-    if job.attempt_dirty:  # the engine restarted it: the new attempt number goes first
-        pipe.hset(job_key(job.id), ATTEMPT_FIELD, job.attempt - 1)
-    for i, text in enumerate(job.unsent):
-        pipe.xadd(stream_key(job.id), stream.encode_text(job.attempt, job.sent + i, text),
-                  maxlen=stream.STREAM_MAXLEN, approximate=True)
+    a duplicate), written only while `worker` owns the job (worker/claim.py's _WRITE_TEXT; an
+    engine restart's new attempt number goes first and never lowers the stored one). Returns how
+    many; the caller marks them sent once the pipeline succeeded."""
+    if not job.unsent and not job.attempt_dirty:
+        return 0
+    args: list[Any] = [worker, OWNER_FIELD, ATTEMPT_FIELD, job.attempt, job.sent, stream.STREAM_MAXLEN,
+                       *job.unsent]
+    script(keys=[job_key(job.id), stream_key(job.id)], args=args, client=pipe)
+    if job.attempt_dirty:
+        facts.record_restart(pipe, job.id, job.queue, job.attempt - 1, job.restart_reason, "engine")
     return len(job.unsent)
 
 
@@ -48,6 +65,24 @@ def mark_text_sent(job: ClaimedJob, count: int) -> None:
     del job.unsent[:count]
     job.sent += count
     job.attempt_dirty = False
+
+
+def honour_rq_cancel(job: ClaimedJob, status: str | None) -> None:
+    """RQ's job.cancel() on a running job: it ends cancelled, never `finished` (defect 4)."""
+    ending = job.ending
+    if status == "canceled" and ending is not None and ending.result is not None:
+        ending.result["finish_reason"] = "cancelled"
+
+
+def expire_job(pipe: Pipeline, job_id: str, attempt: int, ttl: int) -> None:
+    """A job's final write: everything kept about it expires with its result (defect 1)."""
+    key = job_key(job_id)
+    pipe.hset(key, FINAL_FIELD, attempt)
+    pipe.expire(key, ttl)
+    pipe.expire(results_key(job_id), ttl)
+    pipe.expire(stream_key(job_id), ttl)
+    pipe.expire(executions_key(job_id), ttl)
+    pipe.delete(cancel_key(job_id))
 
 
 def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, result_ttl: int) -> None:
@@ -65,10 +100,10 @@ def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, res
         reason = ending.error or "failed"
         rqjobs.store_failure(job, reason, worker, result_ttl, pipe)
         entry = stream.encode_error(job.attempt, rqjobs.error_payload(reason, job, worker, backend))
-    key = stream_key(job.id)
-    pipe.xadd(key, entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
-    pipe.expire(key, result_ttl)
-    pipe.delete(cancel_key(job.id))
+    pipe.xadd(stream_key(job.id), entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
+    expire_job(pipe, job.id, job.attempt, result_ttl)
+    batch_hook.record_ending(job, pipe)  # a batch line: its result into the batch's record
+    facts.record_end(job, pipe, worker, backend, result_ttl)
 
 
 def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_ttl: int,
@@ -80,3 +115,4 @@ def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_tt
     key = stream_key("").encode() + raw_id
     pipe.xadd(key, stream.encode_error(1, err))
     pipe.expire(key, result_ttl)
+

@@ -1,10 +1,11 @@
 """The heartbeat thread: every `heartbeat_interval` seconds, refresh the worker's status hash
 (TTL = 3 intervals: its expiry is how others learn the worker died), RQ's worker heartbeat and
-the RQ executions of in-flight jobs; every 2 intervals, reap dead workers' jobs. When jobs end it
-beats early, so `fleet status` counts them at once.
+the RQ executions of in-flight jobs. When jobs end it beats early, so `fleet status` counts them
+at once. Every 2 intervals a second thread reaps dead workers' jobs.
 
-A thread, not the loop, so a long decode step never starves liveness (llama_decode and socket
-reads release the GIL).
+Threads, not the loop, so a long decode step never starves liveness (llama_decode and socket
+reads release the GIL); and two threads, so a slow reap (a busy Redis, many jobs to hand back)
+never delays a beat: a healthy worker must not look dead (issue 10, defect 6).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from redis import Redis
 
-from backends.contract.keys import WORKERS_SET, worker_key
+from backends.contract.keys import WORKERS_SET, executions_key, worker_key
 from backends.contract.redact import redact_url
 from backends.contract.replies import Fields
 from backends.contract.retry import OUTAGE_ERRORS
+from worker import facts
 from worker.health import write_health
 
 if TYPE_CHECKING:
@@ -33,6 +35,21 @@ if TYPE_CHECKING:
     from worker.reaper import Reaper
 
 log = logging.getLogger("fleet.heartbeat")
+
+# RQ's Execution.heartbeat() writes unconditionally: a beat racing a job's final write (which
+# deletes the execution) would re-create the execution with a 10-minute TTL. This refreshes it
+# only while it exists (issue 10: every key ends with a TTL or is removed, promptly).
+# KEYS: execution hash, wip registry, the job's executions   ARGV: now, ttl, wip member, execution id
+_REFRESH_EXECUTION = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('ZADD', KEYS[2], 'XX', now + ttl, ARGV[3])
+redis.call('ZADD', KEYS[3], 'XX', now + ttl + 60, ARGV[4])
+redis.call('EXPIRE', KEYS[3], ttl + 60)
+return 1
+"""
 REAP_EVERY = 2  # heartbeat intervals
 EARLY_BEAT_GAP = 0.2  # seconds
 
@@ -51,27 +68,45 @@ class Heartbeat(threading.Thread):
         self.proc.cpu_percent()  # first call primes the counter
         self._halt = threading.Event()
         self.beats = 0
+        self.reaping = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
+        self._refresh_execution = fleet_worker.redis.register_script(_REFRESH_EXECUTION)
+        facts.enable(fleet_worker.settings.observe)
+        self.facts = facts.LiveFacts(fleet_worker.settings.pool, fleet_worker.name)
+
+    def start(self) -> None:
+        super().start()
+        self.reaping.start()
 
     def halt(self) -> None:
         self._halt.set()
         self.fw.jobs_ended.set()  # cut the wait short
 
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.reaping.is_alive():
+            self.reaping.join(timeout)
+
     def run(self) -> None:
         link = self.fw.link
-        last_reap = time.monotonic()
         while not self._halt.is_set():
             self._write_health()
             try:
                 self.beat()
                 link.succeeded()
-                if time.monotonic() - last_reap >= REAP_EVERY * self.interval:
-                    last_reap = time.monotonic()
-                    self.reaper.reap()
             except OUTAGE_ERRORS as e:  # Redis away: beat again next interval (link logs, rate-limited)
                 link.failed(e, "heartbeating")
             except Exception:
                 log.exception("heartbeat error")
             self._wait()
+
+    def _reap_loop(self) -> None:
+        while not self._halt.wait(REAP_EVERY * self.interval):
+            try:
+                self.reaper.reap()
+            except OUTAGE_ERRORS:
+                pass  # the heartbeat reports the outage; reap again next period
+            except Exception:
+                log.exception("reaper error")
 
     def _write_health(self) -> None:
         """The local health file for `fleet health` (worker/health.py): written whether Redis
@@ -106,6 +141,7 @@ class Heartbeat(threading.Thread):
             "rss_mb": round(mem.rss / 2**20, 1),
             "cpu_pct": round(self.proc.cpu_percent(), 1),
             "backend_stats": redact(fw.backend.stats()),
+            **self.facts.status_fields(fw),
             "updated_at": round(time.time(), 3),
         }
 
@@ -119,10 +155,15 @@ class Heartbeat(threading.Thread):
             pipe.hset(worker_key(fw.name), mapping=status)
             pipe.pexpire(worker_key(fw.name), self.ttl_ms)
             pipe.sadd(WORKERS_SET, fw.name)
+            self.facts.on_beat(pipe)
             self.rq_worker.heartbeat(timeout=ttl_s + 60, pipeline=pipe)
+            ttl = fw.settings.job_timeout + 60
             for job in list(fw.inflight.values()):
                 if job.execution is not None and job.job is not None:
-                    job.execution.heartbeat(job.job.started_job_registry, fw.settings.job_timeout + 60, pipe)
+                    execution = job.execution
+                    keys = [execution.key, job.job.started_job_registry.key, executions_key(job.id)]
+                    args = [time.time(), ttl, execution.composite_key, execution.id]
+                    self._refresh_execution(keys=keys, args=args, client=pipe)
             rq_registered = pipe.execute()[0]
         if not rq_registered:  # lost with a Redis that restarted empty, or reaped while we were cut off
             fw.redis.delete(self.rq_worker.key)

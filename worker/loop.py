@@ -28,16 +28,18 @@ from collections.abc import Callable
 from typing import Any
 
 from redis import Redis
+from redis.client import Pipeline
 
 from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
 from backends.contract.keys import cancel_key, job_key, queue_names, wake_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS, Backoff
-from worker import endings, rqjobs
+from worker import endings, facts, limits, rqjobs
 from worker.claim import Claimer, Contended, log_refusals
 from worker.counters import WorkerCounters
 from worker.link import RedisLink
-from worker.rqjobs import BadJob, ClaimedJob, Ending, NotToRun
+from worker.priority import ClaimPolicy
+from worker.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
 from worker.settings import FleetSettings
 
 log = logging.getLogger("fleet.worker")
@@ -56,9 +58,12 @@ class FleetWorker:
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
         self.claimer = Claimer(redis, name, self.queues)
+        self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues)
         self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
-        self.to_requeue: dict[str, tuple[ClaimedJob, str]] = {}  # handed back once Redis allows
-        self.unstarted: list[tuple[bytes, str]] = []  # claimed; starting it met an outage
+        # handed back once Redis allows: (job, why, counted against max_attempts)
+        self.to_requeue: dict[str, tuple[ClaimedJob, str, bool]] = {}
+        self.unstarted: list[tuple[bytes, str, int | None]] = []  # claimed (at server ms); not started
+        self.budget = limits.budget_for(settings.backend)
         self.counters = WorkerCounters()
         self.stopping = threading.Event()
         self.jobs_ended = threading.Event()  # tells the heartbeat to refresh the status now
@@ -145,19 +150,20 @@ class FleetWorker:
         free = self.backend.free_slots() - len(self.unstarted)
         if free <= 0 or not self._engine_ready():
             return
-        claimed = self.claimer.claim(free)
+        limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
+        claimed = self.claimer.claim(free, limits)
         if not claimed and not self.inflight and not self.to_requeue:
             # idle: sleep on the wake list, then look again (plain-RQ producers never push it)
             self.redis.blpop([wake_key(self.settings.pool)], timeout=IDLE_WAIT)
-            claimed = self.claimer.claim(free)
-        self.unstarted.extend(claimed)
+            claimed = self.claimer.claim(free, limits)
+        self.unstarted.extend((raw, queue, self.claimer.server_ms) for raw, queue in claimed)
         self._start_unstarted()
 
     def _start_unstarted(self) -> None:
         while self.unstarted:
-            raw_id, queue = self.unstarted[0]
+            raw_id, queue, claimed_ms = self.unstarted[0]
             try:
-                self._start(raw_id, queue)
+                self._start(raw_id, queue, claimed_ms)
             except OUTAGE_ERRORS:
                 raise  # stays first in line; started once Redis is back
             except Exception as e:  # one bad job must never take the worker down
@@ -167,7 +173,7 @@ class FleetWorker:
                           Ending(error=f"internal error starting the job: {type(e).__name__}: {e}"))
             self.unstarted.pop(0)
 
-    def _start(self, raw_id: bytes, queue: str) -> None:
+    def _start(self, raw_id: bytes, queue: str, claimed_ms: int | None = None) -> None:
         try:
             job_id = raw_id.decode()
         except UnicodeDecodeError:
@@ -178,7 +184,8 @@ class FleetWorker:
             self.claimer.drop(job_id)
             return
         try:
-            job = rqjobs.load(self.redis, job_id, queue, self.settings.job_timeout, self.settings.queue_ttl)
+            job = rqjobs.load(self.redis, job_id, queue, self.settings.job_timeout, self.settings.queue_ttl,
+                              me=self.name, budget=self.budget, claimed_ms=claimed_ms)
         except NotToRun as e:
             log.warning("claimed %s but not running it: %s", job_id, e)
             self.claimer.drop(job_id)
@@ -186,12 +193,23 @@ class FleetWorker:
         except BadJob as e:
             self._end(e.claimed, Ending(error=str(e)))
             return
-        if self.redis.exists(cancel_key(job_id)):
-            self._end(job, Ending(result=self._result(job, Done(job.id, "cancelled", 0, 0), time.time())))
+        except CancelledByRQ as e:
+            self._end_cancelled(e.claimed)
             return
-        with self.redis.pipeline(transaction=True) as pipe:
-            rqjobs.mark_started(job, self.name, self.settings.job_timeout + 60, pipe)
-            pipe.execute()
+        if self.redis.exists(cancel_key(job_id)):
+            self._end_cancelled(job)
+            return
+        ttl = self.settings.job_timeout + 60
+
+        def mark_started(pipe: Pipeline, _id: str) -> None:
+            rqjobs.mark_started(job, self.name, ttl, pipe)
+            facts.record_start(job, self.name, self.backend.name, pipe)
+
+        # fenced: only while this worker holds it (defect 10)
+        started = self.claimer.commit_held([job_id], mark_started, release=False)
+        if not started:
+            log.warning("job %s was taken over before it started here; dropped", job_id)
+            return
         self.inflight[job_id] = job
         assert job.request is not None
         try:
@@ -200,6 +218,9 @@ class FleetWorker:
             job.ending = Ending(error=str(e))
         except BackendUnavailable as e:
             self._retry_or_fail(job, f"backend unavailable: {e}")
+
+    def _end_cancelled(self, job: ClaimedJob) -> None:
+        self._end(job, Ending(result=self._result(job, Done(job.id, "cancelled", 0, 0), time.monotonic())))
 
     def _refuse_raw(self, raw_id: bytes, queue: str) -> None:
         reason = "refused: job id is not UTF-8 text"
@@ -224,7 +245,7 @@ class FleetWorker:
 
     def _step(self) -> None:
         events = self.backend.step(0.05)
-        now = time.time()
+        now = time.monotonic()  # deadlines and durations: this host's clock, never the wall (defect 9)
         n_tokens = self._apply(events, now)
         self.counters.record_step(n_tokens)
         for job in self.inflight.values():
@@ -255,6 +276,7 @@ class FleetWorker:
                 job.text.clear()
                 job.unsent.clear()
                 job.sent, job.attempt_dirty, job.first_token_at = 0, True, None
+                job.restart_reason = ev.reason
             elif isinstance(ev, Done):
                 self._engine_backoff.reset()
                 if job.timed_out:
@@ -277,8 +299,11 @@ class FleetWorker:
         claiming until the engine looks healthy; after max_attempts, fail it."""
         if time.monotonic() >= self._engine_hold_until:  # one incident fails many jobs: one step back
             self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
-        if job.attempt >= self.settings.max_attempts:
-            job.ending = Ending(error=f"{reason} (gave up after {job.attempt} attempts)")
+        if job.attempt - job.drains >= self.settings.max_attempts:
+            drained = (f"; {job.drains} more handed back by draining workers, not counted"
+                       if job.drains else "")
+            failed = job.attempt - job.drains
+            job.ending = Ending(error=f"{reason} (gave up after {failed} attempts{drained})")
         else:
             log.warning("job %s: %s; retrying it (attempt %d)", job.id, reason, job.attempt + 1)
             self._hand_back(job, reason)
@@ -289,15 +314,18 @@ class FleetWorker:
         """Everything Redis has not seen yet, in order: deltas, then endings, then hand-backs."""
         jobs = list(self.inflight.values())
         running = [j for j in jobs if j.ending is None]
+        writer = self.claimer.text_writer()
         with self.redis.pipeline(transaction=False) as pipe:
-            counts = [endings.write_text(job, pipe) for job in jobs]
-            for job in running:
+            counts = [endings.write_text(job, pipe, writer, self.name) for job in jobs]
+            for job in running:  # a producer's cancel, or RQ's own job.cancel()
                 pipe.exists(cancel_key(job.id))
+                pipe.hget(job_key(job.id), "status")
             replies = pipe.execute(raise_on_error=False)
         for job, count in zip(jobs, counts, strict=True):
             endings.mark_text_sent(job, count)
-        for job, cancelled in zip(running, replies[len(replies) - len(running):], strict=True):
-            if cancelled is True or cancelled == 1:
+        checks = replies[len(replies) - 2 * len(running):]
+        for job, cancelled, status in zip(running, checks[::2], checks[1::2], strict=True):
+            if cancelled is True or cancelled == 1 or status == b"canceled":
                 self.backend.cancel(job.id)
         self._write_endings()
         self._write_requeues()
@@ -310,7 +338,8 @@ class FleetWorker:
             written = self.claimer.commit_held(
                 [j.id for j in ended],
                 lambda pipe, job_id: endings.write_ending(self.inflight[job_id], pipe, self.name,
-                                                          self.backend.name, self.settings.result_ttl))
+                                                          self.backend.name, self.settings.result_ttl),
+                seen=lambda job_id, status: endings.honour_rq_cancel(self.inflight[job_id], status))
         except Contended as e:
             log.warning("final writes postponed: %s", e)
             return
@@ -326,16 +355,14 @@ class FleetWorker:
         self.jobs_ended.set()
 
     def _write_requeues(self) -> None:
-        for job_id, (job, why) in list(self.to_requeue.items()):
-            attempt = self.claimer.requeue(job_id, job.queue, bump_attempt=True)
+        for job_id, (job, why, counted) in list(self.to_requeue.items()):
+            # the script also removes the attempt's RQ execution, so a lost reply leaves none (defect 5)
+            attempt = self.claimer.requeue(job_id, job.queue, bump_attempt=True, counted=counted)
             del self.to_requeue[job_id]
             if attempt < 0:
                 continue  # no longer ours: the reaper already handed it back
-            if job.execution is not None and job.job is not None:
-                with self.redis.pipeline(transaction=False) as pipe:
-                    job.execution.delete(job.job, pipe)
-                    pipe.execute()
             self.counters.jobs_requeued += 1
+            facts.record_restart_now(self.redis, job_id, job.queue, attempt, why, self.name)
             log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
     def _end(self, job: ClaimedJob, ending: Ending) -> None:
@@ -343,12 +370,14 @@ class FleetWorker:
         job.ending = ending
         self.inflight[job.id] = job
 
-    def _hand_back(self, job: ClaimedJob, why: str) -> None:
+    def _hand_back(self, job: ClaimedJob, why: str, counted: bool = True) -> None:
+        """`counted=False`: not the job's or the engine's failure (a drain, a full outage buffer),
+        so it does not use up one of the job's max_attempts (defect 8)."""
         if job.ending is None:
             self.backend.cancel(job.id)  # its late Done is ignored: the job is no longer in flight
         job.unsent.clear()
         self.inflight.pop(job.id, None)
-        self.to_requeue[job.id] = (job, why)
+        self.to_requeue[job.id] = (job, why, counted)
 
     # -- Redis outages ----------------------------------------------------------------------------
 
@@ -359,7 +388,7 @@ class FleetWorker:
             buffered -= len(biggest.unsent)
             log.warning("job %s: Redis unreachable and the outage buffer is full; it will be requeued",
                         biggest.id)
-            self._hand_back(biggest, "outage buffer full")
+            self._hand_back(biggest, "outage buffer full", counted=False)
 
     def _reconcile(self) -> None:
         """Agree with Redis on what this worker holds (after an outage, and every few seconds)."""
@@ -374,11 +403,13 @@ class FleetWorker:
         for job_id in list(self.to_requeue):
             if job_id.encode() not in held:
                 del self.to_requeue[job_id]
-        known = {j.encode() for j in (*self.inflight, *self.to_requeue)} | {raw for raw, _ in self.unstarted}
+        known = {j.encode() for j in (*self.inflight, *self.to_requeue)}
+        known |= {raw for raw, _, _ in self.unstarted}
         for raw_id, copies in held.items():
             if raw_id not in known:  # claimed, but the reply never arrived: start it now
                 origin = as_str(self.redis.hget(job_key("").encode() + raw_id, "origin"))
-                self.unstarted.append((raw_id, origin or self.queues[0]))
+                seconds, micros = self.redis.time()
+                self.unstarted.append((raw_id, origin or self.queues[0], seconds * 1000 + micros // 1000))
                 log.warning("%r is in this worker's in-flight list but never started; starting it", raw_id)
             for _ in range(copies - 1):  # the same id pushed twice: one copy runs
                 self.claimer.drop(raw_id)
@@ -386,7 +417,7 @@ class FleetWorker:
     # -- shutdown ---------------------------------------------------------------------------------
 
     def _hand_back_unstarted(self) -> None:
-        for raw_id, queue in self.unstarted:
+        for raw_id, queue, _ in self.unstarted:
             try:
                 self.claimer.requeue(raw_id.decode(), queue, bump_attempt=False)
             except UnicodeDecodeError:
@@ -400,7 +431,7 @@ class FleetWorker:
         write what finished. With Redis away, they stay in this worker's in-flight list, where the
         reaper of another worker (or this one's next life) finds them."""
         for job in [j for j in self.inflight.values() if j.ending is None]:
-            self._hand_back(job, why)
+            self._hand_back(job, why, counted=False)
         if not self._talk("handing jobs back", self._flush):
             log.warning("Redis unreachable at exit: %d jobs stay in %s for the reaper",
                         len(self.inflight) + len(self.to_requeue), self.claimer.inflight)

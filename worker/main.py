@@ -48,7 +48,7 @@ def run_worker(settings: FleetSettings, redis: Redis) -> None:
     _register_rq(rq_worker, redis)
     link = RedisLink()  # one view of Redis for the loop, the heartbeat and the reaper
     reaper = Reaper(redis, name, settings.max_attempts, settings.result_ttl, link=link,
-                    hold_off=3 * settings.heartbeat_interval)
+                    hold_off=3 * settings.heartbeat_interval, queues=queues)
     recover_own(redis, name, reaper)
 
     fw = FleetWorker(settings, backend, redis, name, link)

@@ -18,21 +18,24 @@ import logging
 from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
-from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from backends.contract.keys import (
     ATTEMPT_FIELD,
+    DRAINS_FIELD,
+    EXECUTION_FIELD,
+    OWNERS_SET,
     REAPER_LOCK,
     WORKERS_SET,
+    execution_key,
     inflight_key,
     job_key,
     rq_worker_key,
     worker_key,
 )
 from backends.contract.replies import as_int, as_str
-from worker import claim, endings
+from worker import claim, endings, facts, housekeeping
 from worker.link import RedisLink
 from worker.rqjobs import ClaimedJob, Ending
 
@@ -42,7 +45,8 @@ LOCK_MS = 10_000
 
 class Reaper:
     def __init__(self, redis: Redis, me: str, max_attempts: int, result_ttl: int,
-                 link: RedisLink | None = None, hold_off: float = 3.0) -> None:
+                 link: RedisLink | None = None, hold_off: float = 3.0,
+                 queues: list[str] | None = None) -> None:
         self.redis = redis
         self.me = me
         self.max_attempts = max_attempts
@@ -51,11 +55,13 @@ class Reaper:
         self.hold_off = hold_off  # seconds after our own reconnect before declaring others dead
         self._requeue = claim.requeue_script(redis)
         self._unlock = claim.unlock_script(redis)
+        self.keeper = housekeeping.Housekeeper(redis, queues or [], result_ttl)
 
     def dead_workers(self) -> list[str]:
-        names = {as_str(n) or "" for n in self.redis.smembers(WORKERS_SET)}
-        lists = self.redis.scan_iter(inflight_key("*"), count=500)
-        names |= {(as_str(k) or "").split(":", 2)[2] for k in lists}
+        """Workers that registered or claimed (the owners index, written by the claim script) and
+        whose status key expired. Never a SCAN of the keyspace: one reap costs the same with 1M
+        unrelated keys in Redis (defect 6)."""
+        names = {as_str(n) or "" for n in self.redis.sunion([WORKERS_SET, OWNERS_SET])}
         names.discard(self.me)
         return sorted(n for n in names if n and not self.redis.exists(worker_key(n)))
 
@@ -66,7 +72,9 @@ class Reaper:
         if not self.redis.set(REAPER_LOCK, self.me, nx=True, px=LOCK_MS):
             return 0
         try:
-            return sum(self.reap_worker(name) for name in self.dead_workers())
+            n = sum(self.reap_worker(name) for name in self.dead_workers())
+            self.keeper.run()  # trims RQ's registries, ends jobs cancelled with RQ while queued
+            return n
         finally:
             self._unlock(keys=[REAPER_LOCK], args=[self.me])
 
@@ -76,33 +84,43 @@ class Reaper:
         n = 0
         for raw in self.redis.lrange(inflight, 0, -1):
             job_id = as_str(raw) or ""
-            origin, attempts, died_on = (as_str(v) for v in self.redis.hmget(
-                job_key(job_id), ["origin", ATTEMPT_FIELD, claim.DIED_ON_FIELD]))
-            used = as_int(attempts) + 1
+            fields = ["origin", ATTEMPT_FIELD, claim.DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD]
+            origin, attempts, died_on, drains, execution = (
+                as_str(v) for v in self.redis.hmget(job_key(job_id), fields))
+            used = as_int(attempts) + 1 - as_int(drains)  # drain hand-backs are not failures
             if origin is None:  # job hash gone (expired/deleted, or an id that is not text)
                 self.redis.lrem(inflight, 1, raw)  # type: ignore[arg-type]  # raw bytes as stored
                 log.warning("worker %s is dead: dropped %r (no job hash)", name, raw)
             elif used >= self.max_attempts:
-                self._end_execution(job_id, origin)
-                self._fail(job_id, origin, name, used, died_on)
-            else:
-                self._end_execution(job_id, origin)
+                self._end_execution(job_id, origin, execution)
+                self._fail(job_id, origin, name, used, died_on, as_int(drains))
+                facts.record_restart_now(self.redis, job_id, origin, used, _died(name, gone), self.me,
+                                         reaped=True, requeued=False)
+            else:  # the requeue script removes the attempt's RQ execution itself
                 attempt = claim.requeue(self._requeue, inflight, job_id, origin, bump_attempt=True,
                                         died_on=name)
                 if attempt >= 0:
+                    facts.record_restart_now(self.redis, job_id, origin, attempt, _died(name, gone), self.me,
+                                             reaped=True)
                     log.warning("worker %s is dead: requeued %s at the front (attempt %d)", name, job_id,
                                 attempt + 1)
             n += 1
         if gone and not self.redis.llen(inflight):
             self.redis.srem(WORKERS_SET, name)
+            self.redis.srem(OWNERS_SET, name)
             self._forget_rq_worker(name)
         return n
 
-    def _end_execution(self, job_id: str, origin: str) -> None:
-        """Drop the dead attempt from RQ's wip registry so RQ does not fail it as abandoned later."""
-        key = StartedJobRegistry(origin, connection=self.redis, serializer=JSONSerializer).key
-        for member, _score in self.redis.zscan_iter(key, match=f"{job_id}*"):
-            self.redis.zrem(key, member)
+    def _end_execution(self, job_id: str, origin: str, execution: str | None) -> None:
+        """Drop the dead attempt from RQ's wip registry so RQ does not fail it as abandoned later:
+        exactly the execution its start recorded (a match on the id as a prefix would also hit
+        other jobs whose ids start with this one: defect 11)."""
+        if execution and execution.startswith(job_id + ":"):
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(claim.wip_key(origin), execution)
+                pipe.delete(execution_key(execution))
+                pipe.hdel(job_key(job_id), EXECUTION_FIELD)
+                pipe.execute()
 
     def _forget_rq_worker(self, name: str) -> None:
         """Keep `rq info` truthful: a dead worker leaves RQ's worker registry now, not in a minute."""
@@ -115,11 +133,13 @@ class Reaper:
                 pipe.srem(WORKERS_BY_QUEUE_KEY % queue, rq_key)
             pipe.execute()
 
-    def _fail(self, job_id: str, queue: str, worker: str, used: int, died_on: str | None) -> None:
+    def _fail(self, job_id: str, queue: str, worker: str, used: int, died_on: str | None,
+              drains: int = 0) -> None:
         workers = [*filter(None, (died_on or "").split(",")), worker]
+        drained = f"; {drains} more runs were handed back by draining workers, not counted" if drains else ""
         reason = (f"gave up after {used} attempts: the worker running it died each time "
-                  f"({', '.join(workers)}); raise max_attempts to retry more")
-        job = ClaimedJob(job_id, queue, attempt=used, ending=Ending(error=reason))
+                  f"({', '.join(workers)}){drained}; raise max_attempts to retry more")
+        job = ClaimedJob(job_id, queue, attempt=used + drains, ending=Ending(error=reason))
         try:
             job.job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
         except Exception:
@@ -129,6 +149,12 @@ class Reaper:
 
         if claim.commit_held(self.redis, inflight_key(worker), [job_id], write):
             log.warning("job %s: %s", job_id, reason)
+
+
+def _died(name: str, gone: bool) -> str:
+    if gone:
+        return f"worker {name} died (its heartbeat expired)"
+    return f"the previous process named {name} died while running it"
 
 
 def recover_own(redis: Redis, name: str, reaper: Reaper) -> int:

@@ -24,9 +24,22 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from backends.contract.keys import ATTEMPT_FIELD, JOB_FUNCTION, failed_registry_key, inflight_key, job_key
-from backends.contract.replies import as_int
+from backends.contract.keys import (
+    ATTEMPT_FIELD,
+    DRAINS_FIELD,
+    ENQUEUED_MS_META,
+    EXECUTION_FIELD,
+    FINAL_FIELD,
+    JOB_FUNCTION,
+    OWNER_FIELD,
+    execution_key,
+    failed_registry_key,
+    inflight_key,
+    job_key,
+)
+from backends.contract.replies import as_int, as_str
 from backends.contract.schema import GenerateRequest, describe_validation_error
+from worker import limits
 
 log = logging.getLogger("fleet.worker")
 
@@ -42,6 +55,15 @@ class BadJob(Exception):
 class NotToRun(Exception):
     """A claimed id that must not run and gets no result of its own: the job already ended, or
     the id is a second copy of a job that is running (a duplicate push)."""
+
+
+class CancelledByRQ(Exception):
+    """RQ's own job.cancel() reached the job before it ran: it ends as cancelled (a final entry,
+    so fleet readers do not wait for one that never comes)."""
+
+    def __init__(self, claimed: ClaimedJob) -> None:
+        super().__init__(f"job {claimed.id} was cancelled with RQ")
+        self.claimed = claimed
 
 
 @dataclass
@@ -60,10 +82,15 @@ class ClaimedJob:
     job: Job | None = None  # None when the RQ hash itself is unreadable
     request: GenerateRequest | None = None
     execution: Execution | None = None
-    enqueued_at: float | None = None
-    claimed_at: float = field(default_factory=time.time)
-    deadline: float = 0.0
-    first_token_at: float | None = None
+    # Redis server time (ms) of the enqueue and the claim: queue_ttl compares these, never two
+    # hosts' wall clocks (defect 9); durations of the run itself use this host's monotonic clock
+    enqueued_ms: int | None = None
+    claimed_ms: int | None = None
+    claimed_at: float = field(default_factory=time.monotonic)
+    deadline: float = 0.0  # time.monotonic()
+    first_token_at: float | None = None  # time.monotonic()
+    drains: int = 0  # earlier attempts handed back by a draining worker (not failures)
+    stale_execution: str | None = None  # an RQ execution of an earlier start of this attempt
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     timed_out: bool = False
@@ -71,6 +98,7 @@ class ClaimedJob:
     unsent: list[str] = field(default_factory=list)  # text deltas of this attempt
     sent: int = 0  # deltas of this attempt already written: the stream index of the next one
     attempt_dirty: bool = False  # the engine restarted the job: write the new attempt first
+    restart_reason: str = ""  # why the engine restarted it (for the job's history)
     started_written: bool = False  # RQ knows it started (mark_started applied)
     ending: Ending | None = None
 
@@ -78,41 +106,76 @@ class ClaimedJob:
 ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
 
 
-def load(redis: Redis, job_id: str, queue: str, job_timeout: int,
-         queue_ttl: float | None = None) -> ClaimedJob:
-    """Fetch and check a claimed job. Raises BadJob for anything refused, NotToRun for an id that
-    must be dropped without a result. `job_timeout`/`queue_ttl` apply when the job sets none."""
+def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: float | None = None, *,
+         me: str = "", budget: limits.RequestBudget | None = None,
+         claimed_ms: int | None = None) -> ClaimedJob:
+    """Fetch and check a job this worker (`me`) claimed. Raises BadJob for anything refused,
+    NotToRun for an id that must be dropped without a result, CancelledByRQ. A job this worker
+    already owns (a start whose reply was lost) is resumed (defect 2). `job_timeout`/`queue_ttl`
+    apply when the job sets none; `budget` bounds the request (defect 7)."""
+    fields = [ATTEMPT_FIELD, OWNER_FIELD, DRAINS_FIELD, EXECUTION_FIELD, FINAL_FIELD]
     try:
-        raw_attempt = redis.hget(job_key(job_id), ATTEMPT_FIELD)
+        raw_attempt, owner, drains, execution, final = redis.hmget(job_key(job_id), fields)
     except ResponseError as e:  # e.g. WRONGTYPE: the key is not a hash
         unreadable = ClaimedJob(job_id, queue, attempt=1)
         raise BadJob(unreadable, f"job {job_id} cannot be read: {_short(e)}") from None
-    claimed = ClaimedJob(job_id, queue, attempt=as_int(raw_attempt) + 1)
+    claimed = ClaimedJob(job_id, queue, attempt=as_int(raw_attempt) + 1, drains=as_int(drains),
+                         stale_execution=as_str(execution), claimed_ms=claimed_ms)
+    if budget is not None:
+        try:
+            limits.check_payload(redis, job_id, budget)
+        except limits.TooLarge as e:
+            raise BadJob(claimed, str(e)) from None
     try:
         job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except Exception as e:  # missing or unreadable hash: still fail it visibly
         raise BadJob(claimed, f"job {job_id} cannot be read: {_short(e)}") from None
     claimed.job = job
-    _check_not_elsewhere(redis, job)
+    if me:
+        _check_owner(redis, job, me, as_str(owner))
+    _check_not_ended(claimed, job, final)
     if raw_attempt is not None and as_int(raw_attempt, -1) < 0:
         raise BadJob(claimed, f"refused: job field {ATTEMPT_FIELD} is not a count ({_clip(raw_attempt)})")
-    claimed.enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else None
+    claimed.enqueued_ms = _enqueued_ms(job)
     timeout = job.timeout if isinstance(job.timeout, int | float) and job.timeout > 0 else job_timeout
     claimed.deadline = claimed.claimed_at + timeout
     _check_code(claimed, job)
     claimed.request = _request(claimed, job)
+    if budget is not None:
+        try:
+            limits.check_request(claimed.request, budget)
+        except limits.TooLarge as e:
+            raise BadJob(claimed, str(e)) from None
     _check_queue_ttl(claimed, job.meta, queue_ttl)
     return claimed
 
 
-def _check_not_elsewhere(redis: Redis, job: Job) -> None:
+def _check_owner(redis: Redis, job: Job, me: str, owner: str | None) -> None:
+    """The claim script made this worker the owner. An id that reached the in-flight list another
+    way (pushed there by hand, or by an older worker) is taken over unless its owner holds it."""
+    if owner == me:
+        return
+    if owner and redis.lpos(inflight_key(owner), job.id) is not None:
+        raise NotToRun(f"job {job.id} is already running on {owner}")
+    redis.hset(job.key, OWNER_FIELD, me)
+
+
+def _check_not_ended(claimed: ClaimedJob, job: Job, final: Any) -> None:
     status = job.get_status(refresh=False)
+    if status == JobStatus.CANCELED and final is None:
+        raise CancelledByRQ(claimed)
     if status in ENDED:
         raise NotToRun(f"job {job.id} already {status.value}")
-    # a second copy of an id that another worker's in-flight list holds: that one is the run
-    running = status == JobStatus.STARTED and job.worker_name
-    if running and redis.lpos(inflight_key(str(job.worker_name)), job.id) is not None:
-        raise NotToRun(f"job {job.id} is already running on {job.worker_name}")
+
+
+def _enqueued_ms(job: Job) -> int | None:
+    """The producer's Redis server time of the enqueue; a plain RQ producer records only its own
+    wall clock (`enqueued_at`), which is used then."""
+    meta = job.meta if isinstance(job.meta, dict) else {}
+    server_ms = meta.get(ENQUEUED_MS_META)
+    if isinstance(server_ms, int) and not isinstance(server_ms, bool):
+        return server_ms
+    return int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
 
 
 def _check_code(claimed: ClaimedJob, job: Job) -> None:
@@ -143,11 +206,11 @@ def _request(claimed: ClaimedJob, job: Job) -> GenerateRequest:
 def _check_queue_ttl(claimed: ClaimedJob, meta: Any, default: float | None) -> None:
     """A job may wait `queue_ttl` seconds for its first run (a requeued job already had its turn)."""
     ttl = meta.get("queue_ttl", default) if isinstance(meta, dict) else default
-    if ttl is None or claimed.attempt > 1 or claimed.enqueued_at is None:
+    if ttl is None or claimed.attempt > 1 or claimed.enqueued_ms is None or claimed.claimed_ms is None:
         return
     if isinstance(ttl, bool) or not isinstance(ttl, int | float):
         raise BadJob(claimed, f"refused: meta.queue_ttl must be a number of seconds, not {_clip(ttl)}")
-    waited = claimed.claimed_at - claimed.enqueued_at
+    waited = (claimed.claimed_ms - claimed.enqueued_ms) / 1000
     if waited > ttl:
         raise BadJob(claimed, f"expired: waited {waited:.1f}s in the queue, queue_ttl is {ttl}s")
 
@@ -169,10 +232,17 @@ def _clip(value: Any) -> str:
 
 
 def mark_started(claimed: ClaimedJob, worker_name: str, ttl: int, pipe: Any) -> None:
-    """Started status + an RQ execution in the queue's wip registry (what `rq info` shows)."""
-    assert claimed.job is not None
-    claimed.job.prepare_for_execution(worker_name, pipe)
-    claimed.execution = Execution.create(claimed.job, ttl=ttl, pipeline=pipe, worker_name=worker_name)
+    """Started status + an RQ execution in the queue's wip registry (what `rq info` shows). A
+    start again (its first reply was lost) replaces the first start's execution (defect 5)."""
+    job = claimed.job
+    assert job is not None
+    earlier = claimed.execution.composite_key if claimed.execution is not None else None
+    for stale in filter(None, {claimed.stale_execution, earlier}):  # a try whose reply was lost
+        pipe.zrem(job.started_job_registry.key, stale)
+        pipe.delete(execution_key(stale))
+    job.prepare_for_execution(worker_name, pipe)
+    claimed.execution = Execution.create(job, ttl=ttl, pipeline=pipe, worker_name=worker_name)
+    pipe.hset(job.key, EXECUTION_FIELD, claimed.execution.composite_key)
 
 
 def store_success(claimed: ClaimedJob, result: dict[str, Any], worker_name: str, ttl: int, pipe: Any) -> None:
@@ -230,6 +300,7 @@ def _execution_args(claimed: ClaimedJob) -> dict[str, Any]:
 def _end_execution(claimed: ClaimedJob, pipe: Any) -> None:
     if claimed.execution is not None and claimed.job is not None:
         claimed.execution.delete(claimed.job, pipe)
+        pipe.hdel(claimed.job.key, EXECUTION_FIELD)
 
 
 def error_payload(reason: str, claimed: ClaimedJob, worker_name: str, backend: str) -> dict[str, Any]:

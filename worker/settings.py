@@ -31,7 +31,11 @@ class FleetSettings(ProducerSettings):
     numa_node: int | None = Field(None, ge=0)
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
     max_attempts: int = Field(3, ge=1, le=20)
+    reserved_slots: int | None = Field(None, ge=0, description="slots a worker keeps free of low-priority "
+                                       "(batch) jobs for interactive ones; None: 1 in 8 (worker/priority.py)")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
+    observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
+                          "status hash is always written: it is the liveness signal)")
     health_file: Path | None = Field(None, description="worker: file refreshed every beat for `fleet health`")
 
     @field_validator("cpus")
@@ -45,8 +49,10 @@ class FleetSettings(ProducerSettings):
         return parse_cpu_list(self.cpus) if self.cpus else None
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> FleetSettings:
-    return load(FleetSettings, path, **overrides)
+def load_settings(path: str | os.PathLike[str] | None = None, *,
+                  model: type[FleetSettings] = FleetSettings, **overrides: Any) -> FleetSettings:
+    """`model`: FleetSettings or a subclass with more sections (e.g. the gateway's)."""
+    return load(model, path, **overrides)
 
 
 def parse_cpu_list(text: str) -> list[int]:

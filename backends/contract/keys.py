@@ -9,11 +9,6 @@ from backends.contract.schema import PRIORITIES
 # The one function a fleet job may name. Workers refuse (fail, never run) anything else.
 JOB_FUNCTION = "dispatcher.jobs.generate"
 
-# -- RQ's keys -------------------------------------------------------------------------------------
-
-QUEUE_PREFIX = "rq:queue:"  # worker/claim.lua strips these 9 characters to name the queue
-RQ_WORKERS_SET = "rq:workers"  # RQ's set of registered worker keys
-
 
 def queue_name(pool: str, priority: str) -> str:
     """RQ queue name; RQ stores it at rq:queue:<pool>:<priority>."""
@@ -23,6 +18,10 @@ def queue_name(pool: str, priority: str) -> str:
 def queue_names(pool: str) -> list[str]:
     """A pool's queues, highest priority first (the claim order)."""
     return [queue_name(pool, p) for p in PRIORITIES]
+
+
+QUEUE_PREFIX = "rq:queue:"  # worker/claim.py's script strips these 9 characters to name the queue
+RQ_WORKERS_SET = "rq:workers"  # RQ's set of registered worker keys
 
 
 def queue_key(name: str) -> str:
@@ -55,13 +54,6 @@ def rq_worker_key(name: str) -> str:
     return f"rq:worker:{name}"
 
 
-# -- the fleet's keys ------------------------------------------------------------------------------
-
-WORKER_PREFIX = "fleet:worker:"
-WORKERS_SET = "fleet:workers"  # names of workers that registered (live or dead, until reaped)
-REAPER_LOCK = "fleet:reaper:lock"
-
-
 def stream_key(job_id: str) -> str:
     """Token stream of one job (Redis Stream, capped, expires with the result)."""
     return f"fleet:stream:{job_id}"
@@ -70,6 +62,9 @@ def stream_key(job_id: str) -> str:
 def cancel_key(job_id: str) -> str:
     """Set by a producer to cancel a running job; the worker holding it checks every step."""
     return f"fleet:cancel:{job_id}"
+
+
+WORKER_PREFIX = "fleet:worker:"
 
 
 def worker_key(name: str) -> str:
@@ -87,12 +82,105 @@ def inflight_key(name: str) -> str:
     return f"fleet:inflight:{name}"
 
 
+WORKERS_SET = "fleet:workers"  # names of workers that registered (live or dead, until reaped)
+REAPER_LOCK = "fleet:reaper:lock"
+
+
 def wake_key(pool: str) -> str:
     """Producers LPUSH here after enqueueing so idle workers wake at once (they also poll)."""
     return f"fleet:wake:{pool}"
 
 
-# -- hash fields the fleet adds to RQ's job hash --------------------------------------------------
+def hub_wake_key(hub_id: str) -> str:
+    """Private stream of one asyncio stream reader (dispatcher.stream_hub): an entry here ends
+    its blocked XREAD so it starts over with a newly followed job. One entry, 60 s TTL."""
+    return f"fleet:hub:{hub_id}"
 
+
+# hash fields the fleet adds to RQ's job hash
 ATTEMPT_FIELD = "fleet_attempt"  # restarts so far (the running attempt is this + 1)
 DIED_ON_FIELD = "fleet_died_on"  # workers that died running the job, comma-separated
+OWNER_FIELD = "fleet_owner"  # the worker whose in-flight list holds the job (set by the claim script)
+FINAL_FIELD = "fleet_final"  # the attempt that got the job's final stream entry
+DRAINS_FIELD = "fleet_drains"  # attempts handed back by a draining worker (not failures)
+EXECUTION_FIELD = "fleet_execution"  # the RQ execution (rq:wip member) of the running attempt
+ENQUEUED_MS_META = "fleet_enqueued_ms"  # job meta: Redis server time of the enqueue (ms)
+
+OWNERS_SET = "fleet:owners"  # names of workers that claimed jobs: what the reaper looks at
+
+
+def results_key(job_id: str) -> str:
+    """RQ's result stream of one job."""
+    return f"rq:results:{job_id}"
+
+
+def execution_key(execution_id: str) -> str:
+    """One RQ execution (an attempt's run record) of a job."""
+    return f"rq:execution:{execution_id}"
+
+
+def executions_key(job_id: str) -> str:
+    """RQ's per-job execution registry."""
+    return f"rq:executions:{job_id}"
+
+
+# RQ registries of ended jobs, trimmed by the workers' housekeeping (scores are expiry times)
+ENDED_REGISTRIES = (finished_registry_key(""), failed_registry_key(""), canceled_registry_key(""))
+
+
+# -- batches (dispatcher/batch, docs/batch.md) ----------------------------------------------------
+BATCH_JOB_PREFIX = "fbatch-"  # a job id "fbatch-<batch id>-<16 hex>" is one line of a batch
+BATCHES_INDEX = "fleet:batches"  # zset batch id -> created_at (for `fleet batch list`), TTL refreshed
+
+
+def batch_key(batch_id: str) -> str:
+    """Hash: the batch's state, counts, timestamps and settings. TTL = window + retention."""
+    return f"fleet:batch:{batch_id}"
+
+
+def batch_lines_key(batch_id: str) -> str:
+    """Hash: 16-hex line key -> that line's compact state (queued, or its result). Same TTL."""
+    return f"fleet:batch:{batch_id}:lines"
+
+
+def batch_lock_key(batch_id: str) -> str:
+    """One submitter at a time per batch (PX, refreshed per chunk)."""
+    return f"fleet:batch:{batch_id}:lock"
+
+
+def file_key(file_id: str) -> str:
+    """Hash: a file uploaded through the gateway's POST /v1/files (content + metadata), TTL."""
+    return f"fleet:file:{file_id}"
+
+
+# -- observability (docs/observability.md): monotonic counters, histograms, bounded job history --
+
+POOLS_SET = "fleet:pools"  # pools that have had a worker (so readers know which queues to show)
+
+
+def pool_counters_key(pool: str) -> str:
+    """Fleet-wide monotonic counters of a pool (HINCRBY only: never reset by a worker restart)."""
+    return f"fleet:counters:pool:{pool}"
+
+
+def worker_counters_key(name: str) -> str:
+    """Monotonic counters of one worker name (a worker restarted under its name continues them)."""
+    return f"fleet:counters:worker:{name}"
+
+
+def histogram_key(metric: str, pool: str) -> str:
+    """Bucket counts (one field per upper bound) and the sum of one histogram of a pool."""
+    return f"fleet:hist:{metric}:{pool}"
+
+
+def history_key(job_id: str) -> str:
+    """One job's history: params (prompt shortened), attempts, restart reasons, ending, timings."""
+    return f"fleet:history:{job_id}"
+
+
+HISTORY_RECENT = "fleet:history:recent"  # zset job id -> last change time (capped)
+
+
+def history_failed_key(queue: str) -> str:
+    """Failed jobs of one queue, zset job id -> end time (capped); `fleet status` counts the last hour."""
+    return f"fleet:history:failed:{queue}"

@@ -9,8 +9,9 @@ and retry their writes on a backoff (docs/reliability.md).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from redis.exceptions import AuthenticationError, AuthorizationError
@@ -61,12 +62,29 @@ def retry_outage(call: Callable[[], T], deadline: float | None, backoff: Backoff
         try:
             return call()
         except OUTAGE_ERRORS as e:
-            if not is_outage(e):
-                raise
-            delay = backoff.next()
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                delay = min(delay, left)
-            time.sleep(delay)
+            time.sleep(_delay_or_raise(e, deadline, backoff))
+
+
+async def retry_outage_async(call: Callable[[], Awaitable[T]], deadline: float | None,
+                             backoff: Backoff | None = None) -> T:
+    """retry_outage for redis.asyncio calls: `await call()`, sleeping without blocking the loop."""
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            return await call()
+        except OUTAGE_ERRORS as e:
+            await asyncio.sleep(_delay_or_raise(e, deadline, backoff))
+
+
+def _delay_or_raise(error: Exception, deadline: float | None, backoff: Backoff) -> float:
+    """How long to wait before the next try; re-raises `error` when it is no outage or the
+    deadline has passed (call only inside its `except` block)."""
+    if not is_outage(error):
+        raise error
+    delay = backoff.next()
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise error
+        delay = min(delay, left)
+    return delay

@@ -6,6 +6,7 @@ Importable without llama_cpp and without Redis: producers, workers and backends 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -14,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_TOKENS_LIMIT = 8192
 MAX_PROMPT_CHARS = 1_000_000
+# All of a request's text together (prompt, or every message): 256 messages of MAX_PROMPT_CHARS
+# each would otherwise pass (issue 10, defect 7). Workers bound it further by their context.
+MAX_REQUEST_CHARS = 1_000_000
+MAX_SCHEMA_CHARS = 32_768  # a JSON schema for structured output, serialized
+MAX_TOP_LOGPROBS = 20
 Priority = Literal["high", "default", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "default", "low")
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -35,6 +41,8 @@ class SamplingDefaults(BaseModel):
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
     repeat_penalty: float = Field(1.0, gt=0.0, le=5.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
 
 
 class GenerateRequest(BaseModel):
@@ -49,10 +57,20 @@ class GenerateRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(None, gt=0.0, le=5.0)
+    # OpenAI's additive penalties (llama.cpp's penalties sampler): a token already generated
+    # loses presence_penalty once, and frequency_penalty per time it occurred
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: list[str] = Field(default_factory=list, max_length=16)
+    # per-token log-probabilities of the sampled tokens; top_logprobs: that many alternatives too
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # structured output: "json" = any JSON object; a dict = a JSON Schema the text must match
+    format: Literal["json"] | dict[str, Any] | None = None
 
-    @field_validator("temperature", "top_p", "min_p", "repeat_penalty", mode="before")
+    @field_validator("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty", mode="before")
     @classmethod
     def _int_is_a_float(cls, v: object) -> object:
         # strict mode refuses 1 for a float field; JSON producers write 1 for 1.0
@@ -65,6 +83,13 @@ class GenerateRequest(BaseModel):
             raise ValueError("stop strings must be 1..256 characters")
         return v
 
+    @field_validator("format")
+    @classmethod
+    def _json_schema(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, dict):
+            check_json_schema(v)
+        return v
+
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> GenerateRequest:
         if (self.prompt is None) == (self.messages is None):
@@ -73,6 +98,12 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
+        total = sum(len(m.content) for m in self.messages or [])
+        if total > MAX_REQUEST_CHARS:
+            limit = MAX_REQUEST_CHARS
+            raise ValueError(f"messages hold {total:,} characters together; the limit is {limit:,}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
     def sampling(self, defaults: SamplingDefaults) -> Sampling:
@@ -85,6 +116,20 @@ class GenerateRequest(BaseModel):
         return Sampling(**d, seed=self.seed, stop=list(self.stop))
 
 
+def check_json_schema(schema: dict[str, Any]) -> None:
+    """ValueError naming the problem unless `schema` is a usable JSON Schema (any draft
+    jsonschema knows; `$schema` picks it, else 2020-12)."""
+    from jsonschema import exceptions, validators
+
+    if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters")
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except exceptions.SchemaError as e:
+        where = "/".join(str(p) for p in e.path) or "(root)"
+        raise ValueError(f"not a valid JSON schema at {where}: {e.message}") from None
+
+
 @dataclass(frozen=True)
 class Sampling:
     max_tokens: int
@@ -93,6 +138,8 @@ class Sampling:
     top_p: float
     min_p: float
     repeat_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
     seed: int | None
     stop: list[str]
 
@@ -169,8 +216,9 @@ class JobResult(dict[str, Any]):
 def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_tokens: int,
                completion_tokens: int, worker: str | None, backend: str | None, attempt: int,
                queue_ms: float | None = None, ttft_ms: float | None = None, total_ms: float | None = None,
-               tokens_per_s: float | None = None) -> JobResultModel:
-    """The one place a job's result is put together (times rounded to 0.1)."""
+               tokens_per_s: float | None = None, **extra: Any) -> JobResultModel:
+    """The one place a job's result is put together (times rounded to 0.1); `extra`: optional
+    fields (e.g. `logprobs`)."""
     return JobResultModel(
         job_id=job_id,
         text=text,
@@ -182,6 +230,7 @@ def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_to
         attempt=attempt,
         timings=Timings(queue_ms=_round(queue_ms), ttft_ms=_round(ttft_ms), total_ms=_round(total_ms),
                         tokens_per_s=_round(tokens_per_s)),
+        **extra,
     )
 
 

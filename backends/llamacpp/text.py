@@ -1,4 +1,4 @@
-"""Text plumbing shared by backends: incremental UTF-8 decoding and stop-string holding.
+"""Token bytes -> text for the llama.cpp engine: incremental UTF-8 decoding and stop-string holding.
 
 Tokens arrive as byte pieces; a multi-byte character can be split across two tokens, and a stop
 string can be split across many. `TextAssembler` turns pieces into deltas that are always valid

@@ -1,17 +1,16 @@
 """One loaded GGUF model and its context, with the small llama.cpp helpers the engine needs:
-tokenize (prompt or chat messages), token -> bytes, end-of-generation test, sampler chains."""
+tokenize (prompt or chat messages), token -> bytes, end-of-generation test."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-import random
 from pathlib import Path
 
 import llama_cpp as ll
 
 from backends.base import JobRejected
-from backends.contract.schema import GenerateRequest, Sampling
+from backends.contract.schema import GenerateRequest
 from backends.model import default_model_path
 
 # ggml reads its kernel switches once per process, at the first matmul; the first model decides
@@ -137,28 +136,6 @@ class LoadedModel:
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
 
-    # -- sampling ---------------------------------------------------------------------------------
-
-    def sampler_chain(self, s: Sampling) -> ll.llama_sampler_p:
-        """One chain per sequence: its own seed, penalties history and temperature."""
-        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-        if s.temperature <= 0:
-            if s.repeat_penalty != 1.0:
-                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(64))
-                ll.llama_sampler_chain_add(chain, _penalties(self.n_vocab, s.repeat_penalty))
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
-            return chain
-        if s.top_k > 0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(s.top_k))
-        if s.repeat_penalty != 1.0:  # after top-k: penalties over the whole vocabulary are slow
-            ll.llama_sampler_chain_add(chain, _penalties(self.n_vocab, s.repeat_penalty))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(s.top_p, 1))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(s.min_p, 1))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(s.temperature))
-        seed = s.seed if s.seed is not None else random.getrandbits(32)
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
-        return chain
-
     def close(self) -> None:
         if self.ctx:
             ll.llama_free(self.ctx)
@@ -167,6 +144,3 @@ class LoadedModel:
             ll.llama_model_free(self.model)
             self.model = None
 
-
-def _penalties(n_vocab: int, repeat: float) -> ll.llama_sampler_p:
-    return ll.llama_sampler_init_penalties(n_vocab, 64, repeat, 0.0, 0.0)

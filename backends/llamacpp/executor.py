@@ -1,0 +1,168 @@
+"""Runs the scheduler's plans on llama.cpp: fills the batch, calls llama_decode, applies the KV
+bookkeeper's operations (llama_memory_seq_rm / seq_cp) and samples with one chain per sequence.
+
+It decides nothing about who runs; what it owns is the mechanics: where each row goes in the
+batch, where a sequence's logits are, the throw-away rows that top up an equal-width ubatch and
+how a copy is done in each KV layout. Per step it writes the batch in place (no per-row objects)
+and samples on llama.cpp's side (no per-step Python work that grows with the vocabulary).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import llama_cpp as ll
+
+from backends.contract.schema import Sampling
+from backends.llamacpp.kv import KvOp, Remove
+from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.scheduler import DecodeCall
+from backends.llamacpp.state import ActiveJob
+
+
+class Executor:
+    def __init__(self, model: LoadedModel, *, n_batch: int, n_streams: int, invariant: bool) -> None:
+        self.model = model
+        self.invariant = invariant
+        self._ctx = model.ctx
+        self._memory = model.memory
+        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        # the batch's arrays never move: keep their pointers, and every row holds one sequence id
+        self._token = self._batch.token
+        self._pos = self._batch.pos
+        self._logits = self._batch.logits
+        self._seq_id = [self._batch.seq_id[i] for i in range(n_batch)]
+        for i in range(n_batch):
+            self._batch.n_seq_id[i] = 1
+        self._chains: list[ll.llama_sampler_p | None] = [None] * n_streams
+        self._logits_row = [-1] * n_streams  # per sequence id: its logits' row in the last batch
+        self.decode_calls = 0
+        self.decode_seconds = 0.0
+
+    # -- KV and sampler chains --------------------------------------------------------------------
+
+    def apply(self, ops: list[KvOp]) -> None:
+        for op in ops:
+            if isinstance(op, Remove):
+                ll.llama_memory_seq_rm(self._memory, op.seq_id, op.start, -1)
+            elif self.invariant:  # across streams llama.cpp copies a whole stream: copy, then cut
+                ll.llama_memory_seq_cp(self._memory, op.src, op.dst, -1, -1)
+                ll.llama_memory_seq_rm(self._memory, op.dst, op.n_tokens, -1)
+            else:  # one pool: the cells just gain a sequence id
+                ll.llama_memory_seq_cp(self._memory, op.src, op.dst, 0, op.n_tokens)
+
+    def open(self, job: ActiveJob) -> None:
+        self._chains[job.seq_id] = sampler_chain(job.sampling, self.model.n_vocab)
+
+    def close_sequence(self, seq_id: int) -> None:
+        chain = self._chains[seq_id]
+        if chain is not None:
+            ll.llama_sampler_free(chain)
+            self._chains[seq_id] = None
+
+    def sample(self, job: ActiveJob) -> int:
+        return int(ll.llama_sampler_sample(self._chains[job.seq_id], self._ctx,
+                                           self._logits_row[job.seq_id]))
+
+    # -- one llama_decode -------------------------------------------------------------------------
+
+    def run(self, call: DecodeCall) -> int:
+        """Decode one call of a step plan; llama_decode's return code (0: done)."""
+        if call.span is not None:
+            return self._run_equal(call)
+        n = 0
+        for job in call.decoders:
+            n = self._put_decoder(n, job)
+        for job, count in call.prompts:
+            n = self._put_prompt(n, job, count)
+        return self._decode(n)
+
+    def _run_equal(self, call: DecodeCall) -> int:
+        assert call.span is not None
+        lo, hi = call.span
+        width = call.width
+        decoders = {job.seq_id: job for job in call.decoders}
+        prompts = {job.seq_id: (job, count) for job, count in call.prompts}
+        pads: list[tuple[int, int]] = []
+        n = 0
+        for seq_id in range(lo, hi + 1):
+            start = n
+            decoder = decoders.get(seq_id)
+            if decoder is not None:
+                n = self._put_decoder(n, decoder)
+                pos = decoder.n_past + 1
+            elif seq_id in prompts:
+                job, count = prompts[seq_id]
+                n = self._put_prompt(n, job, count)
+                pos = job.n_past + count
+            else:
+                pos = ll.llama_memory_seq_pos_max(self._memory, seq_id) + 1
+            if n - start < width:  # throw-away rows after its own: causal attention ignores them
+                pads.append((seq_id, pos))
+                for i in range(width - (n - start)):
+                    self._put(n, 0, pos + i, seq_id, False)
+                    n += 1
+        rc = self._decode(n)
+        for seq_id, pos in pads:
+            ll.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
+        return rc
+
+    def _put(self, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
+        self._token[i] = token
+        self._pos[i] = pos
+        self._seq_id[i][0] = seq_id
+        self._logits[i] = logits
+
+    def _put_decoder(self, n: int, job: ActiveJob) -> int:
+        assert job.next_token is not None
+        self._put(n, job.next_token, job.n_past, job.seq_id, True)
+        self._logits_row[job.seq_id] = n
+        return n + 1
+
+    def _put_prompt(self, n: int, job: ActiveJob, count: int) -> int:
+        tokens, start, seq_id = job.tokens, job.n_past, job.seq_id
+        for i in range(count):
+            self._put(n + i, tokens[start + i], start + i, seq_id, False)
+        if start + count == len(tokens):  # the prompt's last token yields the first logits
+            self._logits[n + count - 1] = True
+            self._logits_row[seq_id] = n + count - 1
+        return n + count
+
+    def _decode(self, n_rows: int) -> int:
+        self._batch.n_tokens = n_rows
+        t0 = time.perf_counter()
+        rc = ll.llama_decode(self._ctx, self._batch)
+        self.decode_seconds += time.perf_counter() - t0
+        self.decode_calls += 1
+        return int(rc)
+
+    def close(self) -> None:
+        for seq_id in range(len(self._chains)):
+            self.close_sequence(seq_id)
+        ll.llama_batch_free(self._batch)
+
+
+def sampler_chain(s: Sampling, n_vocab: int) -> ll.llama_sampler_p:
+    """One chain per sequence: its own seed, penalties history and temperature."""
+    chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+    if s.temperature <= 0:
+        if s.repeat_penalty != 1.0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(64))
+            ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s.repeat_penalty))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+        return chain
+    if s.top_k > 0:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(s.top_k))
+    if s.repeat_penalty != 1.0:  # after top-k: penalties over the whole vocabulary are slow
+        ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s.repeat_penalty))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(s.top_p, 1))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(s.min_p, 1))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(s.temperature))
+    seed = s.seed if s.seed is not None else random.getrandbits(32)
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+    return chain
+
+
+def _penalties(n_vocab: int, repeat: float) -> ll.llama_sampler_p:
+    return ll.llama_sampler_init_penalties(n_vocab, 64, repeat, 0.0, 0.0)

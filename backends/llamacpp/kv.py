@@ -1,0 +1,184 @@
+"""The KV bookkeeper: who holds which sequence id and what each id's KV holds, without llama.cpp.
+
+Sequence ids 0..slots-1 are slots (one per running job), slots..slots+prefix_cache-1 hold
+shared prefixes in an LRU. With per-slot streams (batch_invariant) a free slot keeps its last
+job's KV until the slot is reused, so the next turn of a chat prefills only what is new; in the
+unified pool (batch_invariant=false) a job reserves its cells when it starts.
+
+The bookkeeper decides; it never calls llama.cpp. What it wants done to the KV cache (drop a
+sequence's tail, copy a prefix) is queued as `KvOp`s that the executor applies, in order, before
+the next decode (`take_ops`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from backends.llamacpp.invariance import reusable_prefix
+from backends.llamacpp.state import ActiveJob
+
+MIN_SHARED_PREFIX = 8  # tokens; below this copying a prefix's KV costs more than prefilling it
+
+ReuseSource = Literal["kept", "entry", "other slot", "running"]
+
+
+@dataclass(frozen=True, slots=True)
+class Remove:
+    """Drop sequence `seq_id`'s KV from position `start` to its end (-1: all of it)."""
+
+    seq_id: int
+    start: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Give `dst` the KV of `src`'s first `n_tokens` positions (dst holds nothing before)."""
+
+    src: int
+    dst: int
+    n_tokens: int
+
+
+KvOp = Remove | Copy
+
+
+@dataclass(slots=True)
+class PrefixEntry:
+    seq_id: int
+    tokens: list[int]  # in its KV
+    n_prompt: int  # prompt length of the job that computed that KV (see invariance.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """A reuse decision: `n_tokens` of a newcomer's prompt come from `source`'s KV."""
+
+    n_tokens: int
+    source: ReuseSource
+    from_seq_id: int
+
+
+class KvBookkeeper:
+    def __init__(self, *, slots: int, prefix_cache: int, n_ctx: int, n_batch: int,
+                 invariant: bool) -> None:
+        self.slots = slots
+        self.n_streams = slots + prefix_cache
+        self.n_ctx = n_ctx  # cells of the unified pool (checked by fits() only when not invariant)
+        self.n_batch = n_batch
+        self.invariant = invariant
+        self._free_seq_ids = list(range(slots))
+        self._free_prefix_ids = list(range(slots, self.n_streams))
+        self.prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
+        self.slot_kv: dict[int, PrefixEntry] = {}  # a free slot's kept KV (per-slot streams)
+        self.reserved = 0
+        self.reused_tokens = 0
+        self._ops: list[KvOp] = []
+
+    def take_ops(self) -> list[KvOp]:
+        """The KV operations decided since the last call, in order; the executor applies them."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    # -- sequence ids and reservations ------------------------------------------------------------
+
+    def has_free_slot(self) -> bool:
+        return bool(self._free_seq_ids)
+
+    def allocate(self, need: int) -> int | None:
+        """A slot's sequence id with `need` KV cells reserved, evicting cached prefixes to make
+        room; None when the unified pool cannot hold `need` cells yet (running jobs will free
+        some: admission waits, it never evicts a running job)."""
+        while not self.fits(need) and self.evict_prefix():
+            pass
+        if not self._free_seq_ids or not self.fits(need):
+            return None
+        # lowest first: busy ids stay consecutive, so the decoders fill one ubatch (see executor)
+        seq_id = min(self._free_seq_ids)
+        self._free_seq_ids.remove(seq_id)
+        self.reserved += need
+        return seq_id
+
+    def fits(self, need: int) -> bool:
+        if self.invariant:
+            return True  # each slot owns its KV stream
+        # the scheduler caps `need` at n_ctx_per_seq <= n_ctx, so an idle engine always fits a job
+        return self.reserved + need + self.prefix_cells() <= self.n_ctx
+
+    def prefix_cells(self) -> int:
+        return sum(len(p.tokens) for p in self.prefixes.values())
+
+    def evict_prefix(self) -> bool:
+        if not self.prefixes:
+            return False
+        seq_id, _ = self.prefixes.popitem(last=False)
+        self._ops.append(Remove(seq_id))
+        self._free_prefix_ids.append(seq_id)
+        return True
+
+    def release(self, job: ActiveJob, keep_kv: bool = True) -> None:
+        """Free a finished/cancelled/failed job's slot and reservation. A per-slot stream keeps
+        its KV for the slot's next job (see slot_kv) unless keep_kv is false."""
+        if self.invariant and keep_kv:
+            self.slot_kv[job.seq_id] = PrefixEntry(job.seq_id, job.kv_tokens(), len(job.tokens))
+        else:
+            self._ops.append(Remove(job.seq_id))
+        self._free_seq_ids.append(job.seq_id)
+        self.reserved -= job.reserved
+
+    # -- prefix reuse -----------------------------------------------------------------------------
+
+    def reuse_prefix(self, job: ActiveJob, running: Iterable[ActiveJob]) -> Reuse | None:
+        """Reuse the KV of the longest shared prefix instead of prefilling it: in place from what
+        this slot's last job left, or copied from a prefix entry, another slot's kept KV or a
+        running job. Sets job.n_past to the reused length."""
+        kept = self.slot_kv.pop(job.seq_id, None)
+        best = self._choose_source(job, kept, running)
+        if best is None:
+            if kept is not None:
+                self._ops.append(Remove(job.seq_id))
+            return None
+        n, source, kind = best
+        if kind == "kept":
+            self._ops.append(Remove(job.seq_id, n))
+        else:
+            self._ops.append(Copy(source.seq_id, job.seq_id, n))
+        job.n_past = n
+        self.reused_tokens += n
+        if kind == "entry":
+            self.prefixes.move_to_end(source.seq_id)
+        elif kind == "running" and (self._free_prefix_ids or self.evict_prefix()):
+            # a prefix two live jobs share is likely shared by the next one too: keep it
+            entry_id = self._free_prefix_ids.pop()
+            self._ops.append(Copy(source.seq_id, entry_id, n))
+            self.prefixes[entry_id] = PrefixEntry(entry_id, job.tokens[:n], source.n_prompt)
+        return Reuse(n, kind, source.seq_id)
+
+    def _choose_source(self, job: ActiveJob, kept: PrefixEntry | None, running: Iterable[ActiveJob]
+                       ) -> tuple[int, PrefixEntry, ReuseSource] | None:
+        sources: list[tuple[PrefixEntry, ReuseSource]] = [(e, "entry") for e in self.prefixes.values()]
+        sources += [(e, "other slot") for e in self.slot_kv.values()]
+        sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
+                    for o in running]
+        if kept is not None:
+            sources.insert(0, (kept, "kept"))
+        best: tuple[int, PrefixEntry, ReuseSource] | None = None
+        for source, kind in sources:
+            # the last prompt token must run, for the first logits
+            n = min(common_prefix(source.tokens, job.tokens), len(job.tokens) - 1)
+            if self.invariant:
+                n = reusable_prefix(n, source.n_prompt, len(job.tokens), self.n_batch)
+            worth = 1 if kind == "kept" else MIN_SHARED_PREFIX  # in place any token pays
+            if n >= worth and n > (best[0] if best else 0):
+                best = (n, source, kind)
+        return best
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,204 @@
+"""The engine's scheduling policy, without llama.cpp: who gets a slot, and what each step decodes.
+
+Each step is a `StepPlan`: one or more `DecodeCall`s (one `llama_decode` each) holding the next
+token of every decoding job plus, within the token budget (n_batch), chunks of newcomers'
+prompts. So streams keep producing tokens while a long prompt prefills (chunked prefill), and
+new jobs join between steps.
+
+- Unified pool (batch_invariant=false): one call per step, decoders first, then prompt chunks in
+  admission order until n_batch rows.
+- Batch-invariant: the same work split so that each row meets the same ggml kernels as if its job
+  ran alone (docs/ARCHITECTURE.md, "Determinism"): one call for the decoders, one for the short
+  prompts that fit (under FA_TILE_ROWS tokens: row-by-row attention however they are split), then
+  each other prompt's chunk in a call of its own, cut at multiples of n_batch whatever the load.
+  Calls that share a ubatch give every sequence id from the lowest to the highest member the same
+  number of rows (`span`, `width`): llama.cpp cuts a per-stream batch into ubatches of
+  consecutive ids with equal rows, and a row's kernels depend on its ubatch.
+
+Admission: a job waits for a free slot and, in the unified pool, for room for its reservation
+(prompt + max_tokens, capped by n_ctx_per_seq); it keeps its place in line. Preemption (taking a
+slot back from a running job) is not done yet: it would be a decision made here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backends.base import JobRejected
+from backends.contract.schema import Sampling
+from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS
+from backends.llamacpp.kv import KvBookkeeper
+from backends.llamacpp.state import ActiveJob, WaitingJob
+
+
+@dataclass(slots=True)
+class DecodeCall:
+    """One llama_decode: decoders feed their next token (one row each), prompts a chunk of
+    `count` tokens from their n_past."""
+
+    decoders: list[ActiveJob] = field(default_factory=list)
+    prompts: list[tuple[ActiveJob, int]] = field(default_factory=list)
+    # batch-invariant ubatch: every sequence id lo..hi gets `width` rows, topped up with
+    # throw-away rows after its own ones (None: rows as they come)
+    span: tuple[int, int] | None = None
+    width: int = 0
+
+    def n_rows(self) -> int:
+        if self.span is not None:
+            return (self.span[1] - self.span[0] + 1) * self.width
+        return len(self.decoders) + sum(count for _, count in self.prompts)
+
+    def members(self) -> list[ActiveJob]:
+        return [*self.decoders, *(job for job, _ in self.prompts)]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    calls: list[DecodeCall]
+
+
+class Scheduler:
+    def __init__(self, kv: KvBookkeeper, *, n_batch: int, n_ctx_per_seq: int) -> None:
+        check_n_batch(n_batch, kv.n_streams)
+        self.kv = kv
+        self.slots = kv.slots
+        self.invariant = kv.invariant
+        self.n_batch = n_batch
+        self.n_ctx_per_seq = n_ctx_per_seq
+        self.waiting: list[WaitingJob] = []
+        self.active: dict[str, ActiveJob] = {}  # admission order = prefill order
+        self.deferred_admissions = 0
+        self.steps = 0
+        self._decoders_owed = False  # the last step ran newcomers only: decoders go next
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return self.slots - len(self.active) - len(self.waiting)
+
+    def enqueue(self, job_id: str, tokens: list[int], sampling: Sampling) -> None:
+        if self.free_slots() <= 0:
+            raise RuntimeError("no free slot")  # the worker checks free_slots() first
+        if len(tokens) + 1 > self.n_ctx_per_seq:
+            raise JobRejected(
+                f"prompt is {len(tokens)} tokens; the context holds {self.n_ctx_per_seq} per job "
+                f"(backend.n_ctx_per_seq)"
+            )
+        self.waiting.append(WaitingJob(job_id, tokens, sampling))
+
+    def start_waiting(self) -> list[ActiveJob]:
+        """Give free slots to waiting jobs, first come first served; each newcomer reuses what
+        KV it can (the bookkeeper queues the copies). Returns the jobs started."""
+        started: list[ActiveJob] = []
+        while self.waiting and self.kv.has_free_slot():
+            waiting = self.waiting[0]
+            need = min(len(waiting.tokens) + waiting.sampling.max_tokens, self.n_ctx_per_seq)
+            seq_id = self.kv.allocate(need)
+            if seq_id is None:
+                self.deferred_admissions += 1
+                break  # running jobs will free KV cells; the job keeps its place in line
+            self.waiting.pop(0)
+            job = ActiveJob.start(waiting, seq_id, need)
+            self.kv.reuse_prefix(job, self.active.values())
+            self.active[job.job_id] = job
+            started.append(job)
+        return started
+
+    def cancel_waiting(self, job_id: str) -> bool:
+        for i, waiting in enumerate(self.waiting):
+            if waiting.job_id == job_id:
+                del self.waiting[i]
+                return True
+        return False
+
+    def release(self, job: ActiveJob, keep_kv: bool = True) -> None:
+        self.active.pop(job.job_id, None)
+        self.kv.release(job, keep_kv)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def plan_step(self) -> StepPlan:
+        self.steps += 1
+        decoding = [j for j in self.active.values() if j.next_token is not None]
+        prefilling = [j for j in self.active.values() if j.next_token is None]
+        if self.invariant:
+            return StepPlan(self._invariant_calls(decoding, prefilling))
+        return StepPlan([self._pooled_call(decoding, prefilling)])
+
+    def failed(self, call: DecodeCall, rc: int) -> list[ActiveJob]:
+        """The jobs to fail when `call` returned rc != 0. rc 1: no KV slot for the batch.
+        Admission reserves cells, so the cache is fragmented or over-committed: fail the newest
+        prompt, keep the decoders (in an equal-width ubatch all rows stand or fall together)."""
+        if rc == 1 and call.prompts and call.span is None:
+            return [call.prompts[-1][0]]
+        return call.members()
+
+    def _pooled_call(self, decoding: list[ActiveJob], prefilling: list[ActiveJob]) -> DecodeCall:
+        budget = self.n_batch - len(decoding)
+        prompts: list[tuple[ActiveJob, int]] = []
+        for job in prefilling:
+            if budget <= 0:
+                break
+            count = min(budget, len(job.tokens) - job.n_past)
+            prompts.append((job, count))
+            budget -= count
+        return DecodeCall(decoding, prompts)
+
+    def _invariant_calls(self, decoding: list[ActiveJob], prefilling: list[ActiveJob]) -> list[DecodeCall]:
+        short, alone = self._pick_short(prefilling)
+        # Newcomers first, in a step of their own, so their first token goes out one decoders'
+        # call sooner (time to first token); the decoders then run in the next step, never later.
+        newcomers_only = bool(short and decoding and not self._decoders_owed)
+        self._decoders_owed = newcomers_only
+        if newcomers_only:
+            decoding, alone = [], []
+        calls: list[DecodeCall] = []
+        if decoding:
+            calls.append(DecodeCall(decoders=decoding, span=self._span(decoding, 1), width=1))
+        budget = self.n_batch - len(decoding)
+        if short:
+            width = max(len(j.tokens) - j.n_past for j in short)
+            call = DecodeCall(prompts=[(j, len(j.tokens) - j.n_past) for j in short],
+                              span=self._span(short, width), width=width)
+            calls.append(call)
+            budget -= call.n_rows()
+        for job in alone:
+            if budget <= 0:
+                break
+            # chunks end at multiples of n_batch, as when the prompt runs alone
+            count = min(len(job.tokens), (job.n_past // self.n_batch + 1) * self.n_batch) - job.n_past
+            calls.append(DecodeCall(prompts=[(job, count)]))
+            budget -= count
+        return calls
+
+    def _pick_short(self, prefilling: list[ActiveJob]) -> tuple[list[ActiveJob], list[ActiveJob]]:
+        """Short prompts that fit one equal-width ubatch; the rest run alone."""
+        short: list[ActiveJob] = []
+        alone: list[ActiveJob] = []
+        for job in prefilling:
+            if len(job.tokens) < FA_TILE_ROWS:
+                ids = [j.seq_id for j in short] + [job.seq_id]
+                width = max(len(j.tokens) - j.n_past for j in (*short, job))
+                if (max(ids) - min(ids) + 1) * width <= self.n_batch:
+                    short.append(job)
+                    continue
+            alone.append(job)
+        return short, alone
+
+    def _span(self, members: list[ActiveJob], width: int) -> tuple[int, int]:
+        """The ids an equal-width ubatch covers. A lone decoder past SPLIT_KV_CELLS // 2 cells
+        gets a neighbour, else ggml splits its KV scan across threads (and rounds differently)."""
+        lo = min(j.seq_id for j in members)
+        hi = max(j.seq_id for j in members)
+        if lo == hi and width == 1 and members[0].n_past + 1 > SPLIT_KV_CELLS // 2:
+            if hi + 1 < self.kv.n_streams:
+                hi += 1
+            elif lo > 0:
+                lo -= 1  # (a single stream has no neighbour, but then every job runs alone)
+        return lo, hi
+
+
+def check_n_batch(n_batch: int, n_streams: int) -> None:
+    if n_batch < n_streams:  # one decode step holds a row for every sequence id
+        raise ValueError(f"backend.n_batch ({n_batch}) must be at least slots + prefix_cache "
+                         f"({n_streams})")

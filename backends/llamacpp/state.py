@@ -1,0 +1,42 @@
+"""The plain state the scheduler and the KV bookkeeper work on: a job waiting for a slot, and a
+job holding one (a llama.cpp sequence id). No llama.cpp here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backends.base import Done
+from backends.contract.schema import Sampling
+from backends.llamacpp.text import TextAssembler
+
+
+@dataclass(slots=True)
+class WaitingJob:
+    job_id: str
+    tokens: list[int]  # the prompt
+    sampling: Sampling
+
+
+@dataclass(slots=True)
+class ActiveJob:
+    """A job holding a sequence id: its prompt, how far its KV is, what it generated."""
+
+    job_id: str
+    seq_id: int
+    tokens: list[int]  # the prompt
+    sampling: Sampling
+    reserved: int  # KV cells reserved for this job (unified pool)
+    text: TextAssembler
+    n_past: int = 0  # tokens already in the KV cache
+    next_token: int | None = None  # sampled, not yet fed back: the job is decoding
+    generated: int = 0
+    output: list[int] = field(default_factory=list)  # generated token ids (fed back into the KV)
+    done: Done | None = None  # finished or cancelled: released at the end of the step
+
+    @classmethod
+    def start(cls, job: WaitingJob, seq_id: int, reserved: int) -> ActiveJob:
+        return cls(job.job_id, seq_id, job.tokens, job.sampling, reserved, TextAssembler(job.sampling.stop))
+
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV this job's sequence holds, in position order."""
+        return (self.tokens + self.output)[: self.n_past]

@@ -1,0 +1,215 @@
+"""Ollama's API over the fleet: POST /api/generate, POST /api/chat, GET /api/tags, /api/ps,
+/api/version, with Ollama's field names.
+
+Streams are NDJSON (the default; `"stream": false` gives one object); the final object has
+`done: true`, `done_reason` and the counts and durations (nanoseconds) Ollama reports. Errors are
+{"error": "..."}: with a status before the stream starts, as a line once it has. `options` that
+only say how Ollama itself loads a model (num_ctx, num_thread, ...) are ignored, since the
+fleet's workers decide that; sampling options this gateway cannot honour are a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from dispatcher.gateway.core import ApiError, Gateway, JobUpdate, cancel_all, collect, follow, unsupported
+from dispatcher.gateway.openai_api import read_body
+from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
+
+VERSION = "0.1.0"  # llama-fleet's version; Ollama clients only show it
+OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+           "min_p": "min_p", "repeat_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
+           "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop"}
+LOAD_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa",
+                "low_vram", "vocab_only", "f16_kv", "num_keep"}
+COMMON_FIELDS = {"model", "format", "options", "stream", "keep_alive", "logprobs", "top_logprobs"}
+GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "system", "raw"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages"}
+ROLES = ("system", "user", "assistant")
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    return {"error": err.message}
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _model_entry(name: str) -> dict[str, Any]:
+    return {"name": name, "model": name, "modified_at": "1970-01-01T00:00:00Z", "size": 0, "digest": "",
+            "details": {"parent_model": "", "format": "gguf", "family": "", "families": None,
+                        "parameter_size": "", "quantization_level": ""}}
+
+
+async def tags(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return JSONResponse({"models": [_model_entry(m) for m in sorted(gw.models)]})
+
+
+async def ps(request: Request) -> Response:
+    """Models with at least one live worker (Ollama: models loaded in memory)."""
+    gw: Gateway = request.app.state.gateway
+    running = [m for m, pool in sorted(gw.models.items()) if gw.live_workers.get(pool)]
+    return JSONResponse({"models": [{**_model_entry(m), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}
+                                    for m in running]})
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
+
+
+async def generate(request: Request) -> Response:
+    return await _run(request, chat=False)
+
+
+async def chat(request: Request) -> Response:
+    return await _run(request, chat=True)
+
+
+def job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
+    """The fleet request for an Ollama body; None for an empty prompt (Ollama: load the model)."""
+    for name, value in body.items():  # clients send empty tools/images/think: false: not a use
+        if name not in (CHAT_FIELDS if chat else GENERATE_FIELDS) and value not in ([], {}, "", False):
+            raise unsupported(name, "Ollama")
+    fields = _options(body.get("options") or {})
+    fmt = body.get("format")
+    if fmt not in (None, ""):
+        if fmt != "json" and not isinstance(fmt, dict):
+            raise ApiError(400, "format must be \"json\" or a JSON schema object", param="format")
+        fields["format"] = fmt
+    if "logprobs" in body:
+        fields["logprobs"] = body["logprobs"]
+    if "top_logprobs" in body:
+        fields["top_logprobs"] = body["top_logprobs"]
+    if chat:
+        messages = _messages(body.get("messages"))
+        return {**fields, "messages": messages} if messages else None
+    prompt = body.get("prompt") or ""
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string", param="prompt")
+    if not prompt:
+        return None
+    if body.get("system"):  # a system prompt needs the chat form (a template) to mean anything
+        return {**fields, "messages": [{"role": "system", "content": str(body["system"])},
+                                       {"role": "user", "content": prompt}]}
+    return {**fields, "prompt": prompt}
+
+
+def _options(options: object) -> dict[str, Any]:
+    if not isinstance(options, dict):
+        raise ApiError(400, "options must be an object", param="options")
+    fields: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in LOAD_OPTIONS or value is None:
+            continue
+        if name not in OPTIONS:
+            raise unsupported(f"options.{name}", "Ollama")
+        fields[OPTIONS[name]] = value
+    if isinstance(fields.get("max_tokens"), int) and fields["max_tokens"] <= 0:
+        del fields["max_tokens"]  # -1: until the end; -2: fill the context. The worker's limit rules
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    return fields
+
+
+def _messages(messages: object) -> list[dict[str, str]]:
+    if messages is None:
+        return []
+    if not isinstance(messages, list):
+        raise ApiError(400, "messages must be a list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
+            raise ApiError(400, f"messages[{i}] needs a role ({', '.join(ROLES)}) and text content",
+                           param=f"messages[{i}]")
+        for name, value in m.items():
+            if name not in ("role", "content") and value:
+                raise unsupported(f"messages[{i}].{name}", "Ollama")
+        out.append({"role": m["role"], "content": m.get("content", "")})
+    return out
+
+
+async def _run(request: Request, chat: bool) -> Response:
+    gw: Gateway = request.app.state.gateway
+    started = time.monotonic_ns()
+    body = await read_body(request)
+    model = body.get("model")
+    pool = gw.pool_for(model)
+    fields = job_fields(body, chat)
+    reply = OllamaReply(str(model), chat, started)
+    if fields is None:  # Ollama loads the model and answers at once
+        return JSONResponse(reply.final(None, "", done_reason="load"))
+    jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"))
+    headers = {"X-Fleet-Job-Id": jobs[0].id}
+    timeout = gw.settings.gateway.request_timeout
+    if body.get("stream", True):
+        return JobStreamResponse(reply.ndjson(follow(jobs, timeout)), media_type="application/x-ndjson",
+                                 on_disconnect=lambda: cancel_all(jobs), headers=headers)
+    finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
+    if finals is None:
+        return Response(status_code=499)
+    if finals[0].error is not None:
+        raise ApiError(500, finals[0].error)
+    result = finals[0].result or {}
+    return JSONResponse(reply.final(result, result.get("text", "")), headers=headers)
+
+
+class OllamaReply:
+    def __init__(self, model: str, chat: bool, started_ns: int) -> None:
+        self.model = model
+        self.chat = chat
+        self.started_ns = started_ns
+
+    def _text(self, text: str) -> dict[str, Any]:
+        if self.chat:
+            return {"message": {"role": "assistant", "content": text}}
+        return {"response": text}
+
+    def chunk(self, text: str) -> dict[str, Any]:
+        return {"model": self.model, "created_at": now_iso(), **self._text(text), "done": False}
+
+    def final(self, result: dict[str, Any] | None, text: str,
+              done_reason: str | None = None) -> dict[str, Any]:
+        """The last object: done, why, token counts and durations in ns (from the job's timings)."""
+        out = {"model": self.model, "created_at": now_iso(), **self._text(text), "done": True}
+        if result is None:
+            return {**out, "done_reason": done_reason or "stop"}
+        usage = result.get("usage") or {}
+        timings = result.get("timings") or {}
+        ttft_ms = timings.get("ttft_ms") or 0.0
+        gen_ms = max(0.0, (timings.get("total_ms") or 0.0) - ttft_ms)
+        out.update({
+            "done_reason": "length" if result.get("finish_reason") == "length" else "stop",
+            "total_duration": time.monotonic_ns() - self.started_ns,
+            "load_duration": int((timings.get("queue_ms") or 0.0) * 1e6),  # the wait for a free slot
+            "prompt_eval_count": usage.get("prompt_tokens", 0),
+            "prompt_eval_duration": int(ttft_ms * 1e6),
+            "eval_count": usage.get("completion_tokens", 0),
+            "eval_duration": int(gen_ms * 1e6),
+        })
+        if result.get("logprobs"):
+            out["logprobs"] = result["logprobs"]
+        return out
+
+    async def ndjson(self, updates: AsyncIterator[JobUpdate]) -> AsyncIterator[str]:
+        async for u in updates:
+            if u.error is not None:
+                yield line({"error": u.error})
+                return
+            if u.delta:
+                yield line(self.chunk(u.delta))
+            if u.result is not None:
+                yield line(self.final(u.result, ""))
+
+
+def line(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":")) + "\n"
+

@@ -1,0 +1,88 @@
+"""OpenAI's API over the fleet: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+A request becomes one fleet job per choice (`n`; with a list of prompts, n per prompt). `model`
+names a pool. Streaming is SSE ending in `data: [DONE]`; errors use OpenAI's shape
+{"error": {"message", "type", "param", "code"}}. A field this gateway cannot honour is a 400
+naming it, never silently dropped (a null value counts as absent).
+
+Logprobs come from the job's result, so a streamed choice carries them on its last chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from dispatcher.gateway.core import ApiError, Gateway, cancel_all, collect, follow, unsupported
+from dispatcher.gateway.openai_bodies import MAX_CHOICES, Reply, error_body, job_fields, per_choice
+from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
+
+__all__ = ["error_body", "job_fields"]  # request/response bodies live in openai_bodies.py
+
+
+def model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llama-fleet"}
+
+
+async def list_models(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return JSONResponse({"object": "list", "data": [model_object(m) for m in sorted(gw.models)]})
+
+
+async def get_model(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    name = request.path_params["model"]
+    gw.pool_for(name)  # 404 when unknown
+    return JSONResponse(model_object(name))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await _complete(request, chat=False)
+
+
+# -- request -> jobs ------------------------------------------------------------------------------
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise ApiError(400, f"the body is not JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return {k: v for k, v in body.items() if v is not None}
+
+
+async def _complete(request: Request, chat: bool) -> Response:
+    gw: Gateway = request.app.state.gateway
+    body = await read_body(request)
+    pool = gw.pool_for(body.get("model"))
+    requests, n = job_fields(body, chat)
+    if len(requests) * n > MAX_CHOICES:
+        raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts x n)", param="n",
+                       code="invalid_value")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+        raise unsupported("stream_options", "OpenAI")
+    priority = request.headers.get("x-fleet-priority", "default")
+    jobs = await gw.submit(pool, per_choice(requests, n), priority)
+    reply = Reply(chat, body["model"], [j.id for j in jobs], bool(stream_options.get("include_usage")))
+    headers = {"X-Fleet-Job-Id": ",".join(j.id for j in jobs)}
+    timeout = gw.settings.gateway.request_timeout
+    if body.get("stream"):
+        return JobStreamResponse(reply.sse(follow(jobs, timeout)), media_type="text/event-stream",
+                                 on_disconnect=lambda: cancel_all(jobs),
+                                 headers={**headers, "Cache-Control": "no-cache"})
+    finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
+    if finals is None:
+        return Response(status_code=499)  # the client left; nobody reads this
+    return JSONResponse(reply.whole(finals), headers=headers)
+
+

@@ -1,0 +1,61 @@
+"""The gateway's settings: a `gateway` section next to the fleet's own settings, from the same
+worker-config.json and FLEET_* environment (FLEET_GATEWAY__PORT=8080,
+FLEET_GATEWAY__API_KEYS='["key-1"]', FLEET_GATEWAY__MODELS='{"gemma-3-270m": "llm"}').
+
+    {"redis_url": "redis://10.0.0.5:6379/0",
+     "gateway": {"port": 8000, "max_queue": 500, "api_keys": ["..."],
+                 "models": {"gemma-3-270m": "llm", "big": "big-pool"}}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from backends.contract.settings import ProducerSettings, load
+
+POOL_PATTERN = r"^[A-Za-z0-9_.-]+$"
+
+
+class GatewaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    workers: int = Field(1, ge=1, le=64, description="gateway processes (uvicorn workers)")
+    max_queue: int = Field(1000, ge=0, description="jobs waiting in a pool beyond which requests get 429")
+    retry_after: int = Field(1, ge=1, le=3600, description="seconds, in the Retry-After of a 429")
+    api_keys: list[SecretStr] = Field(default_factory=list,
+                                      description="accepted bearer keys; empty: no authentication")
+    models: dict[str, str] = Field(default_factory=dict,
+                                   description="model name -> pool; empty: the fleet's pool, by its name")
+    request_timeout: float = Field(900.0, gt=0, description="seconds a request waits for its jobs")
+    shutdown_grace: float = Field(10.0, ge=0, description="seconds open requests get at shutdown")
+
+    @field_validator("models")
+    @classmethod
+    def _pool_names(cls, v: dict[str, str]) -> dict[str, str]:
+        import re
+
+        for model, pool in v.items():
+            if not model or len(model) > 256:
+                raise ValueError(f"model name {model!r} must be 1..256 characters")
+            if not re.match(POOL_PATTERN, pool):
+                raise ValueError(f"model {model!r}: pool {pool!r} is not a pool name")
+        return v
+
+
+class ServeSettings(ProducerSettings):
+    """The producer's settings plus the gateway section (`fleet serve`); worker keys in the same
+    file are the worker's to check."""
+
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+
+    def model_pools(self) -> dict[str, str]:
+        """Model name -> pool, as the API lists them."""
+        return dict(self.gateway.models) or {self.pool: self.pool}
+
+
+def load_serve_settings(config: str | None = None, **overrides: Any) -> ServeSettings:
+    return load(ServeSettings, config, **overrides)

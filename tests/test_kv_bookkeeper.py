@@ -1,0 +1,148 @@
+"""The KV bookkeeper without a model: sequence ids, kept KV, prefix reuse choices, the prefix LRU
+and reservations in the unified pool. The KV operations it queues are what llama.cpp will do."""
+
+from __future__ import annotations
+
+from backends.llamacpp.kv import Copy, KvBookkeeper, Remove, Reuse
+from backends.llamacpp.state import ActiveJob, WaitingJob
+from tests.engine_state import prompt, sampling
+
+
+def bookkeeper(*, slots: int = 4, prefix_cache: int = 2, n_ctx: int = 4096,
+               invariant: bool = True) -> KvBookkeeper:
+    return KvBookkeeper(slots=slots, prefix_cache=prefix_cache, n_ctx=n_ctx, n_batch=512,
+                        invariant=invariant)
+
+
+def start(kv: KvBookkeeper, job_id: str, tokens: list[int], running: list[ActiveJob] | None = None,
+          need: int = 64) -> tuple[ActiveJob, Reuse | None]:
+    seq_id = kv.allocate(need)
+    assert seq_id is not None
+    job = ActiveJob.start(WaitingJob(job_id, tokens, sampling()), seq_id, need)
+    return job, kv.reuse_prefix(job, running or [])
+
+
+def prefilled(job: ActiveJob, output: tuple[int, ...] = ()) -> ActiveJob:
+    job.output = list(output)
+    job.n_past = len(job.tokens) + max(len(job.output) - 1, 0)  # the last sampled token is not fed yet
+    return job
+
+
+def test_lowest_free_slot_first() -> None:
+    kv = bookkeeper()
+    jobs = [start(kv, f"j{i}", prompt(10, 100 * i))[0] for i in range(3)]
+    assert [j.seq_id for j in jobs] == [0, 1, 2]
+    kv.release(jobs[1])
+    kv.release(jobs[0])
+    assert kv.allocate(1) == 0 and kv.allocate(1) == 1 and kv.allocate(1) == 3
+    assert kv.allocate(1) is None  # four slots busy; prefix ids are never given to jobs
+
+
+def test_next_turn_reuses_the_slots_kept_kv_in_place() -> None:
+    kv = bookkeeper()
+    turn1, _ = start(kv, "turn1", prompt(20))
+    kv.release(prefilled(turn1, output=(7, 8, 9, 10, 11)))
+    assert kv.take_ops() == []  # a per-slot stream keeps its KV for the slot's next job
+    assert kv.slot_kv[0].tokens == [*prompt(20), 7, 8, 9, 10]
+    turn2, reuse = start(kv, "turn2", [*prompt(20), 7, 8, 9, 10, *prompt(10, 9000)])
+    assert reuse == Reuse(24, "kept", 0) and turn2.n_past == 24
+    assert kv.take_ops() == [Remove(0, 24)]  # in place: only the tail past the shared prefix goes
+    assert kv.reused_tokens == 24 and not kv.slot_kv
+
+
+def test_kept_kv_with_nothing_shared_is_dropped() -> None:
+    kv = bookkeeper()
+    first, _ = start(kv, "a", prompt(20))
+    kv.release(prefilled(first))
+    _, reuse = start(kv, "b", prompt(20, 5000))
+    assert reuse is None and kv.take_ops() == [Remove(0)]
+
+
+def test_a_copy_must_share_eight_tokens_in_place_one_is_enough() -> None:
+    kv = bookkeeper(invariant=False)
+    a = prefilled(start(kv, "a", prompt(20))[0])
+    _, seven = start(kv, "b", prompt(7) + prompt(13, 5000), running=[a])
+    assert seven is None and kv.take_ops() == []
+    c, eight = start(kv, "c", prompt(8) + prompt(12, 5000), running=[a])
+    assert eight == Reuse(8, "running", 0) and c.n_past == 8
+    # two live jobs share it: the prefix is kept in a spare sequence id for the next one
+    assert kv.take_ops() == [Copy(0, c.seq_id, 8), Copy(0, 5, 8)]
+    assert list(kv.prefixes) == [5] and kv.prefixes[5].tokens == prompt(8)
+
+    kv = bookkeeper()
+    first = prefilled(start(kv, "a", prompt(20))[0])
+    kv.release(first)
+    _, one = start(kv, "b", prompt(1) + prompt(19, 5000))
+    assert one == Reuse(1, "kept", 0)
+
+
+def test_the_longest_shared_prefix_wins() -> None:
+    kv = bookkeeper(invariant=False)
+    a = prefilled(start(kv, "a", prompt(30))[0])
+    b = prefilled(start(kv, "b", prompt(12) + prompt(18, 7000))[0])
+    kv.take_ops()
+    c, reuse = start(kv, "c", prompt(25) + prompt(5, 9000), running=[a, b])
+    assert reuse == Reuse(25, "running", a.seq_id) and c.n_past == 25
+
+
+def test_the_last_prompt_token_always_runs() -> None:
+    kv = bookkeeper(invariant=False)
+    a = prefilled(start(kv, "a", prompt(30))[0])
+    _, reuse = start(kv, "again", prompt(30), running=[a])
+    assert reuse is not None and reuse.n_tokens == 29  # its logits give the first token
+
+
+def test_batch_invariance_limits_what_may_be_reused() -> None:
+    """The source prefilled 40 tokens row by row; a 300-token prompt alone tiles them."""
+    for invariant, expected in [(True, None), (False, 30)]:
+        kv = bookkeeper(invariant=invariant)
+        a = prefilled(start(kv, "a", prompt(40))[0])
+        _, reuse = start(kv, "b", prompt(30) + prompt(270, 5000), running=[a])
+        assert (reuse.n_tokens if reuse else None) == expected, invariant
+
+
+def test_another_slots_kept_kv_is_copied() -> None:
+    kv = bookkeeper()
+    a, _ = start(kv, "a", prompt(20))
+    b, _ = start(kv, "b", prompt(20, 5000))
+    kv.release(prefilled(a))
+    kv.release(prefilled(b))
+    c, reuse = start(kv, "c", prompt(15, 5000) + prompt(5, 9000))  # gets slot 0, shares b's
+    assert c.seq_id == 0 and reuse == Reuse(15, "other slot", 1)
+    assert kv.take_ops() == [Copy(1, 0, 15)]
+    assert list(kv.slot_kv) == [1]  # slot 0's own kept KV is gone (the copy replaces it)
+
+
+def test_prefix_entries_are_an_lru() -> None:
+    kv = bookkeeper(slots=6, invariant=False)
+    x = prefilled(start(kv, "x", prompt(20, 0))[0])
+    start(kv, "x2", prompt(20, 0), running=[x])  # entry 7 <- x's prefix
+    y = prefilled(start(kv, "y", prompt(20, 5000))[0])
+    start(kv, "y2", prompt(20, 5000), running=[y])  # entry 6 <- y's prefix
+    assert list(kv.prefixes) == [7, 6]
+    _, reuse = start(kv, "x3", prompt(20, 0))
+    assert reuse == Reuse(19, "entry", 7) and list(kv.prefixes) == [6, 7]  # used: now newest
+    kv.take_ops()
+    assert kv.evict_prefix() and kv.take_ops() == [Remove(6)] and list(kv.prefixes) == [7]
+
+
+def test_unified_pool_reservations_evict_cached_prefixes_before_deferring() -> None:
+    kv = bookkeeper(slots=4, n_ctx=256, invariant=False)
+    a = prefilled(start(kv, "a", prompt(60), need=100)[0])
+    start(kv, "b", prompt(60), running=[a], need=100)  # caches a 59-token prefix entry
+    kv.take_ops()
+    assert kv.reserved == 200 and kv.prefix_cells() == 59
+    assert not kv.fits(40)  # 200 + 40 + 59 > 256
+    assert kv.allocate(40) is not None  # room made by evicting the prefix entry
+    assert kv.take_ops() == [Remove(5)] and not kv.prefixes
+    assert kv.allocate(40) is None  # nothing left to evict: the job waits, running jobs keep theirs
+    kv.release(a)
+    assert kv.take_ops() == [Remove(a.seq_id)] and kv.reserved == 140
+    assert kv.allocate(40) is not None
+
+
+def test_a_failed_job_drops_its_kv_even_with_per_slot_streams() -> None:
+    kv = bookkeeper()
+    a, _ = start(kv, "a", prompt(20))
+    kv.release(prefilled(a), keep_kv=False)
+    assert kv.take_ops() == [Remove(0)] and not kv.slot_kv and kv.reserved == 0

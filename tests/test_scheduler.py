@@ -1,0 +1,156 @@
+"""The engine's scheduling policy without a model: admission, chunked prefill, batch rows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from backends.base import JobRejected
+from backends.llamacpp.scheduler import DecodeCall
+from tests.engine_state import admit, engine, execute, prompt, rows_of
+
+
+def test_the_policy_modules_do_not_import_llama_cpp() -> None:
+    code = ("import sys, backends.llamacpp.scheduler, backends.llamacpp.kv; "
+            "sys.exit('llama_cpp' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_admission_waits_for_a_free_slot() -> None:
+    s = engine(slots=2, prefix_cache=0)
+    assert [j.seq_id for j in admit(s, "a", prompt(10)) + admit(s, "b", prompt(10, 5000))] == [0, 1]
+    assert s.free_slots() == 0
+    with pytest.raises(RuntimeError, match="no free slot"):
+        s.enqueue("c", prompt(10), s.active["a"].sampling)
+    s.release(s.active["a"])
+    assert s.free_slots() == 1
+    assert [j.seq_id for j in admit(s, "c", prompt(10, 9000))] == [0]
+
+
+def test_a_prompt_longer_than_the_context_is_rejected() -> None:
+    s = engine(n_ctx_per_seq=512)
+    with pytest.raises(JobRejected, match=r"prompt is 512 tokens; the context holds 512 per job"):
+        admit(s, "huge", prompt(512))
+    assert s.free_slots() == 16 and not s.waiting
+
+
+def test_unified_pool_defers_admission_in_line_and_never_preempts() -> None:
+    s = engine(slots=5, prefix_cache=0, n_ctx=256, n_ctx_per_seq=128, invariant=False)
+    for i in range(4):  # each reserves 5 + 60 cells of 256: only 3 fit at once
+        admit(s, f"k{i}", prompt(5, 100 * i), max_tokens=60)
+    assert len(s.active) == 3 and [w.job_id for w in s.waiting] == ["k3"]
+    assert s.kv.reserved == 195 and s.deferred_admissions == 1
+    admit(s, "small", prompt(1, 900), max_tokens=5)  # would fit, but waits behind k3
+    assert [w.job_id for w in s.waiting] == ["k3", "small"]
+    s.release(s.active["k0"])
+    assert [j.job_id for j in s.start_waiting()] == ["k3", "small"]
+    assert s.kv.reserved == 3 * 65 + 6 and not s.waiting
+
+
+def test_per_slot_streams_admit_whenever_a_slot_is_free() -> None:
+    s = engine(slots=4, prefix_cache=0, n_ctx=256, n_ctx_per_seq=4096, invariant=True)
+    for i in range(4):  # a slot's stream is its budget: the pool size plays no part
+        admit(s, f"k{i}", prompt(1000, 5000 * i), max_tokens=1000)
+    assert len(s.active) == 4 and s.deferred_admissions == 0
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_long_prompt_prefills_in_chunks_while_every_decoder_keeps_its_row(invariant: bool) -> None:
+    s = engine(invariant=invariant)
+    for i in range(8):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    while any(j.next_token is None for j in s.active.values()):
+        execute(s, s.plan_step())
+    (long,) = admit(s, "long", prompt(3000, 50_000))
+    decoders = {j.seq_id for j in s.active.values() if j is not long}
+    chunks: list[int] = []
+    while long.next_token is None:
+        plan = s.plan_step()
+        fed = [rows_of(c) for c in plan.calls]
+        # every decoder has exactly one row in every step of the prefill: no stall
+        assert sorted(i for rows in fed for i in rows if i in decoders) == sorted(decoders)
+        assert all(rows[i] == 1 for rows in fed for i in rows if i in decoders)
+        assert all(c.n_rows() <= s.n_batch for c in plan.calls)
+        chunks += [rows[long.seq_id] for rows in fed if long.seq_id in rows]
+        execute(s, plan)
+    assert sum(chunks) == 3000
+    if invariant:  # cut at multiples of n_batch whatever the load, each in a llama_decode of its own
+        assert chunks == [512] * 5 + [440]
+    else:  # one llama_decode per step: the budget left after the 8 decoders' rows
+        assert chunks == [504] * 5 + [480]
+
+
+def test_newcomers_go_first_and_the_decoders_are_never_skipped_twice() -> None:
+    s = engine()
+    for i in range(4):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    execute(s, s.plan_step())  # the four short prompts share one equal-width ubatch
+    decoders = {f"d{i}" for i in range(4)}
+    skipped_before = False
+    for n in range(6):  # a short prompt arrives before every step
+        admit(s, f"new{n}", prompt(10, 10_000 + 100 * n), max_tokens=1000)
+        plan = s.plan_step()
+        ran = {j.job_id for c in plan.calls for j in c.decoders}
+        skipped = not decoders <= ran
+        assert not (skipped and skipped_before), n
+        assert any(j.job_id == f"new{n}" for c in plan.calls for j, _ in c.prompts)
+        skipped_before = skipped
+        execute(s, plan)
+        decoders.add(f"new{n}")
+
+
+def test_decoders_share_one_equal_width_ubatch_over_consecutive_ids() -> None:
+    s = engine(slots=4, prefix_cache=0)
+    for i in range(3):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    execute(s, s.plan_step())
+    s.release(s.active["d1"])
+    (call,) = s.plan_step().calls
+    assert call.span == (0, 2) and call.width == 1 and call.n_rows() == 3  # id 1 gets a throw-away row
+
+
+@pytest.mark.parametrize(("slots", "lone_id", "span"), [(2, 0, (0, 1)), (2, 1, (0, 1))])
+def test_a_lone_long_decoder_gets_a_neighbour_row(slots: int, lone_id: int, span: tuple[int, int]) -> None:
+    s = engine(slots=slots, prefix_cache=0)
+    for i in range(slots):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    execute(s, s.plan_step())
+    s.release(s.active[f"d{1 - lone_id}"])
+    lone = s.active[f"d{lone_id}"]
+    assert s.plan_step().calls[0].span == (lone_id, lone_id)  # 11 cells: its KV scan is not split
+    lone.n_past = 300
+    assert s.plan_step().calls[0].span == span
+
+
+def test_short_prompts_share_a_ubatch_while_it_fits_the_rest_run_alone() -> None:
+    s = engine(slots=4, prefix_cache=0, n_batch=128)
+    for i in range(4):
+        admit(s, f"p{i}", prompt(40, 100 * i))
+    shared, alone = s.plan_step().calls
+    assert [j.job_id for j, _ in shared.prompts] == ["p0", "p1", "p2"]
+    assert shared.span == (0, 2) and shared.width == 40  # 3 x 40 rows; a 4th id would be 160
+    assert [(j.job_id, n) for j, n in alone.prompts] == [("p3", 40)] and alone.span is None
+
+
+def test_unified_pool_fills_one_call_up_to_n_batch_in_admission_order() -> None:
+    s = engine(n_batch=256, invariant=False)
+    admit(s, "a", prompt(200, 0))
+    admit(s, "b", prompt(200, 1000))
+    plan = s.plan_step()
+    assert [(j.job_id, n) for j, n in plan.calls[0].prompts] == [("a", 200), ("b", 56)]
+    execute(s, plan)
+    (call,) = s.plan_step().calls  # a decodes now, b's rest fits beside it
+    assert [j.job_id for j in call.decoders] == ["a"]
+    assert [(j.job_id, n) for j, n in call.prompts] == [("b", 144)]
+
+
+def test_which_jobs_fail_with_a_call() -> None:
+    s = engine(invariant=False)
+    a, b, c = (admit(s, x, prompt(10, 100 * i))[0] for i, x in enumerate("abc"))
+    pooled = DecodeCall(decoders=[a], prompts=[(b, 10), (c, 10)])
+    assert s.failed(pooled, 1) == [c]  # KV full: the newest prompt, the decoders keep going
+    assert s.failed(pooled, -1) == [a, b, c]
+    shared = DecodeCall(prompts=[(b, 10), (c, 10)], span=(1, 2), width=10)
+    assert s.failed(shared, 1) == [b, c]  # one ubatch stands or falls together

@@ -1,0 +1,89 @@
+"""What RQ's own worker does in its cleanup path and the fleet's worker must do itself (issue 10,
+defects 1 and 4), run by whichever worker holds the reaper lock, every CLEAN_EVERY seconds:
+
+- trim RQ's registries of ended jobs (rq:finished / rq:failed / rq:canceled:<queue>): their
+  scores are expiry times, and without a trim they grow for ever, one member per job;
+- end jobs that RQ's own `job.cancel()` took off a queue: RQ writes no final stream entry and no
+  TTL, so fleet readers would wait for ever and the hash would stay. Such a job gets a
+  `cancelled` final entry and the result TTL, in one script that first checks the job is still
+  cancelled, has no final entry and is held by no worker (a held one is ended by its worker).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from redis import Redis
+from redis.typing import EncodableT
+
+from backends.contract.keys import (
+    ATTEMPT_FIELD,
+    ENDED_REGISTRIES,
+    FINAL_FIELD,
+    OWNER_FIELD,
+    canceled_registry_key,
+    job_key,
+    stream_key,
+)
+from backends.contract.replies import as_str
+
+log = logging.getLogger("fleet.reaper")
+CLEAN_EVERY = 5.0  # seconds
+CANCELS_PER_PASS = 1000  # members of one canceled registry looked at per pass (oldest first)
+
+# KEYS: job hash, stream   ARGV: result JSON, ttl, final field, owner field, attempt field
+_END_RQ_CANCEL = """
+local f = redis.call('HMGET', KEYS[1], 'status', ARGV[3], ARGV[4], ARGV[5])
+if f[1] ~= 'canceled' or f[2] then return 0 end
+if f[3] and f[3] ~= '' and redis.call('LPOS', 'fleet:inflight:' .. f[3], string.sub(KEYS[1], 8)) then
+  return 0
+end
+local attempt = (tonumber(f[4] or '0') or 0) + 1
+redis.call('XADD', KEYS[2], '*', 'a', attempt, 'k', 'd', 'v', ARGV[1])
+redis.call('HSET', KEYS[1], ARGV[3], attempt)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
+
+def cancelled_result(job_id: str, attempt: int | None = None) -> dict[str, object]:
+    """The result of a job cancelled before it ran (the same shape job.result() returns)."""
+    return {"job_id": job_id, "text": "", "finish_reason": "cancelled",
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+            "worker": None, "backend": None, "attempt": attempt,
+            "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None, "tokens_per_s": None}}
+
+
+class Housekeeper:
+    def __init__(self, redis: Redis, queues: list[str], result_ttl: int) -> None:
+        self.redis = redis
+        self.queues = queues
+        self.result_ttl = result_ttl
+        self._end_rq_cancel = redis.register_script(_END_RQ_CANCEL)
+        self._next = 0.0
+
+    def run(self, force: bool = False) -> None:
+        if not force and time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + CLEAN_EVERY
+        seconds, _micros = self.redis.time()
+        for queue in self.queues:
+            self.end_rq_cancels(queue)
+            with self.redis.pipeline(transaction=False) as pipe:
+                for prefix in ENDED_REGISTRIES:
+                    pipe.zremrangebyscore(prefix + queue, "-inf", seconds)
+                pipe.execute()
+
+    def end_rq_cancels(self, queue: str) -> int:
+        ended = 0
+        for raw in self.redis.zrange(canceled_registry_key(queue), 0, CANCELS_PER_PASS - 1):
+            job_id = as_str(raw) or ""
+            result = json.dumps(cancelled_result(job_id))
+            args: list[EncodableT] = [result, self.result_ttl, FINAL_FIELD, OWNER_FIELD, ATTEMPT_FIELD]
+            if self._end_rq_cancel(keys=[job_key(job_id), stream_key(job_id)], args=args):
+                ended += 1
+                log.info("job %s was cancelled with RQ while queued: final entry written", job_id)
+        return ended
