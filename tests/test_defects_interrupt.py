@@ -17,7 +17,7 @@ from redis import Redis
 from backends.contract.keys import job_key
 from backends.contract.replies import as_str
 from dispatcher import Fleet
-from ecosystem.local.processes import ROOT
+from tests.harness import ROOT
 from tests.lossy import inproc_worker, long_prompt
 from worker.loop import FleetWorker
 
