@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from redis import Redis
 
@@ -45,6 +46,20 @@ log = logging.getLogger("fleet.worker")
 IDLE_WAIT = 0.25  # seconds an idle worker blocks on the wake list before polling the queues
 OUTAGE_BUFFER_ENTRIES = 16_384  # unwritten text deltas held through a Redis outage, all jobs
 RECONCILE_EVERY = 5.0  # seconds between checks that Redis and this loop agree on held jobs
+
+
+@dataclass(frozen=True)
+class BurstSummary:
+    """What `run_until_idle` did: `idle` (False: the timeout passed first), jobs let go of by
+    outcome (finished, cancelled, failed, requeued, taken over), and how long it ran."""
+
+    idle: bool
+    ended: dict[str, int]
+    seconds: float
+
+    @property
+    def total(self) -> int:
+        return sum(self.ended.values())
 
 
 class FleetWorker:
@@ -106,6 +121,39 @@ class FleetWorker:
 
     def run_once(self) -> None:
         self._guarded(self._serve_once)
+
+    def run_until_idle(self, timeout: float | None = None) -> BurstSummary:
+        """Burst mode (rq's `work(burst=True)`, arq's `burst`): turn the loop until no job is
+        queued for this pool and none is in flight here, then return what ended, by outcome.
+        With Redis unreachable it is never idle (the queues cannot be read): it keeps buffering
+        until Redis is back or `timeout` passes (then `idle` is False and jobs stay in flight)."""
+        started, before = time.monotonic(), Counter(self.outcomes)
+        deadline = started + timeout if timeout is not None else float("inf")
+        idle = False
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            self.run_once()
+            if self._holds_nothing() and self.link.up and self._queues_empty():
+                idle = True
+                break
+        ended = Counter(self.outcomes)
+        ended.subtract(before)
+        return BurstSummary(idle, {k: n for k, n in ended.items() if n > 0},
+                            round(time.monotonic() - started, 3))
+
+    def _holds_nothing(self) -> bool:
+        engine_busy = self.backend.free_slots() < self.backend.slots
+        return not (self.inflight or self.to_requeue or self.unstarted or engine_busy)
+
+    def _queues_empty(self) -> bool:
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for key in self.claimer.queue_keys:
+                    pipe.llen(key)
+                pipe.llen(self.claimer.inflight)  # e.g. a claim whose reply was lost
+                return not any(pipe.execute())
+        except OUTAGE_ERRORS as e:
+            self.link.failed(e, "checking the queues")
+            return False
 
     def _serve_once(self) -> None:
         if self.link.ready():
