@@ -7,6 +7,7 @@ processes (signals, kill -9, the model)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,7 @@ def test_an_engine_failure_retries_then_gives_up_after_max_attempts(redis_url: s
 
 
 @pytest.fixture
-def own_redis(tmp_path: Path):  # type: ignore[no-untyped-def]
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own, to stop and restart (AOF: the data survives)."""
     with RedisServer.start(tmp_path / "redis", extra=["--appendonly", "yes"]) as server:
         yield server
