@@ -187,3 +187,22 @@ def test_a_job_taken_over_gets_no_write_from_its_old_owner(redis_url: str, redis
     res = job.result(timeout=1)
     assert res["worker"] == "f2" and res["attempt"] == 2 and res["text"] == long_prompt(300)
     assert_exactly_one_final(redis, [job.id])
+
+
+def test_fleet_worker_burst_cli_exits_when_idle_and_prints_what_ended(redis_url: str, tmp_path: Path) -> None:
+    """`fleet worker --burst` as a process: serves what is queued, exits 0, prints the summary."""
+    import json
+    import subprocess
+    import sys
+
+    from ecosystem.local.processes import worker_env
+
+    fleet = Fleet(redis_url)
+    jobs = [fleet.submit(prompt=f"burst {i}", max_tokens=4) for i in range(3)]
+    done = subprocess.run([sys.executable, "-m", "dispatcher.cli", "worker", "--burst"],
+                          env=worker_env(redis_url, "cli-burst", backend__type="fake"),
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["idle"] is True and summary["ended"] == {"finished": 3}, summary
+    assert [job.result(timeout=1)["text"] for job in jobs] == [f"burst {i}" for i in range(3)]
