@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from backends.base import Done, Failed, GenerateRequest, Token  # noqa: E402
 from backends.llamacpp import LlamaCppBackend  # noqa: E402
-from dispatcher.bench import machine_meta  # noqa: E402
-from worker.settings import BackendSettings  # noqa: E402
+from backends.llamacpp_settings import LlamaCppSettings  # noqa: E402
+from ecosystem.local.bench import machine_meta  # noqa: E402
 
 TEXT = {"type": "string", "maxLength": 32}
 PERSON = {"type": "object", "additionalProperties": False,
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=Path("bench-structured.json"))
     args = ap.parse_args()
-    engine = LlamaCppBackend(BackendSettings(slots=args.users, n_ctx_per_seq=512), threads=args.threads)
+    engine = LlamaCppBackend(LlamaCppSettings(slots=args.users, n_ctx_per_seq=512), threads=args.threads)
     jobs = args.users * args.jobs_per_user
     runs: list[dict[str, Any]] = []
     try:

@@ -16,8 +16,8 @@ from backends.base import Done, GenerateRequest, JobRejected
 from backends.llamacpp import LlamaCppBackend, sampling
 from backends.llamacpp.model import check_builtin_template
 from backends.llamacpp.schema_grammar import integer_range
+from backends.registry import BackendSettings
 from tests.test_batched_engine import run_all
-from worker.settings import BackendSettings
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 16},

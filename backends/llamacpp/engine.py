@@ -20,20 +20,21 @@ import time
 
 import llama_cpp as ll
 
-from backends.base import Done, Event, Failed, FinishReason, GenerateRequest, JobRejected, Token
+from backends.base import Done, Event, Failed, JobRejected, Token
+from backends.contract.schema import FinishReason, GenerateRequest
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.sampling import check_format
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, check_n_batch
 from backends.llamacpp.state import ActiveJob
-from worker.settings import BackendSettings
+from backends.llamacpp_settings import LlamaCppSettings
 
 
 class LlamaCppBackend:
     name = "llama-cpp"
 
-    def __init__(self, settings: BackendSettings, threads: int | None = None) -> None:
+    def __init__(self, settings: LlamaCppSettings, threads: int | None = None) -> None:
         self.settings = settings
         self.slots = settings.slots
         self.invariant = settings.batch_invariant
@@ -65,6 +66,10 @@ class LlamaCppBackend:
 
     def free_slots(self) -> int:
         return self.scheduler.free_slots()
+
+    def probe(self) -> bool:
+        """In process: the engine is there as long as this object is."""
+        return True
 
     def admit(self, job_id: str, request: GenerateRequest) -> None:
         if self.free_slots() <= 0:

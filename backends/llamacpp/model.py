@@ -9,7 +9,8 @@ from pathlib import Path
 
 import llama_cpp as ll
 
-from backends.base import GenerateRequest, JobRejected
+from backends.base import JobRejected
+from backends.contract.schema import GenerateRequest
 from backends.model import default_model_path
 
 # ggml reads its kernel switches once per process, at the first matmul; the first model decides

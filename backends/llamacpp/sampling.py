@@ -27,7 +27,8 @@ import llama_cpp as ll
 import numpy as np
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from backends.base import JobRejected, Sampling
+from backends.base import JobRejected
+from backends.contract.schema import Sampling
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.schema_grammar import json_schema_to_gbnf
 
