@@ -48,7 +48,8 @@ def test_history_keeps_prompts_short_and_attempts_in_order() -> None:
 
 def test_bench_html_report_plots_the_fleet_against_each_peer(tmp_path: Path) -> None:
     def run(users: int, role: str, system: str, tokens: int) -> Run:
-        return Run(users, role, system, 0, 2.0, [Sample(0.1 * users, 1.0, tokens)] * users, {})
+        # CPU seconds too: the fourth plot is CPU s per 1,000 tokens
+        return Run(users, role, system, 0, 2.0, [Sample(0.1 * users, 1.0, tokens)] * users, {"all": 1.5})
 
     rows = summaries([run(u, r, s, t) for u in (1, 4, 16) for r, s, t in
                       ((FLEET, "fleet (llama-cpp)", 40), (PEER, f"llama-server -np {u}", 30))])
