@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from importlib.resources import files
 from typing import Any, Self, TypeVar
 
 from pydantic import ValidationError
@@ -41,6 +40,7 @@ from backends.contract.keys import (
     queue_name,
     stream_key,
 )
+from backends.contract.lua import lua_script
 from backends.contract.replies import as_int, as_str
 from backends.contract.retry import OUTAGE_ERRORS, retry_outage
 from backends.contract.schema import (
@@ -184,7 +184,7 @@ class Fleet(ProducerBase):
 
 
 # Cancels a job that is still queued, in one step (KEYS, ARGV and reply: the script's header).
-CANCEL_QUEUED = files("dispatcher").joinpath("cancel_queued.lua").read_text()
+CANCEL_QUEUED = lua_script("dispatcher", "cancel_queued.lua")
 
 
 def cancel_queued_call(job_id: str, queue: str, attempts: int,

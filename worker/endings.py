@@ -46,6 +46,7 @@ from backends.contract.keys import (
     started_registry_key,
     stream_key,
 )
+from backends.contract.lua import lua_script
 from backends.contract.replies import as_str
 from backends.contract.schema import job_result
 from worker import batch_hook, facts, rqjobs
@@ -53,52 +54,12 @@ from worker.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.worker")
 
-# KEYS: inflight, queue, job hash, wip registry of the queue
-# ARGV: job id, bump attempt (0/1), attempt field, died-on field, name of the dead worker ('' if
-# none), owner field, drains field, counted (0: a drain hand-back, not a failure), execution field
-# Back to the FRONT of its queue (it already waited its turn), owner cleared and the attempt's RQ
-# execution removed in the same step (defect 5). Returns the new attempt count (or -1 if the id
-# was no longer in flight: someone else requeued or finished it).
-REQUEUE_LUA = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return -1 end
-redis.call('LPUSH', KEYS[2], ARGV[1])
-if redis.call('TYPE', KEYS[3]).ok ~= 'hash' then return 0 end
-redis.call('HSET', KEYS[3], 'status', 'queued')
-redis.call('HDEL', KEYS[3], ARGV[6])
-local ex = redis.call('HGET', KEYS[3], ARGV[9])
-if ex then
-  redis.call('ZREM', KEYS[4], ex)
-  redis.call('DEL', 'rq:execution:' .. ex)
-  redis.call('ZREM', 'rq:executions:' .. ARGV[1], string.sub(ex, #ARGV[1] + 2))
-  redis.call('HDEL', KEYS[3], ARGV[9])
-end
-if ARGV[5] ~= '' then
-  local before = redis.call('HGET', KEYS[3], ARGV[4])
-  redis.call('HSET', KEYS[3], ARGV[4], before and (before .. ',' .. ARGV[5]) or ARGV[5])
-end
-if ARGV[2] == '1' then
-  if ARGV[8] == '0' then redis.call('HINCRBY', KEYS[3], ARGV[7], 1) end
-  return redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
-end
-return tonumber(redis.call('HGET', KEYS[3], ARGV[3]) or '0') or 0
-"""
+# Back to the front of its queue, owner cleared, the attempt's RQ execution removed, in one step
+# (KEYS, ARGV and reply: the script's header).
+REQUEUE_LUA = lua_script("worker", "requeue.lua")
 
-# Text deltas (and a restart's new attempt number) are written only while this worker owns the
-# job (defect 10); the attempt number only ever goes up.
-# KEYS: job hash, stream   ARGV: worker name, owner field, attempt field, attempt, first index,
-# maxlen, text1, text2, ...   Returns how many deltas were written, or -1 (not the owner).
-_WRITE_TEXT = """
-if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return -1 end
-local attempt = tonumber(ARGV[4])
-local stored = tonumber(redis.call('HGET', KEYS[1], ARGV[3]) or '0') or 0
-if stored < attempt - 1 then redis.call('HSET', KEYS[1], ARGV[3], attempt - 1) end
-local seq = tonumber(ARGV[5])
-for i = 7, #ARGV do
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'a', attempt, 'k', 't', 'n', seq, 'v', ARGV[i])
-  seq = seq + 1
-end
-return #ARGV - 6
-"""
+# Text deltas, written only while this worker owns the job (defect 10).
+_WRITE_TEXT = lua_script("worker", "write_text.lua")
 
 
 class Contended(Exception):

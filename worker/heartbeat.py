@@ -22,6 +22,7 @@ import psutil
 from redis import Redis
 
 from backends.contract.keys import WORKERS_SET, executions_key, worker_key
+from backends.contract.lua import lua_script
 from backends.contract.redact import redact_url
 from backends.contract.replies import Fields
 from backends.contract.retry import OUTAGE_ERRORS
@@ -36,20 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleet.heartbeat")
 
-# RQ's Execution.heartbeat() writes unconditionally: a beat racing a job's final write (which
-# deletes the execution) would re-create the execution with a 10-minute TTL. This refreshes it
-# only while it exists (issue 10: every key ends with a TTL or is removed, promptly).
-# KEYS: execution hash, wip registry, the job's executions   ARGV: now, ttl, wip member, execution id
-_REFRESH_EXECUTION = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'last_heartbeat', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('ZADD', KEYS[2], 'XX', now + ttl, ARGV[3])
-redis.call('ZADD', KEYS[3], 'XX', now + ttl + 60, ARGV[4])
-redis.call('EXPIRE', KEYS[3], ttl + 60)
-return 1
-"""
+# Refreshes an RQ execution only while it exists (why, KEYS and ARGV: the script's header).
+_REFRESH_EXECUTION = lua_script("worker", "refresh_execution.lua")
 REAP_EVERY = 2  # heartbeat intervals
 EARLY_BEAT_GAP = 0.2  # seconds
 

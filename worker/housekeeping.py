@@ -27,6 +27,7 @@ from backends.contract.keys import (
     job_key,
     stream_key,
 )
+from backends.contract.lua import lua_script
 from backends.contract.replies import as_int, as_str
 from backends.contract.schema import job_result
 
@@ -34,20 +35,8 @@ log = logging.getLogger("fleet.reaper")
 CLEAN_EVERY = 5.0  # seconds
 CANCELS_PER_PASS = 1000  # members of one canceled registry looked at per pass (oldest first)
 
-# KEYS: job hash, stream   ARGV: result JSON, ttl, final field, owner field, attempt field
-_END_RQ_CANCEL = """
-local f = redis.call('HMGET', KEYS[1], 'status', ARGV[3], ARGV[4], ARGV[5])
-if f[1] ~= 'canceled' or f[2] then return 0 end
-if f[3] and f[3] ~= '' and redis.call('LPOS', 'fleet:inflight:' .. f[3], string.sub(KEYS[1], 8)) then
-  return 0
-end
-local attempt = (tonumber(f[4] or '0') or 0) + 1
-redis.call('XADD', KEYS[2], '*', 'a', attempt, 'k', 'd', 'v', ARGV[1])
-redis.call('HSET', KEYS[1], ARGV[3], attempt)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-return 1
-"""
+# Ends a job RQ's job.cancel() took off a queue, if no worker holds it (KEYS, ARGV: its header).
+_END_RQ_CANCEL = lua_script("worker", "end_rq_cancel.lua")
 
 
 def cancelled_result(job_id: str, attempt: int = 1) -> dict[str, object]:

@@ -36,6 +36,7 @@ from backends.contract.keys import (
     started_registry_key,
     worker_key,
 )
+from backends.contract.lua import RELEASE_LOCK
 from backends.contract.replies import as_int, as_str
 from worker import endings, facts, housekeeping
 from worker.link import RedisLink
@@ -43,12 +44,6 @@ from worker.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.reaper")
 LOCK_MS = 10_000
-
-# KEYS: lock   ARGV: owner. Release a lock only if we still own it.
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class Reaper:
@@ -62,7 +57,7 @@ class Reaper:
         self.link = link
         self.hold_off = hold_off  # seconds after our own reconnect before declaring others dead
         self._requeue = redis.register_script(endings.REQUEUE_LUA)
-        self._unlock = redis.register_script(_UNLOCK)
+        self._unlock = redis.register_script(RELEASE_LOCK)
         self.keeper = housekeeping.Housekeeper(redis, queues or [], result_ttl)
 
     def dead_workers(self) -> list[str]:

@@ -21,6 +21,7 @@ from backends.contract.keys import (
     queue_key,
     queue_names,
 )
+from backends.contract.lua import lua_script
 from backends.contract.replies import as_str
 from dispatcher.batch import record
 from dispatcher.gateway.core import JobUpdate
@@ -28,32 +29,9 @@ from dispatcher.gateway.openai_bodies import Reply
 
 SCAN_COUNT = 1000
 
-# KEYS: queues  ARGV: id prefix. Takes every id starting with the prefix out of the lists in one
-# pass (LREM per id would be quadratic in a long queue); returns the ids taken.
-_TAKE_PREFIXED = """
-local taken = {}
-local n = #ARGV[1]
-for _, queue in ipairs(KEYS) do
-  local items = redis.call('LRANGE', queue, 0, -1)
-  local keep = {}
-  for _, id in ipairs(items) do
-    if string.sub(id, 1, n) == ARGV[1] then taken[#taken + 1] = id else keep[#keep + 1] = id end
-  end
-  if #keep < #items then
-    redis.call('DEL', queue)
-    for i = 1, #keep, 4000 do redis.call('RPUSH', queue, unpack(keep, i, math.min(i + 3999, #keep))) end
-  end
-end
-return taken
-"""
-# KEYS: state  ARGV: now. validating / in_progress -> cancelling; returns the state before.
-_MARK_CANCELLING = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'validating' or state == 'in_progress' then
-  redis.call('HSET', KEYS[1], 'state', 'cancelling', 'cancelling_at', ARGV[1])
-end
-return state
-"""
+# KEYS, ARGV and replies: each script's header.
+_TAKE_PREFIXED = lua_script("dispatcher.batch", "take_prefixed.lua")  # ids with a prefix out of queues
+_MARK_CANCELLING = lua_script("dispatcher.batch", "mark_cancelling.lua")  # -> cancelling
 CANCELLED_RESULT = {"finish_reason": "cancelled", "text": "", "usage": {}}
 
 

@@ -7,7 +7,7 @@ A line key is 16 hex digits of sha256(custom_id); the line's job id is "fbatch-<
 worker (worker/batch_hook.py) finds the batch of any job it ends without reading anything else.
 States: q queued, d done, f failed, x cancelled. A line enters the hash as `q` in the same MULTI
 that enqueues its job, so the hash is the record of what was enqueued: a resubmission enqueues only
-keys it lacks, whether the job is still in Redis or long expired. A line ends once (the Lua below
+keys it lacks, whether the job is still in Redis or long expired. A line ends once (record_end.lua
 turns `q` into d/f/x and counts it), and the batch ends when every enqueued line has.
 
 Results outlive the jobs (whose RQ results expire after result_ttl): the ending is copied here, in
@@ -27,6 +27,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from backends.contract.keys import BATCH_JOB_PREFIX, batch_key, batch_lines_key
+from backends.contract.lua import lua_script
 from backends.contract.replies import as_str
 
 BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # RQ job ids allow only [A-Za-z0-9_-]
@@ -38,49 +39,13 @@ COUNTERS = {"d": "completed", "f": "failed", "x": "cancelled"}
 ACTIVE_STATES = ("validating", "in_progress", "cancelling")
 FINAL_STATES = ("completed", "cancelled", "failed", "expired")
 
-# Ends the batch when every enqueued line has ended (state in_progress -> completed, cancelling ->
-# cancelled) and keeps its record for `retention` more seconds. KEYS: state, lines  ARGV: now
-_SETTLE = """
-local function settle(meta, lines, now)
-  local m = redis.call('HMGET', meta, 'state', 'enqueued', 'completed', 'failed', 'cancelled', 'retention')
-  local ended = tonumber(m[3] or '0') + tonumber(m[4] or '0') + tonumber(m[5] or '0')
-  if ended < tonumber(m[2] or '0') then return 1 end
-  local final
-  if m[1] == 'in_progress' then final = 'completed' elseif m[1] == 'cancelling' then final = 'cancelled'
-  else return 1 end
-  redis.call('HSET', meta, 'state', final, final .. '_at', now)
-  local ttl = tonumber(m[6] or '86400')
-  redis.call('EXPIRE', meta, ttl)
-  redis.call('EXPIRE', lines, ttl)
-  return 2
-end
-"""
-SETTLE = _SETTLE + "return settle(KEYS[1], KEYS[2], ARGV[1])"
+# KEYS, ARGV and replies: each script's header. settle_function.lua defines the Lua `settle`
+# (end the batch once every enqueued line has ended) that the others call.
+SETTLE = lua_script("dispatcher.batch", "settle_function.lua", "settle.lua")
 # Every line is enqueued: validating -> in_progress (unless cancelled meanwhile), then settle.
-# KEYS: state, lines  ARGV: now. Returns the state.
-START = _SETTLE + """
-if redis.call('HGET', KEYS[1], 'state') == 'validating' then
-  redis.call('HSET', KEYS[1], 'state', 'in_progress', 'in_progress_at', ARGV[1])
-end
-settle(KEYS[1], KEYS[2], ARGV[1])
-return redis.call('HGET', KEYS[1], 'state')
-"""
-
-# One line ended. KEYS: state, lines  ARGV: line key, d/f/x, result JSON, prompt tokens,
-# completion tokens, now. Returns 0 if the line was not queued (unknown, already ended, or the
-# batch expired: nothing is recreated without a TTL), else 1, or 2 when the batch ended with it.
-RECORD_END = _SETTLE + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local v = redis.call('HGET', KEYS[2], ARGV[1])
-if not v or string.sub(v, 1, 1) ~= 'q' then return 0 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. string.sub(v, 2) .. '\\n' .. ARGV[3])
-local counter = 'cancelled'
-if ARGV[2] == 'd' then counter = 'completed' elseif ARGV[2] == 'f' then counter = 'failed' end
-redis.call('HINCRBY', KEYS[1], counter, 1)
-redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[5])
-return settle(KEYS[1], KEYS[2], ARGV[6])
-"""
+START = lua_script("dispatcher.batch", "settle_function.lua", "start.lua")
+# One line ended: queued -> d/f/x, counted, then settle.
+RECORD_END = lua_script("dispatcher.batch", "settle_function.lua", "record_end.lua")
 
 
 def line_key(custom_id: str) -> str:

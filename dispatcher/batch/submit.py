@@ -20,6 +20,7 @@ from typing import Any
 from redis import Redis
 
 from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, batch_lock_key
+from backends.contract.lua import RELEASE_LOCK, lua_script
 from backends.contract.replies import as_str
 from dispatcher.batch import record
 from dispatcher.batch.lines import BatchLine, Scan, scan, valid_lines
@@ -31,24 +32,9 @@ LOCK_MS = 20_000
 DEFAULT_RETENTION = 7 * 86400  # results kept after the batch ends (and after its window)
 BATCH_JOB_RESULT_TTL = 600  # a line's own RQ result: the batch record keeps the result longer
 
-# KEYS: state, index  ARGV: batch id, fingerprint, expire-at, now, then field, value, ...
-# Creates the batch unless it exists; returns the existing one's fingerprint and state, or nil.
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return redis.call('HMGET', KEYS[1], 'fingerprint', 'state')
-end
-redis.call('HSET', KEYS[1], 'fingerprint', ARGV[2], unpack(ARGV, 5))
-redis.call('EXPIREAT', KEYS[1], ARGV[3])
-redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
-if redis.call('EXPIRETIME', KEYS[2]) < tonumber(ARGV[3]) then redis.call('EXPIREAT', KEYS[2], ARGV[3]) end
-return nil
-"""
-# KEYS: lock  ARGV: token, ms. Refresh the lock only while we own it.
-_REFRESH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-"""
-_UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# KEYS, ARGV and replies: each script's header.
+_CREATE = lua_script("dispatcher.batch", "create.lua")  # the batch record, unless it exists
+_REFRESH = lua_script("dispatcher.batch", "refresh_lock.lua")  # only while we own the lock
 
 
 class BatchRefused(Exception):
@@ -122,7 +108,7 @@ def submit_batch(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterabl
                                 lambda: bool(refresh(keys=[lock], args=[token, LOCK_MS])))
             state = _start(redis, spec.batch_id)
     finally:
-        redis.register_script(_UNLOCK)(keys=[lock], args=[token])
+        redis.register_script(RELEASE_LOCK)(keys=[lock], args=[token])
     return SubmitReport(spec.batch_id, found, created, enqueued, state)
 
 

@@ -1,0 +1,71 @@
+-- KEYS: inflight, owners set, queue1..queueN (priority order)
+-- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, then optionally
+-- per queue the most jobs the claim may hold once it took from that queue (worker/priority.py)
+-- Returns: server time (ms), ids dropped, then id1, queue1, id2, queue2, ...
+-- Ownership is taken here, in the same script that moves the id, so two workers can never both
+-- start one id (issue 10, defect 3): an id whose job hash names a live holder (its owner's
+-- in-flight list has it) is a second copy and is dropped; so is a leftover copy of a job that
+-- already ended. A job re-run by RQ's own tools (`rq requeue`: status queued, but its attempt
+-- already got a final entry) gets a new attempt number, so readers void the old ending (defect 4).
+-- Fairness (defect 11): of every 8 picks, the 4th starts at the second queue (default) and the
+-- 8th at the last one (low), so lower priorities move under sustained high-priority load
+-- (FAIR_EVERY in worker/claim.py).
+-- Key literals mirror backends/contract/keys.py: 'rq:queue:' QUEUE_PREFIX (stripped, 9
+-- characters), 'rq:job:' job_key, 'fleet:inflight:' inflight_key, 'fleet:stream:' stream_key.
+local n, me, pick = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local t = redis.call('TIME')
+local out = {t[1] * 1000 + math.floor(t[2] / 1000), 0}
+local nq = #KEYS - 2
+local ended = {finished = true, failed = true, stopped = true, canceled = true}
+local function order(p)
+  local first = 1
+  if nq >= 2 and p % 8 == 3 then first = 2 elseif nq >= 3 and p % 8 == 7 then first = nq end
+  local o = {}
+  for i = 0, nq - 1 do o[#o + 1] = 2 + ((first - 1 + i) % nq) + 1 end
+  return o
+end
+local function pop(p, claimed)
+  for _, k in ipairs(order(p)) do
+    if claimed < tonumber(ARGV[4 + k] or ARGV[1]) then
+      local id = redis.call('LPOP', KEYS[k])
+      if id then return id, string.sub(KEYS[k], 10) end  -- strip 'rq:queue:'
+    end
+  end
+  return nil, nil
+end
+local claimed, looked = 0, 0
+while claimed < n and looked < n + 256 do
+  local id, queue = pop(pick, claimed)
+  if not id then break end
+  looked = looked + 1
+  local key = 'rq:job:' .. id
+  local keep = true
+  if redis.call('TYPE', key).ok == 'hash' then
+    local f = redis.call('HMGET', key, 'status', ARGV[4], ARGV[5], ARGV[6])
+    local status, owner, final = f[1], f[2], f[3]
+    if owner and owner ~= '' and redis.call('LPOS', 'fleet:inflight:' .. owner, id) then
+      keep = false  -- held by a worker (maybe this one): a second copy
+    elseif status and ended[status] then
+      keep = false  -- a leftover copy of a job that ended
+    else
+      local before = tonumber(f[4] or '0')
+      if final and before and tonumber(final) and tonumber(final) >= before + 1 then
+        redis.call('HINCRBY', key, ARGV[6], 1)  -- re-run of an ended attempt: a new number
+        redis.call('PERSIST', key)
+        redis.call('PERSIST', 'fleet:stream:' .. id)
+      end
+      redis.call('HSET', key, ARGV[4], me)
+    end
+  end
+  if keep then
+    redis.call('RPUSH', KEYS[1], id)
+    out[#out + 1] = id
+    out[#out + 1] = queue
+    claimed = claimed + 1
+    pick = pick + 1
+  else
+    out[2] = out[2] + 1
+  end
+end
+if claimed > 0 then redis.call('SADD', KEYS[2], me) end
+return out
