@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -34,11 +34,15 @@ class BackendSettings(BaseModel):
     model_path: Path | None = None  # None: the embedded gemma-3-270m Q4_K_M
     slots: int = Field(16, ge=1, le=256, description="sequences decoded together in one context")
     batch_invariant: bool = Field(
-        True, description="a job's greedy text is the same alone or in any batch: per-slot KV "
-        "streams and batch-invariant kernels (false: one shared KV pool, llama.cpp's default kernels)")
-    n_ctx: int = Field(8192, ge=256, description="KV cells shared by all slots (batch_invariant=false)")
+        False, description="a job's greedy text is the same alone or in any batch: ggml's tiled "
+        "matmul at every batch size, no repacked weights (a lone decoder costs ~2x CPU per token); "
+        "needs kv_unified=false")
+    kv_unified: bool = Field(
+        False, description="one KV pool of n_ctx cells shared by all slots, a job reserves what it "
+        "needs (false: one KV stream of n_ctx_per_seq cells per slot and prefix entry)")
+    n_ctx: int = Field(8192, ge=256, description="KV cells shared by all slots (kv_unified=true)")
     n_ctx_per_seq: int = Field(1024, ge=64, description="max prompt + generated tokens of one job; with "
-                               "batch_invariant, the KV cells of each slot and prefix entry")
+                               "kv_unified=false, the KV cells of each slot and prefix entry")
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
@@ -52,6 +56,12 @@ class BackendSettings(BaseModel):
     fallback: list[BackendSettings] = Field(default_factory=list)
     step_delay: float = Field(0.0, ge=0, le=10, description="fake backend only: seconds each step takes "
                               "(paces test jobs like a real engine)")
+
+    @model_validator(mode="after")
+    def _invariance_needs_streams(self) -> BackendSettings:
+        if self.batch_invariant and self.kv_unified:  # a job's cells at other offsets sum differently
+            raise ValueError("batch_invariant needs kv_unified=false (one KV stream per slot)")
+        return self
 
 
 class FleetSettings(BaseSettings):

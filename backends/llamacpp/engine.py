@@ -5,11 +5,11 @@
 `Executor` runs plans on llama.cpp. What is left here is the glue: tokenizing a request,
 turning sampled tokens into events and the finish rules, and the engine's counters.
 
-KV layout (backend.batch_invariant):
-- true (default): every sequence id has its own KV stream of n_ctx_per_seq cells and ggml runs
-  batch-invariant kernels, so a job's greedy text is the same alone or in any batch. A slot's
-  stream is its budget: admission only waits for a free slot.
-- false: all slots share one unified pool of n_ctx cells. A job reserves prompt + max_tokens
+KV layout (backend.kv_unified):
+- false (default): every sequence id has its own KV stream of n_ctx_per_seq cells. A slot's
+  stream is its budget: admission only waits for a free slot. With backend.batch_invariant ggml
+  also runs batch-invariant kernels, so a job's greedy text is the same alone or in any batch.
+- true: all slots share one unified pool of n_ctx cells. A job reserves prompt + max_tokens
   cells (capped by n_ctx_per_seq) when it starts; when the pool cannot hold it yet it waits
   (admission deferred), it never evicts a running job.
 """
@@ -35,25 +35,26 @@ class LlamaCppBackend:
     def __init__(self, settings: BackendSettings, threads: int | None = None) -> None:
         self.settings = settings
         self.slots = settings.slots
-        self.invariant = settings.batch_invariant
+        self.per_slot = not settings.kv_unified
         self.n_batch = settings.n_batch
         streams = self.slots + settings.prefix_cache
         check_n_batch(self.n_batch, streams)  # before the model loads
         self.model = LoadedModel(
             settings.model_path,
-            n_ctx=settings.n_ctx_per_seq * streams if self.invariant else settings.n_ctx,
+            n_ctx=settings.n_ctx_per_seq * streams if self.per_slot else settings.n_ctx,
             n_batch=self.n_batch,
             n_seq_max=streams,
             threads=threads,
-            batch_invariant=self.invariant,
+            batch_invariant=settings.batch_invariant,
+            kv_unified=settings.kv_unified,
         )
         self.n_ctx = ll.llama_n_ctx(self.model.ctx)  # llama.cpp rounds streams up to 256 cells
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self.kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
-                               n_batch=self.n_batch, invariant=self.invariant)
+                               n_batch=self.n_batch, per_slot=self.per_slot)
         self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq)
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
-                                 invariant=self.invariant)
+                                 per_slot=self.per_slot)
         self._finished: list[Event] = []
         self.prompt_tokens_prefilled = 0
         self.tokens_generated = 0

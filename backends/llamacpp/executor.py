@@ -23,9 +23,9 @@ from backends.llamacpp.state import ActiveJob
 
 
 class Executor:
-    def __init__(self, model: LoadedModel, *, n_batch: int, n_streams: int, invariant: bool) -> None:
+    def __init__(self, model: LoadedModel, *, n_batch: int, n_streams: int, per_slot: bool) -> None:
         self.model = model
-        self.invariant = invariant
+        self.per_slot = per_slot
         self._ctx = model.ctx
         self._memory = model.memory
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
@@ -48,7 +48,7 @@ class Executor:
         for op in ops:
             if isinstance(op, Remove):
                 ll.llama_memory_seq_rm(self._memory, op.seq_id, op.start, -1)
-            elif self.invariant:  # across streams llama.cpp copies a whole stream: copy, then cut
+            elif self.per_slot:  # across streams llama.cpp copies a whole stream: copy, then cut
                 ll.llama_memory_seq_cp(self._memory, op.src, op.dst, -1, -1)
                 ll.llama_memory_seq_rm(self._memory, op.dst, op.n_tokens, -1)
             else:  # one pool: the cells just gain a sequence id

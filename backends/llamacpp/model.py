@@ -40,7 +40,7 @@ def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 class LoadedModel:
     def __init__(
         self, path: Path | None, *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int | None,
-        batch_invariant: bool = False,
+        batch_invariant: bool = False, kv_unified: bool = False,
     ) -> None:
         path = Path(path) if path else default_model_path()
         if not path.exists():
@@ -67,7 +67,7 @@ class LoadedModel:
         cparams.n_threads_batch = self.threads
         # unified: one cell pool for all slots (flexible lengths, seq_cp of a prefix is free); else
         # one KV stream per sequence, so a job's cells and attention sums are laid out as if alone
-        cparams.kv_unified = not batch_invariant
+        cparams.kv_unified = kv_unified
         cparams.swa_full = True  # keep sliding-window layers whole, so a copied prefix is complete
         cparams.no_perf = True
         ctx = ll.llama_init_from_model(model, cparams)

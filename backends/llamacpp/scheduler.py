@@ -5,10 +5,11 @@ token of every decoding job plus, within the token budget (n_batch), chunks of n
 prompts. So streams keep producing tokens while a long prompt prefills (chunked prefill), and
 new jobs join between steps.
 
-- Unified pool (batch_invariant=false): one call per step, decoders first, then prompt chunks in
+- Unified pool (kv_unified=true): one call per step, decoders first, then prompt chunks in
   admission order until n_batch rows.
-- Batch-invariant: the same work split so that each row meets the same ggml kernels as if its job
-  ran alone (docs/ARCHITECTURE.md, "Determinism"): one call for the decoders, one for the short
+- Per-slot streams (the default): the same work split so that each row meets the same ggml
+  kernels as if its job ran alone (what batch_invariant relies on; docs/ARCHITECTURE.md,
+  "Determinism"): one call for the decoders, one for the short
   prompts that fit (under FA_TILE_ROWS tokens: row-by-row attention however they are split), then
   each other prompt's chunk in a call of its own, cut at multiples of n_batch whatever the load.
   Calls that share a ubatch give every sequence id from the lowest to the highest member the same
@@ -61,7 +62,7 @@ class Scheduler:
         check_n_batch(n_batch, kv.n_streams)
         self.kv = kv
         self.slots = kv.slots
-        self.invariant = kv.invariant
+        self.per_slot = kv.per_slot
         self.n_batch = n_batch
         self.n_ctx_per_seq = n_ctx_per_seq
         self.waiting: list[WaitingJob] = []
@@ -120,7 +121,7 @@ class Scheduler:
         self.steps += 1
         decoding = [j for j in self.active.values() if j.next_token is not None]
         prefilling = [j for j in self.active.values() if j.next_token is None]
-        if self.invariant:
+        if self.per_slot:
             return StepPlan(self._invariant_calls(decoding, prefilling))
         return StepPlan([self._pooled_call(decoding, prefilling)])
 
