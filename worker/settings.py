@@ -46,6 +46,8 @@ class BackendSettings(BaseModel):
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
+    draft_max: int = Field(6, ge=0, le=16, description="speculation by prompt lookup: draft tokens a "
+                           "decoder may verify per step, used only while 1-3 slots decode (0: off)")
     # llama-server / ollama (HTTP)
     endpoint: str | None = None
     model: str | None = None  # ollama model name

@@ -52,12 +52,15 @@ class LlamaCppBackend:
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self.kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
                                n_batch=self.n_batch, per_slot=self.per_slot)
-        self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq)
+        self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
+                                   draft_max=settings.draft_max)
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
                                  per_slot=self.per_slot)
         self._finished: list[Event] = []
         self.prompt_tokens_prefilled = 0
         self.tokens_generated = 0
+        self.draft_tokens = 0  # proposed by prompt lookup (speculation.py) ...
+        self.draft_accepted = 0  # ... and kept
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -103,6 +106,8 @@ class LlamaCppBackend:
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "prompt_tokens_reused": self.kv.reused_tokens,
             "tokens_generated": self.tokens_generated,
+            "draft_tokens": self.draft_tokens,
+            "draft_accepted": self.draft_accepted,
             "deferred_admissions": self.scheduler.deferred_admissions,
             "decode_seconds": round(self.executor.decode_seconds, 3),
         }
@@ -139,8 +144,7 @@ class LlamaCppBackend:
                 self._fail(call, rc, events)
                 continue
             for job in call.decoders:
-                job.n_past += 1
-                self._sample(job, events)
+                self._verify(job, call.drafts.get(job.seq_id, ()), events)
             for job, count in call.prompts:
                 job.n_past += count
                 self.prompt_tokens_prefilled += count
@@ -152,8 +156,26 @@ class LlamaCppBackend:
         self._finished = []
         return events
 
-    def _sample(self, job: ActiveJob, events: list[Event]) -> None:
-        tok = self.executor.sample(job)
+    def _verify(self, job: ActiveJob, draft: list[int] | tuple[()], events: list[Event]) -> None:
+        """A decoder's step: sample its next token; with a draft, keep sampling the draft rows
+        while each draft token is what was sampled before it (so the text is the one decoding
+        one token at a time gives), then drop the KV of the rows not kept."""
+        job.n_past += 1
+        self._sample(job, events)
+        kept = 0
+        while kept < len(draft) and job.done is None and job.next_token == draft[kept]:
+            kept += 1
+            job.n_past += 1  # the draft token's KV is already in place
+            self._sample(job, events, kept)
+        if draft:
+            self.draft_tokens += len(draft)
+            self.draft_accepted += kept
+            if kept < len(draft):
+                self.kv.drop_tail(job)
+                self.executor.apply(self.kv.take_ops())
+
+    def _sample(self, job: ActiveJob, events: list[Event], draft_index: int = 0) -> None:
+        tok = self.executor.sample(job, draft_index)
         if self.model.is_eog(tok):
             self._finish(job, "stop", events)
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 
 import llama_cpp as ll
 import numpy as np
@@ -65,8 +66,10 @@ class Executor:
             ll.llama_sampler_free(chain)
             self._chains[seq_id] = None
 
-    def sample(self, job: ActiveJob) -> int:
-        row = self._logits_row[job.seq_id]
+    def sample(self, job: ActiveJob, draft_index: int = 0) -> int:
+        """The job's next token, from its row of the last decode (draft_index i: the row that fed
+        its i-th draft token, see speculation.py)."""
+        row = self._logits_row[job.seq_id] + draft_index
         if self._greedy[job.seq_id]:
             # llama_sampler_sample would first copy all 262k logits into candidate structs
             # (~0.35 ms per sequence); greedy takes the first maximum, as np.argmax does
@@ -85,7 +88,7 @@ class Executor:
             return self._run_equal(call)
         n = 0
         for job in call.decoders:
-            n = self._put_decoder(n, job)
+            n = self._put_decoder(n, job, call.drafts.get(job.seq_id, ()))
         for job, count in call.prompts:
             n = self._put_prompt(n, job, count)
         return self._decode(n)
@@ -102,8 +105,9 @@ class Executor:
             start = n
             decoder = decoders.get(seq_id)
             if decoder is not None:
-                n = self._put_decoder(n, decoder)
-                pos = decoder.n_past + 1
+                draft = call.drafts.get(seq_id, ())
+                n = self._put_decoder(n, decoder, draft)
+                pos = decoder.n_past + 1 + len(draft)
             elif seq_id in prompts:
                 job, count = prompts[seq_id]
                 n = self._put_prompt(n, job, count)
@@ -126,11 +130,14 @@ class Executor:
         self._seq_id[i][0] = seq_id
         self._logits[i] = logits
 
-    def _put_decoder(self, n: int, job: ActiveJob) -> int:
+    def _put_decoder(self, n: int, job: ActiveJob, draft: Sequence[int] = ()) -> int:
+        """Its next token, then its draft tokens, each row with logits (the verification)."""
         assert job.next_token is not None
         self._put(n, job.next_token, job.n_past, job.seq_id, True)
         self._logits_row[job.seq_id] = n
-        return n + 1
+        for i, token in enumerate(draft, 1):
+            self._put(n + i, token, job.n_past + i, job.seq_id, True)
+        return n + 1 + len(draft)
 
     def _put_prompt(self, n: int, job: ActiveJob, count: int) -> int:
         tokens, start, seq_id = job.tokens, job.n_past, job.seq_id

@@ -128,6 +128,10 @@ class KvBookkeeper:
         self._free_seq_ids.append(job.seq_id)
         self.reserved -= job.reserved
 
+    def drop_tail(self, job: ActiveJob) -> None:
+        """Remove a job's KV past n_past: the rows of draft tokens that were not kept."""
+        self._ops.append(Remove(job.seq_id, job.n_past))
+
     # -- prefix reuse -----------------------------------------------------------------------------
 
     def reuse_prefix(self, job: ActiveJob, running: Iterable[ActiveJob]) -> Reuse | None:
