@@ -27,14 +27,15 @@ NGRAM_MIN = 2  # a single repeated token predicts too little to pay for its rows
 
 class NgramIndex:
     """A job's tokens (prompt, then output) and, for every n-gram of NGRAM_MIN..NGRAM_MAX tokens,
-    the position right after its latest occurrence that has a follower. Appending a token and
-    proposing a draft cost O(NGRAM_MAX) dictionary operations, whatever the length."""
+    the position right after its latest and its first occurrence that has a follower. Appending a
+    token and proposing a draft cost O(NGRAM_MAX) dictionary operations, whatever the length."""
 
-    __slots__ = ("_after", "_n_prompt", "tokens")
+    __slots__ = ("_after", "_first", "_n_prompt", "tokens")
 
     def __init__(self, prompt: list[int]) -> None:
         self.tokens: list[int] = []
         self._after: dict[tuple[int, ...], int] = {}
+        self._first: dict[tuple[int, ...], int] = {}
         for tok in prompt:
             self.append(tok)
         self._n_prompt = len(prompt)
@@ -51,18 +52,24 @@ class NgramIndex:
         for n in range(NGRAM_MIN, NGRAM_MAX + 1):
             if end - n < 0:
                 break
-            self._after[tuple(toks[end - n:end])] = end
+            key = tuple(toks[end - n:end])
+            self._after[key] = end
+            self._first.setdefault(key, end)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix."""
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix (or the
+        first occurrence, when the latest is too close to the end to give k: a loop)."""
         toks = self.tokens
         if k <= 0:
             return []
         for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
             if len(toks) <= n:
                 continue
-            start = self._after.get(tuple(toks[-n:]))
+            key = tuple(toks[-n:])
+            start = self._after.get(key)
             if start is not None:
+                if len(toks) - start < k:
+                    start = self._first[key]
                 return toks[start:start + k]
         return []
 
