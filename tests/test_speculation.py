@@ -12,7 +12,8 @@ from worker.settings import BackendSettings
 PASSAGE = ("The lighthouse stood on the rocky point for two hundred years. Every night the keeper "
            "climbed the spiral stairs, trimmed the wick and wound the clockwork that turned the great "
            "lens. Ships passing the point saw the beam sweep across the water every ten seconds. ")
-ANIMALS = "cat dog fox owl bee ant cow pig hen elk yak emu rat bat eel cod".split()
+ANIMALS = ["cat", "dog", "fox", "owl", "bee", "ant", "cow", "pig",
+           "hen", "elk", "yak", "emu", "rat", "bat", "eel", "cod"]
 
 
 def request(i: int) -> GenerateRequest:
