@@ -37,6 +37,16 @@ from backends.model import default_model_path
 from dispatcher.bench_html import write_html
 from dispatcher.bench_load import FleetTarget, LlamaServerTarget, Sample, Target, closed_loop
 from dispatcher.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
+from dispatcher.bench_workloads import (
+    WORKLOADS,
+    BenchRequest,
+    Tokenizer,
+    Workload,
+    context_needed,
+    ctx_per_slot,
+    describe,
+    with_max_tokens,
+)
 from dispatcher.local import ROOT, RedisServer, WorkerProcess, start_worker
 from dispatcher.local_llama_server import LlamaServer, llama_server_binary, start_llama_server
 from worker.settings import format_cpu_list
@@ -65,7 +75,7 @@ PROMPTS = [
 class BenchConfig:
     users: list[int]
     requests_per_user: int
-    max_tokens: int
+    max_tokens: int | None  # None: each workload's own output lengths; else a cap on them
     prompts: list[str]
     fleet_backend: str  # "llama-cpp" | "llama-server"
     workers: int
@@ -75,6 +85,8 @@ class BenchConfig:
     warmup: bool
     server_args: tuple[str, ...] = ()
     fleet_settings: tuple[str, ...] = ()  # KEY=VALUE backend settings for the fleet's workers
+    workloads: tuple[str, ...] = ("short",)
+    seed: int = 0
 
 
 class Bench:
@@ -87,6 +99,9 @@ class Bench:
         self.workdir = workdir
         self.runs: list[Run] = []
         self.me = psutil.Process()
+        self.tokenizer = Tokenizer(default_model_path())
+        self.short = Workload("short", self.tokenizer, short_prompts=cfg.prompts)  # the warm-up's
+        self.workload_meta: dict[str, dict[str, Any]] = {}  # per workload: lengths, context sizes
 
     # -- processes --------------------------------------------------------------------------------
 
@@ -104,17 +119,37 @@ class Bench:
                                         timeout=180, **extra))
         return started
 
-    def _llama_cpp_fleet(self, redis_url: str) -> list[WorkerProcess]:
-        slots = -(-max(self.cfg.users) // self.cfg.workers)
-        self.console.log(f"starting {self.cfg.workers} fleet worker(s): llama-cpp, {slots} slots, "
-                         f"{self.cfg.threads} threads")
-        extra = dict(kv.split("=", 1) for kv in self.cfg.fleet_settings)
-        return self._start_workers(redis_url, "cpp", **{"type": "llama-cpp", "slots": slots,
-                                   "n_ctx": slots * self.cfg.ctx_per_user,
-                                   "n_ctx_per_seq": self.cfg.ctx_per_user, **extra})
+    def _slots(self) -> int:
+        return -(-max(self.cfg.users) // self.cfg.workers)
 
-    def _server(self, users: int) -> LlamaServer:
-        ctx = users * self.cfg.ctx_per_user
+    def _llama_cpp_fleet(self, redis_url: str, per_slot: int, workload: str) -> list[WorkerProcess]:
+        slots = self._slots()
+        self.console.log(f"starting {self.cfg.workers} fleet worker(s): llama-cpp, {slots} slots, "
+                         f"{self.cfg.threads} threads, n_ctx_per_seq={per_slot}")
+        extra = dict(kv.split("=", 1) for kv in self.cfg.fleet_settings)
+        return self._start_workers(redis_url, f"cpp-{workload}", **{"type": "llama-cpp", "slots": slots,
+                                   "n_ctx": slots * per_slot, "n_ctx_per_seq": per_slot, **extra})
+
+    def _per_slot(self, workload: Workload) -> int:
+        """The context of one job on both sides: `--fleet-set n_ctx_per_seq=N` if given (too small a
+        value shows as jobs rejected for length), else the longest request rounded up to a power
+        of two, at least --ctx-per-user. llama-server gets -c users x this, so -np C slots of it."""
+        cfg = self.cfg
+        every = workload.requests(0, cfg.rounds * max(cfg.users) * cfg.requests_per_user)
+        needed = context_needed(every)
+        explicit = dict(kv.split("=", 1) for kv in cfg.fleet_settings).get("n_ctx_per_seq")
+        per_slot = int(explicit) if explicit else ctx_per_slot(needed, cfg.ctx_per_user)
+        fleet = (f"fleet n_ctx_per_seq={per_slot} x {self._slots()} slots"
+                 if cfg.fleet_backend == "llama-cpp" else "the fleet fronts that llama-server")
+        self.console.log(f"workload {workload.name}: context {per_slot} tokens per job on both sides "
+                         f"({fleet}; llama-server -np C -c C x {per_slot}); "
+                         f"the longest request needs {needed}")
+        self.workload_meta[workload.name] = {**describe(every), "context_needed": needed,
+                                             "ctx_per_slot": per_slot}
+        return per_slot
+
+    def _server(self, users: int, per_slot: int) -> LlamaServer:
+        ctx = users * per_slot
         extra = self.cfg.server_args
         self.console.log(f"starting llama-server -np {users} -c {ctx} -t {self.cfg.threads}", *extra)
         return start_llama_server(self.logs, parallel=users, ctx=ctx, threads=self.cfg.threads,
@@ -133,25 +168,26 @@ class Bench:
             out[name] = total
         return out
 
-    def _measure(self, progress: Progress, users: int, role: str, system: str, round_: int,
-                 target: Target, groups: dict[str, list[int]]) -> None:
+    def _measure(self, progress: Progress, workload: str, users: int, role: str, system: str, round_: int,
+                 target: Target, groups: dict[str, list[int]], requests: list[BenchRequest]) -> None:
         cfg = self.cfg
-        task = progress.add_task(f"{users:>3} users  {system}", total=users * cfg.requests_per_user)
+        task = progress.add_task(f"{workload:<13} {users:>3} users  {system}",
+                                 total=users * cfg.requests_per_user)
         before = self._cpu(groups)
 
         def tick(_s: Sample) -> None:
             progress.advance(task)
 
-        load = closed_loop(target, users, cfg.requests_per_user, cfg.prompts, cfg.max_tokens, tick)
+        load = closed_loop(target, users, cfg.requests_per_user, requests, tick)
         after = self._cpu(groups)
         cpu = {k: round(after[k] - before[k], 3) for k in groups}
-        self.runs.append(Run.of(users, role, system, round_, load, cpu))
+        self.runs.append(Run.of(users, role, system, round_, load, cpu, workload))
 
     def _level(self, progress: Progress, index: int, users: int, redis: RedisServer,
-               fleet_workers: list[WorkerProcess]) -> None:
+               fleet_workers: list[WorkerProcess], workload: Workload, per_slot: int) -> None:
         cfg = self.cfg
         with contextlib.ExitStack() as stack:
-            server = stack.enter_context(self._server(users))
+            server = stack.enter_context(self._server(users, per_slot))
             workers = fleet_workers
             if cfg.fleet_backend == "llama-server":
                 workers = self._start_workers(redis.url, f"srv{users}", type="llama-server",
@@ -170,28 +206,36 @@ class Bench:
                 names = {FLEET: "fleet (llama-cpp)", PEER: f"llama-server -np {users}"}
             plan: dict[str, tuple[Target, dict[str, list[int]]]] = {
                 FLEET: (fleet, fleet_pids), PEER: (peer, {"llama-server": srv, "client": me})}
-            if cfg.warmup:  # every slot once, a few tokens: allocations and caches off the clock
+            if cfg.warmup:  # every slot once, short prompts, a few tokens: allocations off the clock
                 for target, _ in plan.values():
-                    closed_loop(target, users, 1, cfg.prompts, 8)
-            for rnd in range(cfg.rounds):
+                    closed_loop(target, users, 1, with_max_tokens(self.short.requests(0, users), 8))
+            n = users * cfg.requests_per_user
+            for rnd in range(cfg.rounds):  # each round its own requests, the same on both sides
+                requests = workload.requests(rnd * n, n)
                 order = [FLEET, PEER] if (index + rnd) % 2 == 0 else [PEER, FLEET]
                 for role in order:
                     target, groups = plan[role]
-                    self._measure(progress, users, role, names[role], rnd, target, groups)
+                    self._measure(progress, workload.name, users, role, names[role], rnd, target, groups,
+                                  requests)
 
     def run(self) -> list[Run]:
         with contextlib.ExitStack() as stack:
             redis = stack.enter_context(RedisServer.start(self.workdir / "redis"))
-            fleet_workers: list[WorkerProcess] = []
-            if self.cfg.fleet_backend == "llama-cpp":
-                fleet_workers = self._llama_cpp_fleet(redis.url)
-                for w in fleet_workers:
-                    stack.callback(w.stop)
             progress = stack.enter_context(Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 console=self.console))
-            for i, users in enumerate(self.cfg.users):
-                self._level(progress, i, users, redis, fleet_workers)
+            for name in self.cfg.workloads:
+                workload = Workload(name, self.tokenizer, seed=self.cfg.seed, max_tokens=self.cfg.max_tokens,
+                                    short_prompts=self.cfg.prompts)
+                per_slot = self._per_slot(workload)
+                with contextlib.ExitStack() as fleet:  # sized for this workload's context
+                    fleet_workers: list[WorkerProcess] = []
+                    if self.cfg.fleet_backend == "llama-cpp":
+                        fleet_workers = self._llama_cpp_fleet(redis.url, per_slot, name)
+                        for w in fleet_workers:
+                            fleet.callback(w.stop)
+                    for i, users in enumerate(self.cfg.users):
+                        self._level(progress, i, users, redis, fleet_workers, workload, per_slot)
         return self.runs
 
 
@@ -206,6 +250,15 @@ def _user_counts(_ctx: click.Context, _param: click.Parameter, value: str) -> li
     if not counts or min(counts) < 1:
         raise click.BadParameter("user counts must be positive")
     return counts
+
+
+def _workloads(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown workload {', '.join(unknown) or repr(value)}; "
+                                 f"choose from {', '.join(WORKLOADS)} (a comma list runs each)")
+    return names
 
 
 def machine_meta() -> dict[str, Any]:
@@ -234,16 +287,22 @@ def workdir(keep: bool) -> Iterator[Path]:
 @click.command("bench")
 @click.option("--users", default="1,4,16,32", callback=_user_counts, show_default=True,
               help="closed-loop user counts, one level each")
+@click.option("--workload", "workloads", default="short", callback=_workloads, show_default=True,
+              help=f"{', '.join(WORKLOADS)}, or a comma list (docs/bench.md says what each sends)")
+@click.option("--seed", type=int, default=0, show_default=True, help="the workloads' requests come from it")
 @click.option("--requests-per-user", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=None,
+              help="cap on output tokens (default: the workload's own: short 64, mixed 16-256, "
+                   "shared-prefix 64, grounded 256)")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="a file of prompts, one a line (default: 16 built-in ones)")
+              help="the short workload's prompts, one a line (default: 16 built-in ones)")
 @click.option("--fleet-backend", type=click.Choice(["llama-cpp", "llama-server"]), default="llama-cpp",
               show_default=True, help="llama-server: the fleet worker fronts the same llama-server")
 @click.option("--workers", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=None, help="default: the cores we may run on")
 @click.option("--ctx-per-user", type=click.IntRange(64), default=512, show_default=True,
-              help="KV cells per sequence (llama-server -c = users x this)")
+              help="least KV cells per job, raised to fit the workload's longest request "
+                   "(fleet n_ctx_per_seq; llama-server -c = users x this)")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
               help="repeat each level, flipping which system goes first")
 @click.option("--warmup/--no-warmup", default=True, show_default=True)
@@ -255,7 +314,8 @@ def workdir(keep: bool) -> Iterator[Path]:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="JSON file (default <repo>/bench-results/fleet-bench-<time>.json); a .png beside it")
 @click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")
-def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_file: str | None,
+def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_user: int,
+          max_tokens: int | None, prompts_file: str | None,
           fleet_backend: str, workers: int, threads: int | None, ctx_per_user: int, rounds: int,
           warmup: bool, server_args: tuple[str, ...], fleet_settings: tuple[str, ...], out: Path | None,
           keep_logs: bool) -> None:
@@ -270,8 +330,11 @@ def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_fil
             raise click.BadParameter("the prompts file has no prompts", param_hint="--prompts")
     cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers,
                       threads or len(os.sched_getaffinity(0)), ctx_per_user, rounds, warmup, server_args,
-                      fleet_settings)
+                      fleet_settings, workloads, seed)
     config = {k: v for k, v in vars(cfg).items() if k != "prompts"}
+    per_seq = dict(kv.split("=", 1) for kv in fleet_settings).get("n_ctx_per_seq")
+    if per_seq is not None and not per_seq.isdigit():
+        raise click.BadParameter(f"n_ctx_per_seq={per_seq!r} is not a token count", param_hint="--fleet-set")
     meta: dict[str, Any] = {**machine_meta(), "config": config, "prompts": len(prompts),
                             "llama_server": str(llama_server_binary()), "model": str(default_model_path())}
     if meta["loadavg"][0] > 0.5 * meta["cores"]:
@@ -282,12 +345,15 @@ def bench(users: list[int], requests_per_user: int, max_tokens: int, prompts_fil
     started = time.monotonic()
     with workdir(keep_logs) as tmp:
         console.log(f"logs in {tmp / 'logs'}")
-        runs = Bench(cfg, console, tmp).run()
+        bench_run = Bench(cfg, console, tmp)
+        runs = bench_run.run()
+    meta["workloads"] = bench_run.workload_meta
     meta["seconds"] = round(time.monotonic() - started, 1)
     meta["loadavg_after"] = os.getloadavg()
     rows = summaries(runs)
-    title = (f"fleet bench: {max_tokens} tokens/request, {requests_per_user} requests/user, "
-             f"{cfg.threads} threads, fleet backend {fleet_backend}")
+    outputs = "each workload's output lengths" if max_tokens is None else f"<= {max_tokens} tokens/request"
+    title = (f"fleet bench on {meta['cpu'] or 'an unnamed CPU'} ({cfg.threads} threads): {outputs}, "
+             f"{requests_per_user} requests/user, fleet backend {fleet_backend}")
     print_report(console, rows, title)
     write_json(out, meta, runs, rows)
     console.print(f"JSON: {out}")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dispatcher.bench_report import Summary, ratios
+from dispatcher.bench_report import Ratios, Summary, ratios, workloads_of
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
 W, H, PAD_L, PAD_R, PAD_T, PAD_B = 460, 280, 56, 12, 28, 40
@@ -77,26 +77,34 @@ def _ratio_cell(v: float | None) -> str:
     return "" if v is None else f"{v:.2f}x"
 
 
-def _fleet_ratio(r: Summary, by_users: dict[int, dict[str, float | None]]) -> float | None:
-    return (by_users.get(r.users) or {}).get("tok_s") if r.role == "fleet" else None
+def _fleet_ratio(r: Summary, by_key: Ratios, which: str) -> float | None:
+    return (by_key.get((r.workload, r.users)) or {}).get(which) if r.role == "fleet" else None
+
+
+def _plots(rows: Sequence[Summary], workload: str) -> str:
+    mine = [r for r in rows if r.workload == workload]
+    return "".join([
+        svg_plot(f"{workload}: throughput", "tok/s", _lines(mine, "tok_s")),
+        svg_plot(f"{workload}: TTFT p50", "ms", _lines(mine, "ttft_p50_ms")),
+        svg_plot(f"{workload}: TTFT p95", "ms", _lines(mine, "ttft_p95_ms")),
+        svg_plot(f"{workload}: CPU s per 1,000 tokens", "CPU s", _lines(mine, "cpu_s_per_1k_total")),
+    ])
 
 
 def write_html(path: Path, rows: Sequence[Summary], title: str, meta: dict[str, Any],
                png: Path | None = None) -> None:
-    by_users = ratios(rows)
-    plots = [
-        svg_plot("throughput", "tok/s", _lines(rows, "tok_s")),
-        svg_plot("TTFT p50", "ms", _lines(rows, "ttft_p50_ms")),
-        svg_plot("TTFT p95", "ms", _lines(rows, "ttft_p95_ms")),
-        svg_plot("end to end p95", "ms", _lines(rows, "e2e_p95_ms")),
-    ]
-    cols = ("users", "system", "tok_s", "ttft_p50_ms", "ttft_p95_ms", "e2e_p50_ms", "e2e_p95_ms",
-            "tokens_per_request", "errors")
+    by_key = ratios(rows)
+    sections = "".join(f"<h2>workload {html.escape(w)}</h2><div class=\"plots\">{_plots(rows, w)}</div>"
+                       for w in workloads_of(rows))
+    cols = ("workload", "users", "system", "tok_s", "ttft_p50_ms", "ttft_p95_ms", "e2e_p50_ms", "e2e_p95_ms",
+            "tokens_per_request", "cpu_s_per_1k_total", "errors", "length_rejected")
+    ratio_cols = ("tok_s", "tok_s_median_of_rounds", "ttft_p95")
     body = "".join(
         "<tr>" + "".join(f"<td>{_cell(getattr(r, c))}</td>" for c in cols)
-        + f"<td>{_ratio_cell(_fleet_ratio(r, by_users))}</td></tr>"
+        + "".join(f"<td>{_ratio_cell(_fleet_ratio(r, by_key, c))}</td>" for c in ratio_cols) + "</tr>"
         for r in rows)
-    head = "".join(f"<th>{c}</th>" for c in (*cols, "fleet/peer tok/s"))
+    head = "".join(f"<th>{c}</th>" for c in (*cols, "fleet/peer tok/s", "median of rounds",
+                                              "fleet/peer TTFT p95"))
     image = ""
     if png is not None and png.exists():
         image = f'<p><img src="{html.escape(png.name)}" alt="matplotlib plot"></p>'
@@ -115,12 +123,12 @@ body {{ font: 14px/1.4 system-ui, sans-serif; margin: 16px; color: #222; }}
 .plot .g {{ stroke: #eee; }} .plot .l {{ fill: #222; }}
 table {{ border-collapse: collapse; margin: 12px 0; font-variant-numeric: tabular-nums; }}
 td, th {{ border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: right; }}
-td:nth-child(2), th:nth-child(2) {{ text-align: left; }}
+td:nth-child(1), th:nth-child(1), td:nth-child(3), th:nth-child(3) {{ text-align: left; }}
 pre {{ background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 12px; }}
 img {{ max-width: 100%; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
-<div class="plots">{"".join(plots)}</div>
+{sections}
 <table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>
 {image}
 <details><summary>machine and configuration</summary><pre>{meta_text}</pre><pre>{config}</pre></details>

@@ -21,6 +21,7 @@ from httpx_sse import connect_sse
 from backends.base import GenerateRequest, Sampling, SamplingDefaults
 from backends.contract.connect import redis_from_url
 from backends.llama_server import completion_body
+from dispatcher.bench_workloads import BenchRequest
 from dispatcher.client import Fleet
 
 REQUEST_TIMEOUT = 600.0
@@ -89,6 +90,8 @@ class LlamaServerTarget:
                                   f"HTTP {source.response.status_code}: {source.response.text[:200]}")
                 for sse in source.iter_sse():
                     chunk = json.loads(sse.data)
+                    if chunk.get("error"):  # an error after the stream began, e.g. context exceeded
+                        return Sample(ttft, time.perf_counter() - t0, 0, json.dumps(chunk["error"])[:300])
                     if chunk.get("content") and ttft is None:
                         ttft = time.perf_counter() - t0
                     if chunk.get("stop"):
@@ -107,17 +110,16 @@ class LoadResult:
     wall: float  # seconds from the users' start to the last request's end
 
 
-def prompt_for(prompts: Sequence[str], user: int, n: int, requests_per_user: int) -> str:
-    """The same user and request number get the same prompt on every system."""
-    return prompts[(user * requests_per_user + n) % len(prompts)]
+def request_for(requests: Sequence[BenchRequest], user: int, n: int, requests_per_user: int) -> BenchRequest:
+    """The same user and request number get the same request on every system."""
+    return requests[(user * requests_per_user + n) % len(requests)]
 
 
 def closed_loop(
     target: Target,
     users: int,
     requests_per_user: int,
-    prompts: Sequence[str],
-    max_tokens: int,
+    requests: Sequence[BenchRequest],
     on_sample: Callable[[Sample], None] = lambda s: None,
 ) -> LoadResult:
     """Run `users` threads, each sending `requests_per_user` requests back to back."""
@@ -129,7 +131,8 @@ def closed_loop(
         start.wait()
         for n in range(requests_per_user):
             try:
-                s = target.request(prompt_for(prompts, u, n, requests_per_user), max_tokens)
+                req = request_for(requests, u, n, requests_per_user)
+                s = target.request(req.prompt, req.max_tokens)
             except Exception as e:  # a broken request is a data point, not the end of the run
                 s = Sample(None, 0.0, 0, f"{type(e).__name__}: {e}")
             with lock:

@@ -132,6 +132,7 @@ def submit(prompt: str, config: str | None, max_tokens: int | None, temperature:
 
 def _register_extensions() -> None:
     from dispatcher import bench
+    from dispatcher.batch import cli as batch_cli
     from dispatcher.gateway.serve import serve
     from dispatcher.observe import cli as observe_cli
     from ecosystem.cli import register
@@ -139,6 +140,7 @@ def _register_extensions() -> None:
 
     register(cli)
     bench.register(cli)
+    batch_cli.register(cli)
     observe_cli.register(cli)
     health.register(cli)
     cli.add_command(serve)

@@ -86,6 +86,31 @@ def executions_key(job_id: str) -> str:
 ENDED_REGISTRIES = ("rq:finished:", "rq:failed:", "rq:canceled:")
 
 
+# -- batches (dispatcher/batch, docs/batch.md) ----------------------------------------------------
+BATCH_JOB_PREFIX = "fbatch-"  # a job id "fbatch-<batch id>-<16 hex>" is one line of a batch
+BATCHES_INDEX = "fleet:batches"  # zset batch id -> created_at (for `fleet batch list`), TTL refreshed
+
+
+def batch_key(batch_id: str) -> str:
+    """Hash: the batch's state, counts, timestamps and settings. TTL = window + retention."""
+    return f"fleet:batch:{batch_id}"
+
+
+def batch_lines_key(batch_id: str) -> str:
+    """Hash: 16-hex line key -> that line's compact state (queued, or its result). Same TTL."""
+    return f"fleet:batch:{batch_id}:lines"
+
+
+def batch_lock_key(batch_id: str) -> str:
+    """One submitter at a time per batch (PX, refreshed per chunk)."""
+    return f"fleet:batch:{batch_id}:lock"
+
+
+def file_key(file_id: str) -> str:
+    """Hash: a file uploaded through the gateway's POST /v1/files (content + metadata), TTL."""
+    return f"fleet:file:{file_id}"
+
+
 # -- observability (docs/observability.md): monotonic counters, histograms, bounded job history --
 
 POOLS_SET = "fleet:pools"  # pools that have had a worker (so readers know which queues to show)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from dispatcher.bench import PROMPTS, machine_meta  # noqa: E402
 from dispatcher.bench_load import REQUEST_TIMEOUT, FleetTarget, Sample, Target, closed_loop  # noqa: E402
 from dispatcher.bench_report import FLEET, PEER, Run, percentile, summarise, table  # noqa: E402
+from dispatcher.bench_workloads import unmeasured  # noqa: E402
 from dispatcher.local import RedisServer, start_worker  # noqa: E402
 from dispatcher.local_llama_server import start_llama_server  # noqa: E402
 from tests.gateway_harness import start_gateway, wait_until_healthy  # noqa: E402
@@ -79,8 +80,8 @@ class OpenAICompletionsTarget:
 
 
 def measure(args: argparse.Namespace, role: str, name: str, target: Target, prompts: list[str]) -> Run:
-    closed_loop(target, args.users, 1, prompts, 8)  # warm-up: every slot once, off the clock
-    load = closed_loop(target, args.users, args.requests_per_user, prompts, args.max_tokens)
+    closed_loop(target, args.users, 1, unmeasured(prompts, 8))  # warm-up: every slot once, off the clock
+    load = closed_loop(target, args.users, args.requests_per_user, unmeasured(prompts, args.max_tokens))
     return Run.of(args.users, role, name, 0, load, {})
 
 

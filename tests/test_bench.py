@@ -31,7 +31,7 @@ def test_summaries_pool_rounds_and_ratio_is_fleet_over_peer() -> None:
     assert fleet.tok_s == 50.0 and peer.tok_s == 50.0  # 200 tokens / 4 s, 100 / 2 s
     assert fleet.cpu_s_per_1k_tokens == {"client": 5.0}
     assert fleet.first_error == "boom" and fleet.tokens_per_request == 50.0
-    assert ratios(rows)[4]["tok_s"] == 1.0
+    assert ratios(rows)[("short", 4)]["tok_s"] == 1.0
 
 
 @pytest.mark.timeout(300)
@@ -47,7 +47,7 @@ def test_one_small_run_end_to_end(tmp_path: Path) -> None:
     for row in doc["summary"]:
         assert row["errors"] == 0 and row["tokens"] == 4 * row["users"] and row["tok_s"] > 0
         assert row["ttft_p50_ms"] > 0 and row["e2e_p95_ms"] >= row["ttft_p95_ms"]
-    assert set(doc["ratios_fleet_over_peer"]) == {"1", "2"}
+    assert set(doc["ratios_fleet_over_peer"]["short"]) == {"1", "2"}
     assert doc["meta"]["config"]["fleet_backend"] == "llama-cpp"
     assert doc["meta"]["config"]["fleet_settings"] == ["prefix_cache=0"]
     assert out.with_suffix(".html").read_text().count("<polyline") >= 8  # 4 plots x (fleet, peer)

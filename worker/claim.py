@@ -50,7 +50,8 @@ DIED_ON_FIELD = "fleet_died_on"  # job hash: workers that died running it, comma
 # Fairness (defect 11): of every 8 picks, the 4th starts at the second queue (default) and the
 # 8th at the last one (low), so lower priorities move under sustained high-priority load.
 # KEYS: inflight, owners set, queue1..queueN (priority order)
-# ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field
+# ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, then optionally
+# per queue the most jobs the claim may hold once it took from that queue (worker/priority.py)
 # returns: server time (ms), ids dropped, then id1, queue1, id2, queue2, ...
 _CLAIM = """
 local n, me, pick = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
@@ -65,16 +66,18 @@ local function order(p)
   for i = 0, nq - 1 do o[#o + 1] = 2 + ((first - 1 + i) % nq) + 1 end
   return o
 end
-local function pop(p)
+local function pop(p, claimed)
   for _, k in ipairs(order(p)) do
-    local id = redis.call('LPOP', KEYS[k])
-    if id then return id, string.sub(KEYS[k], 10) end  -- strip 'rq:queue:'
+    if claimed < tonumber(ARGV[4 + k] or ARGV[1]) then
+      local id = redis.call('LPOP', KEYS[k])
+      if id then return id, string.sub(KEYS[k], 10) end  -- strip 'rq:queue:'
+    end
   end
   return nil, nil
 end
 local claimed, looked = 0, 0
 while claimed < n and looked < n + 256 do
-  local id, queue = pop(pick)
+  local id, queue = pop(pick, claimed)
   if not id then break end
   looked = looked + 1
   local key = 'rq:job:' .. id
@@ -187,13 +190,14 @@ class Claimer:
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
         self.server_ms = 0  # Redis server time of the last claim
 
-    def claim(self, n: int) -> list[tuple[bytes, str]]:
-        """Up to n (raw job id, queue name) pairs, highest priority first (but see FAIR_EVERY).
-        Ids stay bytes: a producer may have pushed one that is not UTF-8, and it must still be
-        failed visibly."""
+    def claim(self, n: int, limits: Sequence[int] = ()) -> list[tuple[bytes, str]]:
+        """Up to n (raw job id, queue name) pairs, highest priority first (but see FAIR_EVERY);
+        `limits`: per queue, the most the claim may hold after taking from it. Ids stay bytes: a
+        producer may have pushed one that is not UTF-8, and it must still be failed visibly."""
         if n <= 0:
             return []
-        args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD]
+        args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD,
+                           *limits]
         flat = self._claim(keys=[self.inflight, OWNERS_SET, *self.queue_keys], args=args)
         self.server_ms, dropped = int(flat[0]), int(flat[1])
         if dropped:

@@ -22,7 +22,7 @@ from dispatcher.keys import (
     results_key,
     stream_key,
 )
-from worker import facts, rqjobs
+from worker import batch_hook, facts, rqjobs
 from worker.rqjobs import ClaimedJob
 
 log = logging.getLogger("fleet.worker")
@@ -114,6 +114,7 @@ def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, res
         entry = stream.encode_error(job.attempt, rqjobs.error_payload(reason, job, worker, backend))
     pipe.xadd(stream_key(job.id), entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
     expire_job(pipe, job.id, job.attempt, result_ttl)
+    batch_hook.record_ending(job, pipe)  # a batch line: its result into the batch's record
     facts.record_end(job, pipe, worker, backend, result_ttl)
 
 

@@ -38,6 +38,7 @@ from worker import endings, facts, limits, rqjobs
 from worker.claim import Claimer, Contended, log_refusals
 from worker.counters import WorkerCounters
 from worker.link import RedisLink
+from worker.priority import ClaimPolicy
 from worker.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
 from worker.settings import FleetSettings
 
@@ -57,6 +58,7 @@ class FleetWorker:
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
         self.claimer = Claimer(redis, name, self.queues)
+        self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues)
         self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
         # handed back once Redis allows: (job, why, counted against max_attempts)
         self.to_requeue: dict[str, tuple[ClaimedJob, str, bool]] = {}
@@ -148,11 +150,12 @@ class FleetWorker:
         free = self.backend.free_slots() - len(self.unstarted)
         if free <= 0 or not self._engine_ready():
             return
-        claimed = self.claimer.claim(free)
+        limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
+        claimed = self.claimer.claim(free, limits)
         if not claimed and not self.inflight and not self.to_requeue:
             # idle: sleep on the wake list, then look again (plain-RQ producers never push it)
             self.redis.blpop([wake_key(self.settings.pool)], timeout=IDLE_WAIT)
-            claimed = self.claimer.claim(free)
+            claimed = self.claimer.claim(free, limits)
         self.unstarted.extend((raw, queue, self.claimer.server_ms) for raw, queue in claimed)
         self._start_unstarted()
 

@@ -82,6 +82,8 @@ class FleetSettings(BaseSettings):
     queue_ttl: int | None = Field(None, ge=1, description="seconds a job may wait in the queue")
     result_ttl: int = Field(3600, ge=1)
     max_attempts: int = Field(3, ge=1, le=20)
+    reserved_slots: int | None = Field(None, ge=0, description="slots a worker keeps free of low-priority "
+                                       "(batch) jobs for interactive ones; None: 1 in 8 (worker/priority.py)")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
     observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
                           "status hash is always written: it is the liveness signal)")

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from dispatcher.gateway import ollama_api, openai_api
+from dispatcher.gateway import batch_api, ollama_api, openai_api
 from dispatcher.gateway.core import ApiError, Gateway
 from dispatcher.gateway.settings import ServeSettings, load_serve_settings
 
@@ -80,6 +80,7 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/api/tags", guarded(ollama_api.tags)),
         Route("/api/ps", guarded(ollama_api.ps)),
         Route("/api/version", ollama_api.version),  # Ollama clients probe it before anything else
+        *batch_api.routes(guarded),
         *observability_routes(settings),
     ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error})

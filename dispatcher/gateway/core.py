@@ -171,7 +171,7 @@ class Gateway:
                 jobs.append(await fleet.submit(priority=priority, **fields))
         except ValueError as e:
             await cancel_all(jobs)
-            raise ApiError(400, str(e), param=_field_named(str(e)), code="invalid_request") from None
+            raise ApiError(400, str(e), param=field_named(str(e)), code="invalid_request") from None
         except OUTAGE_ERRORS:
             await cancel_all(jobs)
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
@@ -184,7 +184,7 @@ class Gateway:
             return sum(int(n) for n in await pipe.execute())
 
 
-def _field_named(message: str) -> str | None:
+def field_named(message: str) -> str | None:
     """The field a validation message names ("invalid request: temperature: ...")."""
     head = message.removeprefix("invalid request: ").split(":", 1)[0].strip()
     return head.split(".")[0] if head and " " not in head else None

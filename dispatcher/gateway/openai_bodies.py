@@ -1,0 +1,229 @@
+"""OpenAI's request and response bodies, without HTTP: an OpenAI body -> fleet job fields
+(`job_fields`), and fleet results -> OpenAI's completion objects (`Reply`), errors (`error_body`).
+
+Shared by the HTTP handlers (openai_api.py) and batches (dispatcher/batch), which turn every line of
+a batch file into a job and every result into the body the same request would have answered.
+Imports nothing from Starlette, so producer-only hosts can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from dispatcher.gateway.core import ApiError, JobUpdate, unsupported
+
+COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "seed", "max_tokens", "temperature",
+                 "top_p", "presence_penalty", "frequency_penalty", "logprobs", "user", "response_format"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+MAX_CHOICES = 16
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    kind = "invalid_request_error" if err.status < 500 else "server_error"
+    if err.status == 401:
+        kind = "authentication_error"
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+
+
+def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], int]:
+    """The fleet requests (one per prompt) and n, from an OpenAI body; 400 naming a bad field."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in known:
+            raise unsupported(name, "OpenAI")
+    if not chat and body.get("echo"):
+        raise unsupported("echo", "OpenAI")
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be an integer from 1 to {MAX_CHOICES}", param="n",
+                       code="invalid_value")
+    fields: dict[str, Any] = {k: body[k] for k in (*SAMPLING_FIELDS, "seed") if k in body}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    if "stop" in body:
+        fields["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
+    fields.update(_logprobs(body, chat))
+    if "response_format" in body:
+        fields.update(_response_format(body["response_format"]))
+    if chat:
+        return [{**fields, "messages": _messages(body.get("messages"))}], n
+    return [{**fields, "prompt": p} for p in _prompts(body.get("prompt"))], n
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    if chat:
+        out = {"logprobs": body["logprobs"]} if "logprobs" in body else {}
+        if "top_logprobs" in body:
+            out["top_logprobs"] = body["top_logprobs"]
+        return out
+    top = body.get("logprobs")  # legacy completions: an integer, how many alternatives (0-5)
+    if top is None:
+        return {}
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 5:
+        raise ApiError(400, "'logprobs' must be an integer from 0 to 5", param="logprobs",
+                       code="invalid_value")
+    return {"logprobs": True, "top_logprobs": top}
+
+
+def _response_format(fmt: object) -> dict[str, Any]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if isinstance(fmt, dict) and kind == "text":
+        return {}
+    if isinstance(fmt, dict) and kind == "json_object":
+        return {"format": "json"}
+    if isinstance(fmt, dict) and kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format", code="invalid_value")
+        return {"format": schema}
+    raise ApiError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'",
+                   param="response_format", code="invalid_value")
+
+
+def _messages(messages: object) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages", code="invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role",
+                           code="invalid_value")
+        for name in m:
+            if name not in ("role", "content", "name"):
+                raise unsupported(f"{where}.{name}", "OpenAI")
+        out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), where)})
+    return out
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            if not isinstance(text, str):
+                raise unsupported(f"{where}.content[{j}] (only text parts)", "OpenAI")
+            texts.append(text)
+        return "".join(texts)
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts",
+                   param=f"{where}.content", code="invalid_value")
+
+
+def _prompts(prompt: object) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a string or a list of strings (token arrays are not supported)",
+                   param="prompt", code="invalid_value")
+
+
+def per_choice(requests: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """n jobs per request; with a seed, choice j uses seed + j so the choices differ."""
+    out = []
+    for fields in requests:
+        for j in range(n):
+            seed = fields.get("seed")
+            out.append({**fields, "seed": (seed + j) % 2**32} if isinstance(seed, int) and j else fields)
+    return out
+
+
+# -- jobs -> response -----------------------------------------------------------------------------
+
+class Reply:
+    """OpenAI's response objects for one request's jobs."""
+
+    def __init__(self, chat: bool, model: str, job_ids: Sequence[str], include_usage: bool,
+                 created: float | None = None) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + job_ids[0]
+        self.created = int(created if created is not None else time.time())
+        self.include_usage = include_usage
+        self.n = len(job_ids)
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" + (".chunk" if chunk else "") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": "llama-fleet"}
+
+    def _logprobs(self, result: dict[str, Any] | None) -> dict[str, Any] | None:
+        tokens = (result or {}).get("logprobs")
+        if not tokens:
+            return None
+        if self.chat:
+            return {"content": tokens, "refusal": None}
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t["token"])
+        tops = [{a["token"]: a["logprob"] for a in t.get("top_logprobs", [])} for t in tokens]
+        return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def _choice(self, index: int, text: str, finish: str | None, result: dict[str, Any] | None,
+                chunk: bool) -> dict[str, Any]:
+        logprobs = self._logprobs(result)
+        if not self.chat:
+            return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
+        body: dict[str, Any] = {"content": text} if (text or not chunk) else {}
+        if not chunk:
+            body = {"role": "assistant", "content": text, "refusal": None}
+        return {"index": index, ("delta" if chunk else "message"): body, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    @staticmethod
+    def usage(results: list[dict[str, Any] | None]) -> dict[str, int]:
+        used = [r.get("usage", {}) for r in results if r]
+        prompt = sum(u.get("prompt_tokens", 0) for u in used)
+        completion = sum(u.get("completion_tokens", 0) for u in used)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def whole(self, finals: list[JobUpdate]) -> dict[str, Any]:
+        failed = [u for u in finals if u.error is not None]
+        if failed:
+            raise ApiError(422, f"generation failed: {failed[0].error}", code="job_failed")
+        choices = [self._choice(u.index, (u.result or {}).get("text", ""), finish_reason(u.result), u.result,
+                                chunk=False) for u in finals]
+        return {**self._envelope(chunk=False), "choices": choices,
+                "usage": self.usage([u.result for u in finals])}
+
+    async def sse(self, updates: AsyncIterator[JobUpdate]) -> AsyncIterator[str]:
+        extra = {"usage": None} if self.include_usage else {}
+        if self.chat:  # OpenAI opens each choice with its role
+            for i in range(self.n):
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                yield sse_data({**self._envelope(chunk=True), "choices": [first], **extra})
+        results: list[dict[str, Any] | None] = [None] * self.n
+        async for u in updates:
+            if u.error is not None:
+                yield sse_data(error_body(ApiError(422, f"generation failed: {u.error}", code="job_failed")))
+                return
+            results[u.index] = u.result
+            if u.delta or u.final:
+                choice = self._choice(u.index, u.delta, finish_reason(u.result) if u.final else None,
+                                      u.result, chunk=True)
+                yield sse_data({**self._envelope(chunk=True), "choices": [choice], **extra})
+        if self.include_usage:
+            yield sse_data({**self._envelope(chunk=True), "choices": [], "usage": self.usage(results)})
+        yield "data: [DONE]\n\n"
+
+
+def finish_reason(result: dict[str, Any] | None) -> str:
+    return "length" if (result or {}).get("finish_reason") == "length" else "stop"
+
+
+def sse_data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
