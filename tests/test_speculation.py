@@ -55,5 +55,12 @@ def test_greedy_text_is_the_same_with_and_without_speculation_alone_and_batched(
     assert batched_on == batched_off
     assert off["draft_tokens"] == 0
     # the copying prompts do get drafts, most of them kept, and fewer steps than tokens
-    assert int(on["draft_accepted"]) > 80 and int(on["draft_accepted"]) > int(on["draft_tokens"]) // 2
-    assert int(on["steps"]) < int(off["steps"]) * 0.8, (on["steps"], off["steps"])
+    kept, drafted = count(on, "draft_accepted"), count(on, "draft_tokens")
+    assert kept > 80 and kept > drafted // 2, (kept, drafted)
+    assert count(on, "steps") < count(off, "steps") * 0.8, (on["steps"], off["steps"])
+
+
+def count(stats: dict[str, object], key: str) -> int:
+    value = stats[key]
+    assert isinstance(value, int)
+    return value
