@@ -12,18 +12,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from backends.base import (
-    BackendUnavailable,
-    Done,
-    Event,
-    Failed,
-    FinishReason,
-    GenerateRequest,
-    Sampling,
-    SamplingDefaults,
-    Token,
-)
-from worker.settings import BackendSettings
+from pydantic import Field
+
+from backends.base import BackendUnavailable, Done, Event, Failed, Token
+from backends.contract.schema import FinishReason, GenerateRequest, Sampling, SamplingDefaults
+from backends.contract.settings import EngineSettings
+
+
+class FakeSettings(EngineSettings):
+    """`backend.type: fake` reads `slots`, `sampling` and its own pacing."""
+
+    step_delay: float = Field(0.0, ge=0, le=10, description="fake backend only: seconds each step takes "
+                              "(paces test jobs like a real engine)")
 
 
 @dataclass
@@ -40,7 +40,7 @@ class FakeBackend:
 
     def __init__(
         self,
-        settings: BackendSettings | None = None,
+        settings: FakeSettings | None = None,
         *,
         slots: int | None = None,
         fail_after: int | None = None,

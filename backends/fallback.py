@@ -4,9 +4,8 @@ backend of the chain that has not tried it, and the failed backend rests (expone
 1 s .. 30 s) until a probe says it answers again.
 
 Health is per backend, not per job: one transport failure marks a backend unhealthy, and it gets
-new jobs again only after its backoff and a successful probe (`probe()` when the backend has one;
-an engine that cannot be probed is simply tried again). Consecutive failures double the backoff; a
-job finished on the backend resets it.
+new jobs again only after its backoff and a successful `probe()` (part of the Backend protocol).
+Consecutive failures double the backoff; a job finished on the backend resets it.
 """
 
 from __future__ import annotations
@@ -15,22 +14,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING
 
-from backends.base import Backend, BackendUnavailable, Done, Event, Failed, GenerateRequest, Restarted, Token
-
-if TYPE_CHECKING:
-    from worker.settings import BackendSettings
+from backends.base import Backend, BackendUnavailable, Done, Event, Failed, Restarted, Token
+from backends.contract.retry import Backoff
+from backends.contract.schema import GenerateRequest
 
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 30.0
 POLL_SLICE = 0.01  # when several backends have jobs, each is drained in turn this often
+_REST = Backoff(BACKOFF_FIRST, BACKOFF_MAX)
 
 
 def backoff_delay(failures: int) -> float:
     """1 s after the first failure, doubling, at most 30 s."""
-    return min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(0, failures - 1))
+    return _REST.delay(failures)
 
 
 @dataclass
@@ -89,18 +86,6 @@ class FallbackBackend:
             raise BackendUnavailable("no backend of the chain is reachable: " + self._errors())
         self.slots = max(m.backend.slots for m in self.members if m.backend is not None)
 
-    @classmethod
-    def from_settings(cls, settings: BackendSettings, threads: int | None = None) -> FallbackBackend:
-        from backends import make_backend
-
-        chain = [settings, *settings.fallback]
-        members = []
-        for s in chain:
-            single = s.model_copy(update={"fallback": []})
-            label = f"{s.type}@{s.endpoint or s.model_path or 'default'}"
-            members.append((label, partial(make_backend, single, threads)))
-        return cls(members, name=">".join(s.type for s in chain))
-
     # -- health -------------------------------------------------------------------------------------
 
     def _try_build(self, m: Member) -> None:
@@ -125,8 +110,7 @@ class FallbackBackend:
                 backend = m.build()
                 ok, error = True, ""
             else:
-                probe = getattr(backend, "probe", None)
-                ok = bool(probe()) if callable(probe) else True
+                ok = bool(backend.probe())
                 error = "" if ok else "probe failed"
         except Exception as e:  # a probe must never take the worker down
             ok, error = False, f"{type(e).__name__}: {e}"
@@ -187,6 +171,10 @@ class FallbackBackend:
         return "exhausted"
 
     # -- the Backend protocol -----------------------------------------------------------------------
+
+    def probe(self) -> bool:
+        """True when some backend of the chain is healthy now."""
+        return self._first_healthy() is not None
 
     def free_slots(self) -> int:
         m = self._first_healthy()

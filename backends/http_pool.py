@@ -2,7 +2,11 @@
 thread pool, events handed to the worker through a queue, and HTTP errors turned into clear results.
 
 A subclass says how to start a job's request and how to read its stream (`_stream`, a generator of
-events); this module owns slots, threads, cancellation and the mapping of transport errors.
+events); this module owns slots, threads, cancellation and the mapping of errors to job failures
+(one table: `status_errors` for HTTP statuses, TRANSPORT_ERRORS for httpx's exceptions).
+
+Like an httpx client, a backend takes an optional `transport`: tests pass `httpx.MockTransport` to
+drive every error path without a server.
 """
 
 from __future__ import annotations
@@ -13,28 +17,41 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from backends.base import (
-    BackendUnavailable,
-    Done,
-    Event,
-    Failed,
-    GenerateRequest,
-    Sampling,
-    Token,
-)
-from worker.settings import BackendSettings
+from backends.base import BackendUnavailable, Done, Event, Failed, Token
+from backends.contract.retry import Backoff
+from backends.contract.schema import GenerateRequest, Sampling
+from backends.http_settings import HttpSettings
 
 # A stream silent for this long is treated as dead (the worker's job_timeout cancels sooner).
 READ_TIMEOUT = 600.0
 PROBE_TIMEOUT = 2.0
 STEP_LINGER = 0.003  # seconds step() keeps gathering events after the first one
+
+# What a job failure says and whether another engine may retry it, by HTTP status before the
+# stream started (a backend adds or overrides rows). Fields: {backend} (its attributes), {what}
+# (the engine and its endpoint), {status}, {message} (the server's own words).
+STATUS_ERRORS: Mapping[int, tuple[str, bool]] = {
+    400: ("{what} rejected the job (400): {message}", False),
+    503: ("{what} is unavailable (503): {message}", True),
+}
+SERVER_ERROR = ("{what} failed (HTTP {status}): {message}", True)  # any other 5xx: the engine's fault
+CLIENT_ERROR = ("{what} refused the job (HTTP {status}): {message}", False)  # any other status
+# httpx's exceptions while a job runs, first match wins; {kind} is the exception's class name.
+TRANSPORT_ERRORS: tuple[tuple[type[Exception], str, bool], ...] = (
+    (httpx.TimeoutException, "{what}: timed out ({kind})", True),
+    (httpx.ConnectError, "{what}: cannot connect ({error})", True),
+    # includes a stream cut mid-way (RemoteProtocolError, ReadError)
+    (httpx.TransportError, "{what}: connection lost mid-stream ({kind}: {error})", True),
+)
+# anything else is a bug or a malformed answer: say so, do not retry blindly
+UNEXPECTED_ERROR = ("{what}: unexpected answer ({kind}: {error})", False)
 
 
 class StreamFailure(Exception):
@@ -94,7 +111,7 @@ def wait_until_ready(
     """GET `path` until it answers 200, retrying while the server is down or still loading
     (`loading_statuses`); BackendUnavailable after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    delay = 0.1
+    backoff = Backoff(0.1, 1.0)
     last = "no answer yet"
     while True:
         try:
@@ -109,8 +126,7 @@ def wait_until_ready(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise BackendUnavailable(f"{what} not ready after {timeout:g}s (last: {last})")
-        time.sleep(min(delay, remaining))
-        delay = min(delay * 2, 1.0)
+        time.sleep(min(backoff.next(), remaining))
 
 
 class HttpStreamBackend(ABC):
@@ -119,10 +135,12 @@ class HttpStreamBackend(ABC):
     name: str
     slots: int
     health_path: str  # GET answers 200 when the engine can take jobs
+    status_errors: Mapping[int, tuple[str, bool]] = STATUS_ERRORS
 
-    def __init__(self, settings: BackendSettings, what: str) -> None:
+    def __init__(self, settings: HttpSettings, what: str,
+                 transport: httpx.BaseTransport | None = None) -> None:
         if not settings.endpoint:
-            raise ValueError(f"backend type {settings.type!r} needs 'endpoint' (e.g. http://127.0.0.1:8080)")
+            raise ValueError(f"backend type {self.name!r} needs 'endpoint' (e.g. http://127.0.0.1:8080)")
         self.settings = settings
         self.endpoint = settings.endpoint.rstrip("/")
         self.what = f"{what} at {self.endpoint}"  # names the engine in every message
@@ -130,6 +148,7 @@ class HttpStreamBackend(ABC):
             base_url=self.endpoint,
             timeout=httpx.Timeout(READ_TIMEOUT, connect=settings.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            transport=transport,
         )
         self.slots = 1
         self._jobs: dict[str, StreamJob] = {}
@@ -176,14 +195,17 @@ class HttpStreamBackend(ABC):
             return False
 
     def _status_failure(self, status: int, message: str) -> StreamFailure:
-        """An HTTP error status before the stream started, as a job failure."""
-        if status == 400:
-            return StreamFailure(f"{self.what} rejected the job (400): {message}", retryable=False)
-        if status == 503:
-            return StreamFailure(f"{self.what} is unavailable (503): {message}", retryable=True)
-        if status >= 500:
-            return StreamFailure(f"{self.what} failed (HTTP {status}): {message}", retryable=True)
-        return StreamFailure(f"{self.what} refused the job (HTTP {status}): {message}", retryable=False)
+        """An HTTP error status before the stream started, as a job failure (`status_errors`)."""
+        default = SERVER_ERROR if status >= 500 else CLIENT_ERROR
+        template, retryable = self.status_errors.get(status, default)
+        text = template.format(backend=self, what=self.what, status=status, message=message)
+        return StreamFailure(text, retryable)
+
+    def _exception_failure(self, error: Exception) -> tuple[str, bool]:
+        """An exception raised while a job ran, as (message, retryable) (TRANSPORT_ERRORS)."""
+        template, retryable = next(((t, r) for kind, t, r in TRANSPORT_ERRORS if isinstance(error, kind)),
+                                   UNEXPECTED_ERROR)
+        return template.format(what=self.what, kind=type(error).__name__, error=error), retryable
 
     # -- the Backend protocol -----------------------------------------------------------------------
 
@@ -284,14 +306,8 @@ class HttpStreamBackend(ABC):
             raise StreamFailure(f"{self.what}: stream ended before the final chunk", retryable=True)
         except StreamFailure as e:
             self._fail(job, e.message, e.retryable)
-        except httpx.TimeoutException as e:
-            self._fail(job, f"{self.what}: timed out ({type(e).__name__})", retryable=True)
-        except httpx.ConnectError as e:
-            self._fail(job, f"{self.what}: cannot connect ({e})", retryable=True)
-        except httpx.TransportError as e:  # includes a stream cut mid-way (RemoteProtocolError, ReadError)
-            self._fail(job, f"{self.what}: connection lost mid-stream ({type(e).__name__}: {e})", True)
-        except Exception as e:  # a bug or a malformed answer: say so, do not retry blindly
-            self._fail(job, f"{self.what}: unexpected answer ({type(e).__name__}: {e})", retryable=False)
+        except Exception as e:
+            self._fail(job, *self._exception_failure(e))
         finally:
             job.response = None
 

@@ -14,22 +14,18 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
-from backends.base import BackendUnavailable, Done, Event, FinishReason, GenerateRequest, Sampling, Token
-from backends.http_pool import (
-    HttpStreamBackend,
-    StreamFailure,
-    StreamJob,
-    sampler_fields,
-)
-from worker.settings import BackendSettings
+from backends.base import BackendUnavailable, Done, Event, Token
+from backends.contract.schema import FinishReason, GenerateRequest, Sampling
+from backends.http_pool import HttpStreamBackend, StreamFailure, StreamJob, sampler_fields
+from backends.http_settings import HttpSettings
 
 
 class LlamaServerBackend(HttpStreamBackend):
     name = "llama-server"
     health_path = "/health"  # 503 while the model loads
 
-    def __init__(self, settings: BackendSettings) -> None:
-        super().__init__(settings, "llama-server")
+    def __init__(self, settings: HttpSettings, *, transport: httpx.BaseTransport | None = None) -> None:
+        super().__init__(settings, "llama-server", transport)
         self.server_slots = 0
         self._start()
 

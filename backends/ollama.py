@@ -15,13 +15,8 @@ from typing import Any
 import httpx
 
 from backends.base import BackendUnavailable, Done, Event, Token
-from backends.http_pool import (
-    HttpStreamBackend,
-    StreamFailure,
-    StreamJob,
-    sampler_fields,
-)
-from worker.settings import BackendSettings
+from backends.http_pool import STATUS_ERRORS, HttpStreamBackend, StreamFailure, StreamJob, sampler_fields
+from backends.http_settings import OllamaSettings
 
 DEFAULT_OLLAMA_MODEL = "gemma3:270m"
 
@@ -29,9 +24,17 @@ DEFAULT_OLLAMA_MODEL = "gemma3:270m"
 class OllamaBackend(HttpStreamBackend):
     name = "ollama"
     health_path = "/api/version"
+    status_errors = {
+        **STATUS_ERRORS,
+        # the worker's config names the model, not the job: another engine may have it
+        404: ("{what} has no model {backend.model!r} (404): {message}", True),
+        # Ollama's queue is full (OLLAMA_MAX_QUEUE): busy, try later or elsewhere
+        503: ("{what} is busy (503): {message}", True),
+    }
 
-    def __init__(self, settings: BackendSettings) -> None:
-        super().__init__(settings, "ollama")
+    def __init__(self, settings: OllamaSettings, *, transport: httpx.BaseTransport | None = None) -> None:
+        super().__init__(settings, "ollama", transport)
+        self.settings: OllamaSettings = settings
         self.model = settings.model or DEFAULT_OLLAMA_MODEL
         self._start()
 
@@ -52,13 +55,6 @@ class OllamaBackend(HttpStreamBackend):
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "model": self.model}
-
-    def _status_failure(self, status: int, message: str) -> StreamFailure:
-        if status == 404:  # the worker's config names the model, not the job: another engine may have it
-            return StreamFailure(f"{self.what} has no model {self.model!r} (404): {message}", retryable=True)
-        if status == 503:  # Ollama's queue is full (OLLAMA_MAX_QUEUE): busy, try later or elsewhere
-            return StreamFailure(f"{self.what} is busy (503): {message}", retryable=True)
-        return super()._status_failure(status, message)
 
     # -- one job ------------------------------------------------------------------------------------
 

@@ -28,6 +28,11 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from rq import Queue
 
 from backends.contract.connect import async_redis_from_url, is_sentinel_url
+from backends.contract.keys import ATTEMPT_FIELD, cancel_key, job_key, wake_key
+from backends.contract.replies import as_int, as_str
+from backends.contract.retry import OUTAGE_ERRORS, retry_outage_async
+from backends.contract.schema import JobResult
+from backends.contract.stream import StreamEvent
 from dispatcher.client import (
     CANCEL_QUEUED,
     CLIENT_OPTIONS,
@@ -39,10 +44,7 @@ from dispatcher.client import (
     rq_queues,
 )
 from dispatcher.durability import WAKE_TOKENS_KEPT
-from dispatcher.keys import ATTEMPT_FIELD, cancel_key, job_key, wake_key
-from dispatcher.reconnect import OUTAGE_ERRORS, retry_outage_async
-from dispatcher.replies import as_int, as_str
-from dispatcher.stream import JobFailed, StreamEvent, TextDeltas
+from dispatcher.stream import JobFailed, TextDeltas
 from dispatcher.stream_hub import StreamHub
 
 T = TypeVar("T")
@@ -169,11 +171,11 @@ class AsyncFleetJob:
             if deltas.ended:
                 return
 
-    async def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
+    async def result(self, timeout: float | None = 60.0) -> JobResult:
         """Wait until the job ends; return its final result or raise JobFailed / JobTimeout."""
         async for ev in self.events(timeout):
             if ev.kind == "done":
-                return ev.data or {}
+                return JobResult(ev.data or {})
             if ev.kind == "error":
                 raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
         try:

@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from backends.contract.connect import redis_from_url
-from dispatcher import status as fleet_status
+from backends.contract.redact import redact_url
 from dispatcher.client import Fleet, JobFailed, JobTimeout
 from worker.settings import FleetSettings, SettingsError, load_settings
 
@@ -35,7 +35,7 @@ def friendly_errors(func: F) -> F:
             raise click.ClickException(str(e)) from None
         except (RedisConnectionError, RedisTimeoutError) as e:
             url = click.get_current_context().meta.get("redis_url", "?")
-            raise click.ClickException(f"cannot reach Redis at {fleet_status.redact_url(url)}: {e}") from None
+            raise click.ClickException(f"cannot reach Redis at {redact_url(url)}: {e}") from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -59,10 +59,12 @@ def cli() -> None:
 @config_option
 @click.option("--cpus", default=None, help="pin to these CPUs, e.g. 0-3 (overrides config)")
 @click.option("--name", default=None, help="worker name (default: host-pid)")
+@click.option("--burst", is_flag=True, help="exit once no job is queued for the pool and none is in flight")
 @click.option("-v", "--verbose", is_flag=True)
 @friendly_errors
-def worker(config: str | None, cpus: str | None, name: str | None, verbose: bool) -> None:
-    """Run one worker: pin, load the model, serve jobs until SIGTERM/SIGINT."""
+def worker(config: str | None, cpus: str | None, name: str | None, burst: bool, verbose: bool) -> None:
+    """Run one worker: pin, load the model, serve jobs until SIGTERM/SIGINT (or, with --burst,
+    until the pool's queues are empty; it prints what ended, by outcome, as JSON)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from backends.base import BackendUnavailable
@@ -70,9 +72,11 @@ def worker(config: str | None, cpus: str | None, name: str | None, verbose: bool
 
     s, redis = settings_and_redis(config, cpus=cpus, name=name)
     try:
-        run_worker(s, redis)
+        summary = run_worker(s, redis, burst=burst)
     except (WorkerNameTaken, BackendUnavailable, ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
+    if summary is not None:
+        click.echo(json.dumps({"idle": summary.idle, "ended": summary.ended, "seconds": summary.seconds}))
 
 
 @cli.command()
@@ -131,11 +135,11 @@ def submit(prompt: str, config: str | None, max_tokens: int | None, temperature:
 
 
 def _register_extensions() -> None:
-    from dispatcher import bench
     from dispatcher.batch import cli as batch_cli
     from dispatcher.gateway.serve import serve
     from dispatcher.observe import cli as observe_cli
     from ecosystem.cli import register
+    from ecosystem.local import bench
     from worker import health
 
     register(cli)

@@ -18,32 +18,43 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from importlib.resources import files
 from typing import Any, Self, TypeVar
 
+from pydantic import ValidationError
 from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from backends.base import PRIORITIES, GenerateRequest
 from backends.contract.connect import redis_from_url
-from dispatcher import stream
-from dispatcher.durability import DURABILITY_MODES, Durability, enqueue_replicated, push_wake
-from dispatcher.keys import (
+from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENQUEUED_MS_META,
     FINAL_FIELD,
     JOB_FUNCTION,
     cancel_key,
+    canceled_registry_key,
     job_key,
     queue_key,
     queue_name,
     stream_key,
 )
-from dispatcher.reconnect import OUTAGE_ERRORS, retry_outage
-from dispatcher.replies import as_int, as_str
-from dispatcher.stream import JobFailed, JobRestarted, StreamEvent, TextDeltas
+from backends.contract.replies import as_int, as_str
+from backends.contract.retry import OUTAGE_ERRORS, retry_outage
+from backends.contract.schema import (
+    PRIORITIES,
+    GenerateRequest,
+    JobResult,
+    cancelled_in_queue,
+    describe_validation_error,
+)
+from backends.contract.settings import ProducerSettings, load
+from backends.contract.stream import StreamEvent
+from dispatcher import stream
+from dispatcher.durability import DURABILITY_MODES, Durability, enqueue_replicated, push_wake
+from dispatcher.stream import JobFailed, JobRestarted, TextDeltas
 
 T = TypeVar("T")
 ENDED_STATUSES = ("finished", "failed", "canceled")  # RQ statuses of a job that has its final entry
@@ -76,9 +87,8 @@ class ProducerBase:
 
     @classmethod
     def from_settings(cls, config: str | None = None) -> Self:
-        from worker.settings import load_settings
-
-        s = load_settings(config)
+        """A producer on the shared config (worker-config.json + FLEET_* env); worker keys are ignored."""
+        s = load(ProducerSettings, config)
         return cls(s.redis_url, pool=s.pool, result_ttl=s.result_ttl, job_timeout=s.job_timeout,
                    queue_ttl=s.queue_ttl, durability=s.durability)
 
@@ -173,44 +183,23 @@ class Fleet(ProducerBase):
         return retry_outage(call, time.monotonic() + self.retry_for)
 
 
-# KEYS: queue, job hash, stream, canceled registry   ARGV: job id, result JSON, ttl, now, attempt
-# field, final field
-# Cancels a job that is still queued, in one step: taken off the queue, marked canceled, final
-# stream entry written, the hash and the stream set to expire with the result. Returns 0 when the
-# job was not in the queue (a worker holds it, or it ended), so a retried call after a lost reply
-# cannot cancel twice.
-CANCEL_QUEUED = """
-if redis.call('LREM', KEYS[1], 0, ARGV[1]) == 0 then return 0 end
-local attempt = tonumber(redis.call('HGET', KEYS[2], ARGV[5]) or '0') or 0
-redis.call('HSET', KEYS[2], 'status', 'canceled', ARGV[6], attempt + 1)
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('ZADD', KEYS[4], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[1])
-redis.call('XADD', KEYS[3], '*', 'a', attempt + 1, 'k', 'd', 'v', ARGV[2])
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-return 1
-"""
+# Cancels a job that is still queued, in one step (KEYS, ARGV and reply: the script's header).
+CANCEL_QUEUED = files("dispatcher").joinpath("cancel_queued.lua").read_text()
 
 
 def cancel_queued_call(job_id: str, queue: str, attempts: int,
                        result_ttl: int) -> tuple[list[str], list[EncodableT]]:
     """KEYS and ARGV of CANCEL_QUEUED for a job on `queue` that ran `attempts` times before."""
-    result = {"job_id": job_id, "text": "", "finish_reason": "cancelled",
-              "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-              "worker": None, "backend": None, "attempt": attempts + 1,
-              "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None, "tokens_per_s": None}}
-    keys = [queue_key(queue), job_key(job_id), stream_key(job_id), f"rq:canceled:{queue}"]
+    result = cancelled_in_queue(job_id, attempts + 1).model_dump()
+    keys = [queue_key(queue), job_key(job_id), stream_key(job_id), canceled_registry_key(queue)]
     args: list[EncodableT] = [job_id, json.dumps(result), result_ttl, time.time(), ATTEMPT_FIELD, FINAL_FIELD]
     return keys, args
 
 
 def validate_request(fields: dict[str, Any]) -> GenerateRequest:
-    from pydantic import ValidationError
-
     try:
         return GenerateRequest.model_validate(fields)
     except ValidationError as e:
-        from worker.rqjobs import describe_validation_error
-
         raise ValueError("invalid request: " + describe_validation_error(e)) from None
 
 
@@ -275,12 +264,12 @@ class FleetJob:
             if deltas.ended:
                 return
 
-    def result(self, timeout: float | None = 60.0) -> dict[str, Any]:
+    def result(self, timeout: float | None = 60.0) -> JobResult:
         """Block until the job ends; return its one final result or raise JobFailed / JobTimeout.
         Waits through Redis outages (until `timeout`)."""
         for ev in self.events(timeout):
             if ev.kind == "done":
-                return ev.data or {}
+                return JobResult(ev.data or {})
             if ev.kind == "error":
                 raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
         status = self._status_or_unknown()

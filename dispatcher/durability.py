@@ -22,8 +22,8 @@ from typing import Literal
 
 from redis import Redis
 
-from dispatcher.keys import job_key, wake_key
-from dispatcher.reconnect import retry_outage
+from backends.contract.keys import job_key, wake_key
+from backends.contract.retry import retry_outage
 
 Durability = Literal["primary", "replicated"]
 DURABILITY_MODES: tuple[Durability, ...] = ("primary", "replicated")

@@ -1,10 +1,4 @@
-"""The per-job token stream: a Redis Stream at fleet:stream:<job_id>.
-
-Every entry carries the attempt number `a` (1 for the first run; a job that restarts because its
-worker died or its engine failed runs again with the next number). Kinds (`k`):
-    t  text delta (v = text, n = its index within the attempt: 0, 1, 2, ...)
-    d  done       (v = JSON result, the same object job.result() returns)
-    e  error      (v = JSON {"error": reason, ...})
+"""Reading a job's token stream (entries and their codec: backends/contract/stream.py).
 
 What a reader does (read_events):
 - The highest attempt wins. Text of a lower attempt is void: a dead attempt's partial text, or a
@@ -13,69 +7,26 @@ What a reader does (read_events):
 - A text entry whose `n` was already read for its attempt is a duplicate (a worker re-sends a batch
   whose acknowledgement was lost when Redis went away) and is skipped.
 - A job has exactly one final entry (d or e): workers write it only while they still hold the job
-  (worker.claim.commit_held), so a job that was taken over never gets a second one.
+  (worker.endings.commit_held), so a job that was taken over never gets a second one.
 A late subscriber reads from the start, so it gets every token.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from redis import Redis
 
-from dispatcher.keys import ATTEMPT_FIELD, FINAL_FIELD, job_key, stream_key
-from dispatcher.reconnect import OUTAGE_ERRORS, Backoff, retry_outage
-from dispatcher.replies import Fields, as_int, as_str
-
-STREAM_MAXLEN = 20_000  # approximate cap (tokens + markers) of one job's stream
-
-# `restart` is never stored: the reader yields it when a higher attempt replaces text it yielded
-Kind = Literal["text", "done", "error", "restart"]
-_KINDS: dict[bytes, Kind] = {b"t": "text", b"d": "done", b"e": "error"}
-
-
-@dataclass
-class StreamEvent:
-    kind: Kind
-    attempt: int
-    text: str = ""
-    data: dict[str, Any] | None = None  # result (done) or error details (error)
-    seq: int | None = None  # text: index of the delta within its attempt
-
-    @property
-    def final(self) -> bool:
-        return self.kind in ("done", "error")
-
-
-def encode_text(attempt: int, seq: int, text: str) -> Fields:
-    return {"a": attempt, "k": "t", "n": seq, "v": text}
-
-
-def encode_done(attempt: int, result: dict[str, Any]) -> Fields:
-    return {"a": attempt, "k": "d", "v": json.dumps(result)}
-
-
-def encode_error(attempt: int, error: dict[str, Any]) -> Fields:
-    return {"a": attempt, "k": "e", "v": json.dumps(error)}
-
+from backends.contract.keys import ATTEMPT_FIELD, FINAL_FIELD, job_key, stream_key
+from backends.contract.replies import as_int, as_str
+from backends.contract.retry import OUTAGE_ERRORS, Backoff, retry_outage
+from backends.contract.stream import StreamEvent, decode
 
 # One XREAD reply: [(stream key, [(entry id, fields), ...]), ...]
 XreadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
-
-
-def decode(fields: dict[bytes, bytes]) -> StreamEvent:
-    kind = _KINDS[fields[b"k"]]
-    attempt = int(fields[b"a"])
-    value = fields[b"v"].decode()
-    if kind == "text":
-        seq = int(fields[b"n"]) if b"n" in fields else None
-        return StreamEvent(kind, attempt, text=value, seq=seq)
-    return StreamEvent(kind, attempt, data=json.loads(value))
 
 
 def live_attempt(redis: Redis, job_id: str) -> int:

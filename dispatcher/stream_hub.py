@@ -24,10 +24,11 @@ from typing import Any, cast
 
 from redis.asyncio import Redis
 
-from dispatcher.keys import ATTEMPT_FIELD, hub_wake_key, job_key, stream_key
-from dispatcher.reconnect import OUTAGE_ERRORS, Backoff, is_outage, retry_outage_async
-from dispatcher.replies import as_int
-from dispatcher.stream import AttemptFilter, StreamEvent, XreadReply, decode
+from backends.contract.keys import ATTEMPT_FIELD, hub_wake_key, job_key, stream_key
+from backends.contract.replies import as_int
+from backends.contract.retry import OUTAGE_ERRORS, Backoff, is_outage, retry_outage_async
+from backends.contract.stream import StreamEvent, decode
+from dispatcher.stream import AttemptFilter, XreadReply
 
 log = logging.getLogger("fleet.streams")
 WAKE_TTL = 60  # seconds the wake stream outlives the last wake

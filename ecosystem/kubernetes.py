@@ -25,10 +25,10 @@ from urllib.parse import unquote, urlsplit
 
 import yaml
 
-from backends.base import PRIORITIES
 from backends.contract.connect import is_sentinel_url, parse_sentinel_url
-from dispatcher.keys import queue_key, queue_name
-from dispatcher.status import redact_url
+from backends.contract.keys import queue_key, queue_name
+from backends.contract.redact import redact_url
+from backends.contract.schema import PRIORITIES
 from ecosystem.planner import Plan
 from ecosystem.render import STOP_MARGIN
 from ecosystem.sizing import Throughput, queue_target_per_worker, worker_memory_mib

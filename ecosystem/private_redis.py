@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from backends.contract.connect import redis_from_url
-from dispatcher.status import redact_url
+from backends.contract.redact import redact_url
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.settings import BackendSettings
+from backends.registry import BackendSettings
 
 MODEL_MAPPING_MIB = 235.0  # embedded model file, mapped read-only (measured)
 WORKER_OVERHEAD_MIB = 129.0  # everything but weights and KV (measured: extra worker = KV + ~129 MiB)

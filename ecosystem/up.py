@@ -36,6 +36,7 @@ import psutil
 from redis.exceptions import RedisError
 
 from backends.contract.connect import redis_from_url
+from backends.contract.redact import redact_url
 from dispatcher import status as fleet_status
 from ecosystem.planner import Plan
 from ecosystem.private_redis import PrivateRedis, private_redis_for, redis_server_binary
@@ -201,7 +202,7 @@ class Launch:
             "create_time": psutil.Process(self.process.pid).create_time(),
             "daemon": daemon,
             "workers": [w.name for w in self.plan.workers],
-            "redis": fleet_status.redact_url(self.redis_url),
+            "redis": redact_url(self.redis_url),
             "private_redis": self.private is not None,
             "stop_timeout": self.stop_timeout,
         }

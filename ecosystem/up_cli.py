@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from dispatcher.status import redact_url
+from backends.contract.redact import redact_url
 from ecosystem.cli import make_plan, plan_options, plan_settings
 from ecosystem.private_redis import RedisSetupError
 from ecosystem.render import RenderOptions, default_command

@@ -25,11 +25,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from backends.contract.keys import batch_lines_key
 from dispatcher.batch import record
 from dispatcher.batch.submit import BatchSpec, submit_batch
 from dispatcher.client import Fleet
-from dispatcher.keys import batch_lines_key
-from dispatcher.local import RedisServer, start_worker, wait_for
+from ecosystem.local.processes import RedisServer, start_worker, wait_for
 
 
 def batch_lines(n: int, max_tokens: int) -> list[str]:

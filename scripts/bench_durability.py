@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dispatcher import Fleet  # noqa: E402
-from dispatcher.local import RedisServer, wait_for  # noqa: E402
+from ecosystem.local.processes import RedisServer, wait_for  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

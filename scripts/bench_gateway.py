@@ -35,12 +35,12 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dispatcher.bench import PROMPTS, machine_meta  # noqa: E402
-from dispatcher.bench_load import REQUEST_TIMEOUT, FleetTarget, Sample, Target, closed_loop  # noqa: E402
-from dispatcher.bench_report import FLEET, PEER, Run, percentile, summarise, table  # noqa: E402
-from dispatcher.bench_workloads import unmeasured  # noqa: E402
-from dispatcher.local import RedisServer, start_worker  # noqa: E402
-from dispatcher.local_llama_server import start_llama_server  # noqa: E402
+from ecosystem.local.bench import PROMPTS, machine_meta  # noqa: E402
+from ecosystem.local.bench_load import REQUEST_TIMEOUT, FleetTarget, Sample, Target, closed_loop  # noqa: E402
+from ecosystem.local.bench_report import FLEET, PEER, Run, percentile, summarise, table  # noqa: E402
+from ecosystem.local.bench_workloads import unmeasured  # noqa: E402
+from ecosystem.local.llama_server import start_llama_server  # noqa: E402
+from ecosystem.local.processes import RedisServer, start_worker  # noqa: E402
 from tests.gateway_harness import start_gateway, wait_until_healthy  # noqa: E402
 
 

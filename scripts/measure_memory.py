@@ -49,7 +49,7 @@ import sys
 import llama_cpp as ll
 import backends.llamacpp.model as loaded_model
 import dispatcher.cli, worker.main
-from backends import make_backend
+from backends.registry import make_backend
 from worker.settings import load_settings
 
 @ll.llama_log_callback

@@ -29,10 +29,10 @@ from redis import Redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from backends.contract.keys import queue_names, worker_key  # noqa: E402
+from backends.contract.replies import as_str  # noqa: E402
 from dispatcher import Fleet  # noqa: E402
-from dispatcher.keys import queue_names, worker_key  # noqa: E402
-from dispatcher.local import RedisServer, start_worker  # noqa: E402
-from dispatcher.replies import as_str  # noqa: E402
+from ecosystem.local.processes import RedisServer, start_worker  # noqa: E402
 
 RESULT_TTL = 30
 
@@ -89,8 +89,8 @@ def job_run(rs: RedisServer, logs: Path, n_jobs: int) -> dict[str, Any]:
 
 
 def reap_with_a_million_keys(rs: RedisServer, logs: Path) -> dict[str, Any]:
-    from tests.lossy import inproc_worker
     from worker.heartbeat import Heartbeat
+    from worker.inprocess import fake_worker as inproc_worker
     from worker.reaper import Reaper
 
     r = rs.client()

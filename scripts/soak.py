@@ -23,9 +23,9 @@ from typing import Any
 
 import psutil
 
+from backends.contract.keys import inflight_key, queue_key, queue_names, worker_key
 from dispatcher import Fleet, FleetJob, JobFailed
-from dispatcher.keys import inflight_key, queue_key, queue_names, worker_key
-from dispatcher.local import RedisServer, start_worker
+from ecosystem.local.processes import RedisServer, start_worker
 
 TOPICS = ["rain", "bread", "stars", "rivers", "clocks", "salt", "wolves", "paper"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backends.base import GenerateRequest, Sampling, SamplingDefaults
+from backends.contract.schema import GenerateRequest, Sampling, SamplingDefaults
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, StepPlan
 from backends.llamacpp.state import ActiveJob

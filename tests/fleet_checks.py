@@ -9,10 +9,10 @@ from typing import Any
 import psutil
 from redis import Redis
 
+from backends.contract.keys import stream_key
 from dispatcher import Fleet
 from dispatcher import status as fleet_status
 from dispatcher.client import FleetJob
-from dispatcher.keys import stream_key
 from tests.harness import wait_for
 
 

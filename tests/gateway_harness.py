@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from dispatcher.local import free_port
+from ecosystem.local.processes import free_port
 from tests.harness import ROOT, wait_for, worker_env
 
 

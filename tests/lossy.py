@@ -1,6 +1,6 @@
 """Test helpers for issue 10's defects: a TCP proxy in front of a real redis-server that loses the
 reply to a chosen command (the command reaches Redis and applies; the client's connection is cut
-before the reply), and in-process workers on the fake engine driven turn by turn."""
+before the reply), and a driver for in-process workers (worker/inprocess.py) turn by turn."""
 
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis import Redis
-
-from backends.fake import FakeBackend
-from dispatcher.keys import worker_key
+from worker.inprocess import fake_worker, worker_client  # noqa: F401  (re-exported for the tests)
 from worker.loop import FleetWorker
-from worker.settings import FleetSettings
 
 
 class LossyProxy:
@@ -92,22 +88,7 @@ def _close(*socks: socket.socket) -> None:
         s.close()
 
 
-def worker_client(url: str) -> Redis:
-    """A client made the way `fleet worker` makes its own (dispatcher/cli.py), redis-py's default
-    retries included."""
-    return Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, socket_keepalive=True,
-                          health_check_interval=30)
-
-
-def inproc_worker(url: str, name: str, *, slots: int = 4, fail_after: int | None = None,
-                  alive: Redis | None = None, **settings: Any) -> FleetWorker:
-    """A FleetWorker on the fake engine, in this process. `alive`: mark it live in Redis (its
-    status key), as its heartbeat would."""
-    s = FleetSettings(redis_url=url, name=name, backend={"type": "fake", "slots": slots}, **settings)
-    fw = FleetWorker(s, FakeBackend(s.backend, fail_after=fail_after), worker_client(url), name)
-    if alive is not None:
-        alive.set(worker_key(name), "{}", px=600_000)
-    return fw
+inproc_worker = fake_worker  # the name the defect tests use
 
 
 def run_until(workers: list[FleetWorker], done: Callable[[], Any], timeout: float = 30,

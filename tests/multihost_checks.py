@@ -14,8 +14,8 @@ from typing import Any
 
 from redis import Redis
 
+from backends.contract.keys import worker_key
 from dispatcher import Fleet, FleetJob
-from dispatcher.keys import worker_key
 from tests.harness import ROOT, WorkerProcess, wait_for, worker_env
 from tests.netns import NetLab
 from tests.reliability_checks import stream_events

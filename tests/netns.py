@@ -30,7 +30,8 @@ from typing import Any
 
 from redis import Redis
 
-from dispatcher.local import redis_server_binary, wait_for
+from ecosystem.local.processes import wait_for
+from ecosystem.private_redis import redis_server_binary
 
 PREFIX = "lfnet"  # every lab namespace is lfnet<pid>-<role>
 REDIS_PORT = 6379

@@ -1,4 +1,4 @@
-"""Real servers for the HTTP-backend tests: a llama-server process (dispatcher.local_llama_server,
+"""Real servers for the HTTP-backend tests: a llama-server process (ecosystem.local.llama_server,
 built by scripts/build-llama-server, cached) and the in-process Ollama-API test server, both on the
 real model.
 
@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 
 from backends.model import default_model_path
-from dispatcher.local import ROOT, free_port
-from dispatcher.local_llama_server import LlamaServer, llama_server_binary, start_llama_server
+from ecosystem.local.llama_server import LlamaServer, llama_server_binary, start_llama_server
+from ecosystem.local.processes import free_port
+from tests.harness import ROOT
 
 __all__ = ["ROOT", "LlamaServer", "free_port", "llama_server", "llama_server_binary", "model_path"]
 

@@ -14,9 +14,11 @@ from typing import Any
 
 from redis import Redis
 
-from dispatcher import FleetJob, stream
-from dispatcher.keys import inflight_key, stream_key
-from dispatcher.local import free_port, redis_server_binary
+from backends.contract import stream
+from backends.contract.keys import inflight_key, stream_key
+from dispatcher import FleetJob
+from ecosystem.local.processes import free_port
+from ecosystem.private_redis import redis_server_binary
 from tests.harness import RedisServer, WorkerProcess, start_worker, wait_for
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from redis import Redis
 
-from dispatcher.local import free_port, redis_server_binary, wait_for
+from ecosystem.local.processes import free_port, wait_for
+from ecosystem.private_redis import redis_server_binary
 
 SERVICE = "fleet"
 DOWN_AFTER_MS = 1000  # how long a primary may be silent before a Sentinel calls it down

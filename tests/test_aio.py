@@ -13,9 +13,9 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from backends.contract.keys import ATTEMPT_FIELD, job_key, queue_key
 from dispatcher import Fleet, JobFailed, JobRestarted
 from dispatcher.aio import AsyncFleet
-from dispatcher.keys import ATTEMPT_FIELD, job_key, queue_key
 from tests.test_producer import done, write
 
 

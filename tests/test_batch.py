@@ -15,8 +15,8 @@ import pytest
 from openai import OpenAI
 from redis import Redis
 
+from backends.contract.keys import batch_key, queue_key
 from dispatcher.batch.record import read_state
-from dispatcher.keys import batch_key, queue_key
 from tests.gateway_harness import Gateways, wait_until_healthy
 from tests.harness import ROOT, wait_for, worker_env
 

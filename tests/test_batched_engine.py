@@ -7,10 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from backends.base import Done, Event, Failed, GenerateRequest, JobRejected, Token
+from backends.base import Done, Event, Failed, JobRejected, Token
+from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp.invariance import FA_TILE_ROWS
-from worker.settings import BackendSettings
+from backends.registry import BackendSettings
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dispatcher.bench import bench
-from dispatcher.bench_load import Sample
-from dispatcher.bench_report import FLEET, PEER, Run, percentile, ratios, summaries
+from ecosystem.local.bench import bench
+from ecosystem.local.bench_load import Sample
+from ecosystem.local.bench_report import FLEET, PEER, Run, percentile, ratios, summaries
 
 
 def test_percentile_interpolates_like_numpy() -> None:

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from dispatcher.bench import PROMPTS, bench
-from dispatcher.bench_report import FLEET, PEER
-from dispatcher.bench_workloads import (
+from ecosystem.local.bench import PROMPTS, bench
+from ecosystem.local.bench_report import FLEET, PEER
+from ecosystem.local.bench_workloads import (
     GROUNDED_MAX_TOKENS,
     GROUNDED_PASSAGE_TOKENS,
     MIXED_OUTPUT_TOKENS,

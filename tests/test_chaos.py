@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
+from backends.contract.keys import ATTEMPT_FIELD, job_key
 from dispatcher import Fleet
-from dispatcher.keys import ATTEMPT_FIELD, job_key
 from tests.harness import RedisServer, wait_for
 from tests.reliability_checks import (
     BackgroundResults,

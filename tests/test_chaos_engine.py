@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
+from backends.contract.keys import worker_key
 from dispatcher import Fleet, JobFailed
-from dispatcher.keys import worker_key
-from dispatcher.local import free_port
-from dispatcher.local_llama_server import start_llama_server
+from ecosystem.local.llama_server import start_llama_server
+from ecosystem.local.processes import free_port
 from tests.reliability_checks import assert_exactly_one_final, fleet_workers, wait_streaming
 
 pytestmark = pytest.mark.timeout(240)

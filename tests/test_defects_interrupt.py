@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import pytest
 from redis import Redis
 
+from backends.contract.keys import job_key
+from backends.contract.replies import as_str
 from dispatcher import Fleet
-from dispatcher.keys import job_key
-from dispatcher.local import ROOT
-from dispatcher.replies import as_str
+from tests.harness import ROOT
 from tests.lossy import inproc_worker, long_prompt
 from worker.loop import FleetWorker
 

@@ -12,9 +12,9 @@ from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from backends.contract.keys import JOB_FUNCTION, job_key, stream_key
+from backends.contract.replies import as_str
 from dispatcher import Fleet, JobFailed
-from dispatcher.keys import JOB_FUNCTION, job_key, stream_key
-from dispatcher.replies import as_str
 from ecosystem.private_redis import PrivateRedis
 from tests.harness import wait_for
 from tests.lossy import long_prompt
@@ -80,7 +80,7 @@ def test_a_heartbeat_racing_the_final_write_does_not_bring_the_execution_back(re
     execution: RQ's Execution.heartbeat() re-created it with a 10-minute TTL."""
     from rq.worker import Worker
 
-    from dispatcher.keys import queue_names
+    from backends.contract.keys import queue_names
     from tests.lossy import inproc_worker, run_until
     from tests.reliability_checks import final_entries
     from worker.heartbeat import Heartbeat

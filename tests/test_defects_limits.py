@@ -10,9 +10,9 @@ import zlib
 import pytest
 from redis import Redis
 
+from backends.contract.keys import JOB_FUNCTION, job_key
 from backends.fake import FakeBackend
 from dispatcher import Fleet, JobFailed
-from dispatcher.keys import JOB_FUNCTION, job_key
 from tests.lossy import inproc_worker, run_until, worker_client
 from tests.reliability_checks import final_entries
 from worker.loop import FleetWorker

@@ -12,8 +12,8 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from backends.contract.keys import ATTEMPT_FIELD, JOB_FUNCTION, inflight_key, job_key, queue_key
 from dispatcher import Fleet
-from dispatcher.keys import ATTEMPT_FIELD, JOB_FUNCTION, inflight_key, job_key, queue_key
 from tests.lossy import LossyProxy, inproc_worker, long_prompt, run_until
 from tests.reliability_checks import assert_exactly_one_final, final_entries, stream_events
 from worker.reaper import Reaper
@@ -66,8 +66,8 @@ def test_lost_requeue_reply_leaves_no_rq_execution(redis_server: Any, redis: Red
     proxy = LossyProxy(redis_server.port)
     job = Fleet(redis_server.url).submit(prompt=long_prompt(20), max_tokens=20)
     fw = inproc_worker(proxy.url, "r1", fail_after=3)
-    redis.script_load(fw.claimer._requeue.script)  # EVALSHA runs (a NOSCRIPT reply lost would not)
-    proxy.lose_reply(fw.claimer._requeue.sha.encode(), times=4)
+    redis.script_load(fw.writes.requeue_script.script)  # EVALSHA runs (a NOSCRIPT reply lost would not)
+    proxy.lose_reply(fw.writes.requeue_script.sha.encode(), times=4)
     run_until([fw], lambda: redis.lrange(queue_key(QUEUE), 0, -1) == [job.id.encode()] and not fw.to_requeue,
               30, "the job back in its queue")
     assert proxy.lost >= 1
@@ -106,7 +106,7 @@ def test_a_restart_marker_never_lowers_the_attempt(redis_url: str, redis: Redis)
     redis.hset(job_key(job.id), ATTEMPT_FIELD, 5)  # someone moved the job on to attempt 6
     claimed.attempt, claimed.attempt_dirty, claimed.unsent = 2, True, ["late"]
     with redis.pipeline(transaction=False) as pipe:
-        endings.write_text(claimed, pipe, fw.claimer.text_writer(), "m1")
+        endings.write_text(claimed, pipe, fw.writes.text_script, "m1")
         pipe.execute()
     assert redis.hget(job_key(job.id), ATTEMPT_FIELD) == b"5"
 

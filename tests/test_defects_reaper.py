@@ -12,8 +12,8 @@ from redis import Redis
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from backends.contract.keys import queue_names, worker_key
 from dispatcher import Fleet, JobFailed
-from dispatcher.keys import queue_names, worker_key
 from tests.lossy import inproc_worker, long_prompt, run_until
 from tests.reliability_checks import final_entries
 from worker.heartbeat import Heartbeat

@@ -14,8 +14,8 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from backends.contract.keys import job_key
 from dispatcher import Fleet, JobFailed
-from dispatcher.keys import job_key
 from tests.lossy import inproc_worker, long_prompt, run_until
 from tests.reliability_checks import assert_exactly_one_final, final_entries, fleet_workers
 

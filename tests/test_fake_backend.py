@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from backends import make_backend
-from backends.base import Backend, Done, Event, GenerateRequest, Message, Token
+from backends.base import Backend, Done, Event, Token
+from backends.contract.schema import GenerateRequest, Message
 from backends.fake import FakeBackend
-from worker.settings import BackendSettings
+from backends.registry import BackendSettings, make_backend
 
 
 def run(backend: FakeBackend, max_steps: int = 100) -> list[Event]:

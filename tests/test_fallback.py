@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
-from backends import make_backend
-from backends.base import Backend, BackendUnavailable, Done, Event, Failed, GenerateRequest, Restarted, Token
+from backends.base import Backend, BackendUnavailable, Done, Event, Failed, Restarted, Token
+from backends.contract.schema import GenerateRequest
 from backends.fake import FakeBackend
 from backends.fallback import FallbackBackend, backoff_delay
-from worker.settings import BackendSettings
+from backends.registry import BackendSettings, make_backend
 
 
 class Clock:

@@ -8,8 +8,8 @@ from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from backends.contract.keys import JOB_FUNCTION
 from dispatcher import Fleet
-from dispatcher.keys import JOB_FUNCTION
 from tests.harness import ROOT
 
 

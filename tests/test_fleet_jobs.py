@@ -14,8 +14,8 @@ from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from backends.contract.keys import JOB_FUNCTION, queue_key
 from dispatcher import Fleet, JobFailed
-from dispatcher.keys import JOB_FUNCTION, queue_key
 from tests.harness import ROOT, wait_for
 
 LONG = 150  # tokens: long enough to still be running when we act on it

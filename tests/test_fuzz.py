@@ -19,9 +19,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis import Redis
 
+from backends.contract.keys import (
+    ATTEMPT_FIELD,
+    JOB_FUNCTION,
+    job_key,
+    queue_key,
+    stream_key,
+    wake_key,
+    worker_key,
+)
+from backends.contract.stream import decode
 from dispatcher import Fleet
-from dispatcher.keys import ATTEMPT_FIELD, JOB_FUNCTION, job_key, queue_key, stream_key, wake_key, worker_key
-from dispatcher.stream import decode
 from tests.reliability_checks import fleet_workers
 
 pytestmark = pytest.mark.timeout(240)

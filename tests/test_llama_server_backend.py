@@ -11,11 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.base import BackendUnavailable, Done, Event, Failed, GenerateRequest, Message, Restarted, Token
+from backends.base import BackendUnavailable, Done, Event, Failed, Restarted, Token
+from backends.contract.schema import GenerateRequest, Message
 from backends.fallback import FallbackBackend
 from backends.llama_server import LlamaServerBackend
+from backends.registry import BackendSettings
 from tests.real_servers import LlamaServer, free_port, llama_server, model_path
-from worker.settings import BackendSettings
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -226,7 +227,7 @@ def test_server_killed_mid_job_fails_retryable_then_fallback_reruns_it(tmp_path:
                 endpoint=victim.url,
                 fallback=[BackendSettings(type="ollama", endpoint=ollama.url, model="gemma3:270m")],
             )
-            from backends import make_backend
+            from backends.registry import make_backend
 
             chain = make_backend(settings)
             assert isinstance(chain, FallbackBackend)

@@ -12,8 +12,8 @@ import pytest
 from redis import Redis
 
 from dispatcher import Fleet
-from dispatcher.local import free_port
 from dispatcher.observe import snapshot
+from ecosystem.local.processes import free_port
 from tests.harness import ROOT, wait_for
 from tests.observe_helpers import cli_env, collect, fleet, fleet_json, scrape, value
 

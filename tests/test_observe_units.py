@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dispatcher.bench_html import write_html
-from dispatcher.bench_load import Sample
-from dispatcher.bench_report import FLEET, PEER, Run, summaries
 from dispatcher.observe import history, schema
+from ecosystem.local.bench_html import write_html
+from ecosystem.local.bench_load import Sample
+from ecosystem.local.bench_report import FLEET, PEER, Run, summaries
 
 
 def test_buckets_count_each_observation_once_and_cumulate_for_prometheus() -> None:

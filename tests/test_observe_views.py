@@ -20,8 +20,8 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 from dispatcher import Fleet
-from dispatcher.local import free_port
 from dispatcher.observe.dashboard import dashboard_app
+from ecosystem.local.processes import free_port
 from tests.harness import ROOT, wait_for
 from tests.observe_helpers import cli_env, collect
 

@@ -10,20 +10,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from backends.base import (
-    BackendUnavailable,
-    Done,
-    Event,
-    Failed,
-    GenerateRequest,
-    Message,
-    SamplingDefaults,
-    Token,
-)
+from backends.base import BackendUnavailable, Done, Event, Failed, Token
+from backends.contract.schema import GenerateRequest, Message, SamplingDefaults
 from backends.ollama import OllamaBackend
+from backends.registry import BackendSettings
 from tests.ollama_api_server import BUSY_ERROR, RUNNER_ERROR, OllamaApiServer, serve
 from tests.real_servers import free_port, model_path
-from worker.settings import BackendSettings
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "gemma3:270m"

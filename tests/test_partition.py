@@ -18,16 +18,10 @@ from pathlib import Path
 
 from redis import Redis
 
-from dispatcher import Fleet, stream
-from dispatcher.keys import inflight_key, stream_key, worker_key
-from tests.multihost_checks import (
-    Timeline,
-    ended,
-    final_counts,
-    late_text,
-    start_worker_in,
-    submit_all,
-)
+from backends.contract import stream
+from backends.contract.keys import inflight_key, stream_key, worker_key
+from dispatcher import Fleet
+from tests.multihost_checks import Timeline, ended, final_counts, late_text, start_worker_in, submit_all
 from tests.netns import NetLab, RedisInNamespace
 from tests.reliability_checks import held
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
+from backends.contract.keys import inflight_key, queue_key, queue_name
 from dispatcher import Fleet
-from dispatcher.keys import inflight_key, queue_key, queue_name
 from ecosystem.planner import Plan, plan
 from ecosystem.render import RenderOptions, default_command, render_pm2
 from ecosystem.topology import read_topology

@@ -14,9 +14,9 @@ from redis import Redis
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from backends.contract.keys import ATTEMPT_FIELD, job_key, queue_key, stream_key
+from backends.contract.stream import encode_done, encode_text
 from dispatcher import Fleet, JobRestarted, JobTimeout
-from dispatcher.keys import ATTEMPT_FIELD, job_key, queue_key, stream_key
-from dispatcher.stream import encode_done, encode_text
 from tests.harness import RedisServer
 from tests.reliability_checks import start_guarded_redis
 

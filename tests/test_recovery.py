@@ -12,9 +12,9 @@ from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from dispatcher import Fleet, JobFailed
-from dispatcher.keys import (
+from backends.contract.keys import (
     ATTEMPT_FIELD,
+    DIED_ON_FIELD,
     JOB_FUNCTION,
     WORKERS_SET,
     inflight_key,
@@ -22,9 +22,9 @@ from dispatcher.keys import (
     queue_key,
     worker_key,
 )
+from dispatcher import Fleet, JobFailed
 from tests.harness import wait_for
 from tests.reliability_checks import assert_exactly_one_final, fleet_workers, held, streaming, wait_streaming
-from worker.claim import DIED_ON_FIELD
 
 pytestmark = pytest.mark.timeout(180)
 QUEUE = "llm:default"

@@ -19,10 +19,10 @@ from rq import Callback, Queue
 from rq.serializers import JSONSerializer
 from rq.webhook import Webhook
 
+from backends.contract.keys import JOB_FUNCTION, job_key, queue_key
+from backends.contract.redact import redact_url
 from dispatcher import Fleet, JobFailed
-from dispatcher.keys import JOB_FUNCTION, job_key, queue_key
-from dispatcher.local import free_port
-from dispatcher.status import redact_url
+from ecosystem.local.processes import free_port
 from tests.harness import ROOT, worker_env
 from tests.reliability_checks import fleet_workers, start_guarded_redis
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from backends.contract.connect import redis_from_url
+from backends.contract.keys import worker_key
 from dispatcher import Fleet, FleetJob
-from dispatcher.keys import worker_key
 from tests.multihost_checks import WORDS_PER_JOB, Timeline, final_counts, prompt, start_worker_in
 from tests.reliability_checks import stream_events
 from tests.sentinel import SentinelCluster

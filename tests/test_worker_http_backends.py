@@ -17,8 +17,8 @@ import httpx
 import pytest
 from redis import Redis
 
+from backends.contract.keys import stream_key
 from dispatcher import Fleet, JobFailed
-from dispatcher.keys import stream_key
 from tests.harness import ROOT, WorkerProcess, wait_for
 from tests.ollama_api_server import OllamaApiServer, serve
 from tests.real_servers import LlamaServer, llama_server, model_path

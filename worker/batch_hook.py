@@ -9,8 +9,8 @@ import time
 
 from redis.client import Pipeline
 
+from backends.contract.keys import BATCH_JOB_PREFIX
 from dispatcher.batch.record import record_end
-from dispatcher.keys import BATCH_JOB_PREFIX
 from worker.rqjobs import ClaimedJob
 
 

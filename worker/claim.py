@@ -7,40 +7,30 @@ a queue, or a worker's in-flight list (where the reaper finds it if the worker d
 
 The claim script also takes ownership (`fleet_owner` in the job hash, and the worker's name in
 the reaper's owners index) in the same step, refusing a second copy of an id someone holds.
-Every way out of an in-flight list is atomic and checks the id is still there: a requeue (Lua),
-and a final result (`commit_held`: MULTI/EXEC under WATCH); so is every other write about a job
-(its start, its text). So when the reaper takes a job from a worker it thought dead (say, one cut
-off from Redis for a while), nothing that worker writes about it lands: not its status, not its
-text, not a second final result.
+Every way out of an in-flight list (a requeue, a final result) and every other write about a
+job (its start, its text) checks the id is still there: those writes are in worker/endings.py.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from redis.commands.core import Script
-from redis.exceptions import ResponseError, WatchError
 
-from dispatcher.keys import (
+from backends.contract.keys import (
     ATTEMPT_FIELD,
-    DRAINS_FIELD,
-    EXECUTION_FIELD,
     FINAL_FIELD,
     OWNER_FIELD,
     OWNERS_SET,
     inflight_key,
-    job_key,
     queue_key,
 )
-from dispatcher.replies import as_str
 
 log = logging.getLogger("fleet.worker")
 
-DIED_ON_FIELD = "fleet_died_on"  # job hash: workers that died running it, comma-separated
 
 # Ownership is taken here, in the same script that moves the id, so two workers can never both
 # start one id (issue 10, defect 3): an id whose job hash names a live holder (its owner's
@@ -113,68 +103,6 @@ if claimed > 0 then redis.call('SADD', KEYS[2], me) end
 return out
 """
 
-# KEYS: inflight, queue, job hash, wip registry of the queue
-# ARGV: job id, bump attempt (0/1), attempt field, died-on field, name of the dead worker ('' if
-# none), owner field, drains field, counted (0: a drain hand-back, not a failure), execution field
-# Back to the FRONT of its queue (it already waited its turn), owner cleared and the attempt's RQ
-# execution removed in the same step (defect 5). Returns the new attempt count (or -1 if the id
-# was no longer in flight: someone else requeued or finished it).
-_REQUEUE = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return -1 end
-redis.call('LPUSH', KEYS[2], ARGV[1])
-if redis.call('TYPE', KEYS[3]).ok ~= 'hash' then return 0 end
-redis.call('HSET', KEYS[3], 'status', 'queued')
-redis.call('HDEL', KEYS[3], ARGV[6])
-local ex = redis.call('HGET', KEYS[3], ARGV[9])
-if ex then
-  redis.call('ZREM', KEYS[4], ex)
-  redis.call('DEL', 'rq:execution:' .. ex)
-  redis.call('ZREM', 'rq:executions:' .. ARGV[1], string.sub(ex, #ARGV[1] + 2))
-  redis.call('HDEL', KEYS[3], ARGV[9])
-end
-if ARGV[5] ~= '' then
-  local before = redis.call('HGET', KEYS[3], ARGV[4])
-  redis.call('HSET', KEYS[3], ARGV[4], before and (before .. ',' .. ARGV[5]) or ARGV[5])
-end
-if ARGV[2] == '1' then
-  if ARGV[8] == '0' then redis.call('HINCRBY', KEYS[3], ARGV[7], 1) end
-  return redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
-end
-return tonumber(redis.call('HGET', KEYS[3], ARGV[3]) or '0') or 0
-"""
-
-# Text deltas (and a restart's new attempt number) are written only while this worker owns the
-# job (defect 10); the attempt number only ever goes up.
-# KEYS: job hash, stream   ARGV: worker name, owner field, attempt field, attempt, first index,
-# maxlen, text1, text2, ...   Returns how many deltas were written, or -1 (not the owner).
-_WRITE_TEXT = """
-if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return -1 end
-local attempt = tonumber(ARGV[4])
-local stored = tonumber(redis.call('HGET', KEYS[1], ARGV[3]) or '0') or 0
-if stored < attempt - 1 then redis.call('HSET', KEYS[1], ARGV[3], attempt - 1) end
-local seq = tonumber(ARGV[5])
-for i = 7, #ARGV do
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'a', attempt, 'k', 't', 'n', seq, 'v', ARGV[i])
-  seq = seq + 1
-end
-return #ARGV - 6
-"""
-
-# KEYS: lock   ARGV: owner. Release a lock only if we still own it.
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
-class Contended(Exception):
-    """The in-flight list kept changing under a final write; try again on the next flush."""
-
-
-class NotHeld(Exception):
-    """The job is no longer in this worker's in-flight list (the reaper took it)."""
-
-
 FAIR_EVERY = 8  # the claim script's fairness cycle (picks)
 
 
@@ -185,8 +113,6 @@ class Claimer:
         self.inflight = inflight_key(worker_name)
         self.queue_keys = [queue_key(q) for q in queues]
         self._claim = redis.register_script(_CLAIM)
-        self._requeue = redis.register_script(_REQUEUE)
-        self._write_text = redis.register_script(_WRITE_TEXT)
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
         self.server_ms = 0  # Redis server time of the last claim
 
@@ -213,86 +139,3 @@ class Claimer:
     def drop(self, job_id: str | bytes, pipe: Redis | Pipeline | None = None) -> None:
         """Let go of one entry without a result (a duplicate claim, or a job that already ended)."""
         (pipe or self.redis).lrem(self.inflight, 1, job_id)  # type: ignore[arg-type]
-
-    def requeue(self, job_id: str, queue: str, *, bump_attempt: bool, counted: bool = True) -> int:
-        return requeue(self._requeue, self.inflight, job_id, queue, bump_attempt=bump_attempt,
-                       counted=counted)
-
-    def text_writer(self) -> Script:
-        return self._write_text
-
-    def commit_held(self, job_ids: Sequence[str], write: Callable[[Pipeline, str], None],
-                    release: bool = True, seen: Callable[[str, str | None], None] | None = None) -> set[str]:
-        return commit_held(self.redis, self.inflight, job_ids, write, release=release, seen=seen)
-
-
-def requeue_script(redis: Redis) -> Script:
-    return redis.register_script(_REQUEUE)
-
-
-def unlock_script(redis: Redis) -> Script:
-    return redis.register_script(_UNLOCK)
-
-
-def requeue(script: Script, inflight: str, job_id: str, queue: str, *, bump_attempt: bool,
-            died_on: str = "", counted: bool = True) -> int:
-    """Move `job_id` from `inflight` back to the front of `queue`; -1 if it was no longer there.
-    `died_on` names a dead worker to remember in the job hash (for the final failure reason);
-    `counted=False`: a drain hand-back, which does not use up one of the job's max_attempts."""
-    args: list[Any] = [job_id, "1" if bump_attempt else "0", ATTEMPT_FIELD, DIED_ON_FIELD, died_on,
-                       OWNER_FIELD, DRAINS_FIELD, "1" if counted else "0", EXECUTION_FIELD]
-    keys = [inflight, queue_key(queue), job_key(job_id), wip_key(queue)]
-    return int(script(keys=keys, args=args))
-
-
-def wip_key(queue: str) -> str:
-    """RQ's started registry of a queue (members: <job id>:<execution id>)."""
-    return f"rq:wip:{queue}"
-
-
-def commit_held(redis: Redis, inflight: str, job_ids: Sequence[str],
-                write: Callable[[Pipeline, str], None], tries: int = 5, release: bool = True,
-                seen: Callable[[str, str | None], None] | None = None) -> set[str]:
-    """For each id still in `inflight`: queue `write(pipe, id)` (and, with `release`, drop the id
-    from the list and clear its owner), all in one MULTI/EXEC that applies only if the list did
-    not change meanwhile. Returns the ids written; the others were taken away (requeued by a
-    reaper) and get nothing. Raises Contended if the list kept changing for `tries` rounds.
-    `seen(id, status)`: the job hashes are watched too, and each one's RQ status is reported
-    before its write is queued (so RQ's job.cancel() cannot slip in between: defect 4)."""
-    with redis.pipeline(transaction=True) as pipe:
-        for _ in range(tries):
-            try:
-                pipe.watch(inflight)
-                present = {as_str(x) for x in pipe.lrange(inflight, 0, -1)}
-                mine = [j for j in dict.fromkeys(job_ids) if j in present]
-                if seen is not None and mine:
-                    pipe.watch(*(job_key(j) for j in mine))
-                    for job_id in mine:
-                        seen(job_id, as_str(_status_of(pipe, job_id)))
-                pipe.multi()
-                for job_id in mine:
-                    write(pipe, job_id)
-                    if release:
-                        pipe.lrem(inflight, 1, job_id)
-                        pipe.hdel(job_key(job_id), OWNER_FIELD)
-                replies = pipe.execute(raise_on_error=False)
-            except WatchError:
-                continue
-            log_refusals(replies, f"a write for {inflight}")
-            return set(mine)
-    raise Contended(f"{inflight} kept changing during {tries} tries")
-
-
-def _status_of(pipe: Pipeline, job_id: str) -> Any:
-    try:
-        return pipe.hget(job_key(job_id), "status")
-    except ResponseError:  # not a hash: the write records the failure plainly
-        return None
-
-
-def log_refusals(replies: list[Any], what: str) -> None:
-    """Commands Redis refused inside an applied MULTI or pipeline (e.g. WRONGTYPE on a tampered
-    key): the others applied, so these are reported, not retried."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            log.warning("%s was partly refused by Redis: %s", what, reply)

@@ -1,68 +1,252 @@
-"""What the loop writes for a job: its text deltas, and its one final entry with the RQ
-bookkeeping that goes with it. Pure pipeline writers; when and whether they run (only while the
-worker still holds the job) is the loop's business (worker/loop.py, worker/claim.py)."""
+"""Every write that starts, ends or restarts an attempt of a job, fenced by ownership.
+
+Who holds a job is the in-flight list it is in (worker/claim.py). Every write here applies only
+while the job is still in this worker's list (or, for text, while the job hash names this worker
+its owner), so when the reaper took a job from a worker it thought dead (say, one cut off from
+Redis for a while), nothing that worker writes about it lands: not its start, not its text, not a
+second final result (docs/reliability.md, defect 10):
+
+- the start (RQ's started status and execution, the history) — `AttemptWriter.start`;
+- text deltas, numbered, so a re-send after a lost reply is recognised (`_WRITE_TEXT`);
+- the one final entry with RQ's record of it, in a MULTI under WATCH (`commit_held`);
+- a hand-back to the front of the queue for another attempt (`REQUEUE_LUA`), with its history line;
+- the refusal of an id that is not text.
+
+The endings themselves are built here too (`finished`, `cancelled`, `gave_up`): the loop decides
+when a job ends, this module decides what its ending says.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from redis import Redis
 from redis.client import Pipeline
 from redis.commands.core import Script
+from redis.exceptions import ResponseError, WatchError
 
 from backends.base import Done
-from dispatcher import stream
-from dispatcher.keys import (
+from backends.contract import stream
+from backends.contract.keys import (
     ATTEMPT_FIELD,
+    DIED_ON_FIELD,
+    DRAINS_FIELD,
+    EXECUTION_FIELD,
     FINAL_FIELD,
     OWNER_FIELD,
     cancel_key,
     executions_key,
+    inflight_key,
     job_key,
+    queue_key,
     results_key,
+    started_registry_key,
     stream_key,
 )
+from backends.contract.replies import as_str
+from backends.contract.schema import job_result
 from worker import batch_hook, facts, rqjobs
-from worker.rqjobs import ClaimedJob
+from worker.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.worker")
 
+# KEYS: inflight, queue, job hash, wip registry of the queue
+# ARGV: job id, bump attempt (0/1), attempt field, died-on field, name of the dead worker ('' if
+# none), owner field, drains field, counted (0: a drain hand-back, not a failure), execution field
+# Back to the FRONT of its queue (it already waited its turn), owner cleared and the attempt's RQ
+# execution removed in the same step (defect 5). Returns the new attempt count (or -1 if the id
+# was no longer in flight: someone else requeued or finished it).
+REQUEUE_LUA = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return -1 end
+redis.call('LPUSH', KEYS[2], ARGV[1])
+if redis.call('TYPE', KEYS[3]).ok ~= 'hash' then return 0 end
+redis.call('HSET', KEYS[3], 'status', 'queued')
+redis.call('HDEL', KEYS[3], ARGV[6])
+local ex = redis.call('HGET', KEYS[3], ARGV[9])
+if ex then
+  redis.call('ZREM', KEYS[4], ex)
+  redis.call('DEL', 'rq:execution:' .. ex)
+  redis.call('ZREM', 'rq:executions:' .. ARGV[1], string.sub(ex, #ARGV[1] + 2))
+  redis.call('HDEL', KEYS[3], ARGV[9])
+end
+if ARGV[5] ~= '' then
+  local before = redis.call('HGET', KEYS[3], ARGV[4])
+  redis.call('HSET', KEYS[3], ARGV[4], before and (before .. ',' .. ARGV[5]) or ARGV[5])
+end
+if ARGV[2] == '1' then
+  if ARGV[8] == '0' then redis.call('HINCRBY', KEYS[3], ARGV[7], 1) end
+  return redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+end
+return tonumber(redis.call('HGET', KEYS[3], ARGV[3]) or '0') or 0
+"""
+
+# Text deltas (and a restart's new attempt number) are written only while this worker owns the
+# job (defect 10); the attempt number only ever goes up.
+# KEYS: job hash, stream   ARGV: worker name, owner field, attempt field, attempt, first index,
+# maxlen, text1, text2, ...   Returns how many deltas were written, or -1 (not the owner).
+_WRITE_TEXT = """
+if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return -1 end
+local attempt = tonumber(ARGV[4])
+local stored = tonumber(redis.call('HGET', KEYS[1], ARGV[3]) or '0') or 0
+if stored < attempt - 1 then redis.call('HSET', KEYS[1], ARGV[3], attempt - 1) end
+local seq = tonumber(ARGV[5])
+for i = 7, #ARGV do
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'a', attempt, 'k', 't', 'n', seq, 'v', ARGV[i])
+  seq = seq + 1
+end
+return #ARGV - 6
+"""
+
+
+class Contended(Exception):
+    """The in-flight list kept changing under a final write; try again on the next flush."""
+
+
+# -- what an ending says --------------------------------------------------------------------------
 
 def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str) -> dict[str, Any]:
-    """The result object job.result() returns (and RQ stores as the return value)."""
+    """The result job.result() returns, as the plain dict RQ stores (schema: JobResultModel)."""
     waited = job.claimed_ms is not None and job.enqueued_ms is not None
     queue_ms = float(job.claimed_ms - job.enqueued_ms) if waited else None  # type: ignore[operator]
     ttft_ms = (job.first_token_at - job.claimed_at) * 1000 if job.first_token_at else None
-    total_s = now - job.claimed_at
     gen_s = now - job.first_token_at if job.first_token_at else 0.0
-    return {
-        "job_id": job.id,
-        "text": "".join(job.text),
-        "finish_reason": done.finish_reason,
-        "usage": {
-            "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-        },
-        "worker": worker,
-        "backend": str(done.extra.get("backend", backend)),
-        "attempt": job.attempt,
-        "timings": {
-            "queue_ms": _round(queue_ms),
-            "ttft_ms": _round(ttft_ms),
-            "total_ms": _round(total_s * 1000),
-            "tokens_per_s": _round(done.completion_tokens / gen_s if gen_s > 0 else None),
-        },
-        # per-token log-probabilities, when the request asked and the engine gave them
-        **({"logprobs": done.extra["logprobs"]} if done.extra.get("logprobs") else {}),
-    }
+    # per-token log-probabilities, when the request asked and the engine gave them
+    extra = {"logprobs": done.extra["logprobs"]} if done.extra.get("logprobs") else {}
+    return job_result(
+        job.id, "".join(job.text), done.finish_reason, prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens, worker=worker,
+        backend=str(done.extra.get("backend", backend)), attempt=job.attempt, queue_ms=queue_ms,
+        ttft_ms=ttft_ms, total_ms=(now - job.claimed_at) * 1000,
+        tokens_per_s=done.completion_tokens / gen_s if gen_s > 0 else None, **extra,
+    ).model_dump()
+
+
+def finished(job: ClaimedJob, done: Done, now: float, worker: str, backend: str) -> Ending:
+    """The engine's Done: the result, or, for a job the loop cancelled at its deadline, a failure."""
+    if job.timed_out:
+        limit = job.deadline - job.claimed_at
+        return Ending(error=f"timed out: ran longer than {limit:.0f}s (job timeout)")
+    return Ending(result=result_of(job, done, now, worker, backend))
+
+
+def cancelled(job: ClaimedJob, worker: str, backend: str) -> Ending:
+    """Cancelled before it reached the engine: a result with finish_reason 'cancelled'."""
+    return Ending(result=result_of(job, Done(job.id, "cancelled", 0, 0), time.monotonic(), worker, backend))
+
+
+def gave_up(job: ClaimedJob, reason: str) -> Ending:
+    """The engine failed the job on its last counted attempt (drain hand-backs are not counted)."""
+    drained = f"; {job.drains} more handed back by draining workers, not counted" if job.drains else ""
+    return Ending(error=f"{reason} (gave up after {job.attempt - job.drains} attempts{drained})")
+
+
+def honour_rq_cancel(job: ClaimedJob, status: str | None) -> None:
+    """RQ's job.cancel() on a running job: it ends cancelled, never `finished` (defect 4)."""
+    ending = job.ending
+    if status == "canceled" and ending is not None and ending.result is not None:
+        ending.result["finish_reason"] = "cancelled"
+
+
+def outcome(ending: Ending) -> str:
+    """finished, cancelled or failed (the counters' and the burst summary's words)."""
+    if ending.result is None:
+        return "failed"
+    return "cancelled" if ending.result.get("finish_reason") == "cancelled" else "finished"
+
+
+# -- the writes, bound to one worker ------------------------------------------------------------
+
+class AttemptWriter:
+    """The fenced writes of one worker (`worker`, serving with `backend`)."""
+
+    def __init__(self, redis: Redis, worker: str, backend: str, result_ttl: int) -> None:
+        self.redis = redis
+        self.worker = worker
+        self.backend = backend
+        self.result_ttl = result_ttl
+        self.inflight = inflight_key(worker)
+        self.requeue_script = redis.register_script(REQUEUE_LUA)
+        self.text_script = redis.register_script(_WRITE_TEXT)
+
+    def start(self, job: ClaimedJob, ttl: int) -> bool:
+        """RQ's started status and execution, and the history's new attempt; False if the job
+        was taken over before it started here."""
+        def mark_started(pipe: Pipeline, _id: str) -> None:
+            rqjobs.mark_started(job, self.worker, ttl, pipe)
+            facts.record_start(job, self.worker, self.backend, pipe)
+
+        return bool(commit_held(self.redis, self.inflight, [job.id], mark_started, release=False))
+
+    def queue_text(self, jobs: Sequence[ClaimedJob], pipe: Pipeline) -> list[int]:
+        """Queue every job's unsent deltas on `pipe`; pass the counts to `text_sent` once it ran."""
+        return [write_text(job, pipe, self.text_script, self.worker) for job in jobs]
+
+    @staticmethod
+    def text_sent(jobs: Sequence[ClaimedJob], counts: Sequence[int]) -> None:
+        for job, count in zip(jobs, counts, strict=True):
+            mark_text_sent(job, count)
+
+    def end(self, jobs: Sequence[ClaimedJob]) -> set[str]:
+        """Each job's final entry and RQ's record, in one MULTI; returns the ids written (the
+        others were taken over and get nothing). Raises Contended."""
+        by_id = {job.id: job for job in jobs}
+
+        def write(pipe: Pipeline, job_id: str) -> None:
+            write_ending(by_id[job_id], pipe, self.worker, self.backend, self.result_ttl)
+
+        return commit_held(self.redis, self.inflight, list(by_id), write,
+                           seen=lambda job_id, status: honour_rq_cancel(by_id[job_id], status))
+
+    def requeue(self, job_id: str, queue: str, why: str, *, counted: bool) -> int:
+        """Hand a job back to the front of its queue for its next attempt; -1 if it is no longer
+        ours (the reaper already handed it back). The script also removes the attempt's RQ
+        execution, so a lost reply leaves none (defect 5)."""
+        return requeue_and_record(self.redis, self.requeue_script, self.inflight, job_id, queue, why,
+                                  self.worker, counted=counted)
+
+    def put_back(self, job_id: str, queue: str) -> int:
+        """A claimed job that never started goes back as it was (no new attempt)."""
+        return requeue(self.requeue_script, self.inflight, job_id, queue, bump_attempt=False)
+
+    def refuse(self, raw_id: bytes, queue: str, reason: str) -> None:
+        """A claimed id that is not text: failed under its raw bytes and dropped from the list."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            write_refusal(raw_id, queue, reason, self.worker, self.result_ttl, pipe)
+            pipe.lrem(self.inflight, 1, raw_id)  # type: ignore[arg-type]  # raw bytes as stored
+            log_refusals(pipe.execute(raise_on_error=False), f"the refusal of {raw_id!r}")
+
+
+# -- the pieces (also used by the reaper for other workers' lists) ------------------------------
+
+def requeue(script: Script, inflight: str, job_id: str, queue: str, *, bump_attempt: bool,
+            died_on: str = "", counted: bool = True) -> int:
+    """Move `job_id` from `inflight` back to the front of `queue`; -1 if it was no longer there.
+    `died_on` names a dead worker to remember in the job hash (for the final failure reason);
+    `counted=False`: a drain hand-back, which does not use up one of the job's max_attempts."""
+    args: list[Any] = [job_id, "1" if bump_attempt else "0", ATTEMPT_FIELD, DIED_ON_FIELD, died_on,
+                       OWNER_FIELD, DRAINS_FIELD, "1" if counted else "0", EXECUTION_FIELD]
+    keys = [inflight, queue_key(queue), job_key(job_id), started_registry_key(queue)]
+    return int(script(keys=keys, args=args))
+
+
+def requeue_and_record(redis: Redis, script: Script, inflight: str, job_id: str, queue: str, why: str,
+                       by: str, *, counted: bool = True, died_on: str = "", reaped: bool = False) -> int:
+    """A requeue for another attempt, then its line in the job's history (a script cannot carry
+    it). Returns the new attempt count, or -1 (not in `inflight` any more: nothing recorded)."""
+    attempt = requeue(script, inflight, job_id, queue, bump_attempt=True, died_on=died_on, counted=counted)
+    if attempt >= 0:
+        facts.record_restart_now(redis, job_id, queue, attempt, why, by, reaped=reaped)
+    return attempt
 
 
 def write_text(job: ClaimedJob, pipe: Pipeline, script: Script, worker: str) -> int:
     """Queue the job's unsent deltas (numbered, so a re-send after a lost reply is recognised as
-    a duplicate), written only while `worker` owns the job (worker/claim.py's _WRITE_TEXT; an
-    engine restart's new attempt number goes first and never lowers the stored one). Returns how
-    many; the caller marks them sent once the pipeline succeeded."""
+    a duplicate), written only while `worker` owns the job (_WRITE_TEXT; an engine restart's new
+    attempt number goes first and never lowers the stored one). Returns how many; the caller
+    marks them sent once the pipeline succeeded."""
     if not job.unsent and not job.attempt_dirty:
         return 0
     args: list[Any] = [worker, OWNER_FIELD, ATTEMPT_FIELD, job.attempt, job.sent, stream.STREAM_MAXLEN,
@@ -77,13 +261,6 @@ def mark_text_sent(job: ClaimedJob, count: int) -> None:
     del job.unsent[:count]
     job.sent += count
     job.attempt_dirty = False
-
-
-def honour_rq_cancel(job: ClaimedJob, status: str | None) -> None:
-    """RQ's job.cancel() on a running job: it ends cancelled, never `finished` (defect 4)."""
-    ending = job.ending
-    if status == "canceled" and ending is not None and ending.result is not None:
-        ending.result["finish_reason"] = "cancelled"
 
 
 def expire_job(pipe: Pipeline, job_id: str, attempt: int, ttl: int) -> None:
@@ -129,5 +306,49 @@ def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_tt
     pipe.expire(key, result_ttl)
 
 
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 1)
+def commit_held(redis: Redis, inflight: str, job_ids: Sequence[str],
+                write: Callable[[Pipeline, str], None], tries: int = 5, release: bool = True,
+                seen: Callable[[str, str | None], None] | None = None) -> set[str]:
+    """For each id still in `inflight`: queue `write(pipe, id)` (and, with `release`, drop the id
+    from the list and clear its owner), all in one MULTI/EXEC that applies only if the list did
+    not change meanwhile. Returns the ids written; the others were taken away (requeued by a
+    reaper) and get nothing. Raises Contended if the list kept changing for `tries` rounds.
+    `seen(id, status)`: the job hashes are watched too, and each one's RQ status is reported
+    before its write is queued (so RQ's job.cancel() cannot slip in between: defect 4)."""
+    with redis.pipeline(transaction=True) as pipe:
+        for _ in range(tries):
+            try:
+                pipe.watch(inflight)
+                present = {as_str(x) for x in pipe.lrange(inflight, 0, -1)}
+                mine = [j for j in dict.fromkeys(job_ids) if j in present]
+                if seen is not None and mine:
+                    pipe.watch(*(job_key(j) for j in mine))
+                    for job_id in mine:
+                        seen(job_id, as_str(_status_of(pipe, job_id)))
+                pipe.multi()
+                for job_id in mine:
+                    write(pipe, job_id)
+                    if release:
+                        pipe.lrem(inflight, 1, job_id)
+                        pipe.hdel(job_key(job_id), OWNER_FIELD)
+                replies = pipe.execute(raise_on_error=False)
+            except WatchError:
+                continue
+            log_refusals(replies, f"a write for {inflight}")
+            return set(mine)
+    raise Contended(f"{inflight} kept changing during {tries} tries")
+
+
+def _status_of(pipe: Pipeline, job_id: str) -> Any:
+    try:
+        return pipe.hget(job_key(job_id), "status")
+    except ResponseError:  # not a hash: the write records the failure plainly
+        return None
+
+
+def log_refusals(replies: list[Any], what: str) -> None:
+    """Commands Redis refused inside an applied MULTI or pipeline (e.g. WRONGTYPE on a tampered
+    key): the others applied, so these are reported, not retried."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            log.warning("%s was partly refused by Redis: %s", what, reply)

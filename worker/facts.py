@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 from redis.client import Pipeline
 
-from dispatcher.keys import (
+from backends.contract.keys import (
     HISTORY_RECENT,
     POOLS_SET,
     histogram_key,

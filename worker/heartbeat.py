@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from redis import Redis
 
-from dispatcher.keys import WORKERS_SET, worker_key
-from dispatcher.reconnect import OUTAGE_ERRORS
-from dispatcher.replies import Fields
-from dispatcher.status import redact_url
+from backends.contract.keys import WORKERS_SET, executions_key, worker_key
+from backends.contract.redact import redact_url
+from backends.contract.replies import Fields
+from backends.contract.retry import OUTAGE_ERRORS
 from worker import facts
 from worker.health import write_health
 
@@ -161,7 +161,7 @@ class Heartbeat(threading.Thread):
             for job in list(fw.inflight.values()):
                 if job.execution is not None and job.job is not None:
                     execution = job.execution
-                    keys = [execution.key, job.job.started_job_registry.key, f"rq:executions:{job.id}"]
+                    keys = [execution.key, job.job.started_job_registry.key, executions_key(job.id)]
                     args = [time.time(), ttl, execution.composite_key, execution.id]
                     self._refresh_execution(keys=keys, args=args, client=pipe)
             rq_registered = pipe.execute()[0]

@@ -18,8 +18,17 @@ import time
 from redis import Redis
 from redis.typing import EncodableT
 
-from dispatcher.keys import ATTEMPT_FIELD, ENDED_REGISTRIES, FINAL_FIELD, OWNER_FIELD, job_key, stream_key
-from dispatcher.replies import as_str
+from backends.contract.keys import (
+    ATTEMPT_FIELD,
+    ENDED_REGISTRIES,
+    FINAL_FIELD,
+    OWNER_FIELD,
+    canceled_registry_key,
+    job_key,
+    stream_key,
+)
+from backends.contract.replies import as_int, as_str
+from backends.contract.schema import job_result
 
 log = logging.getLogger("fleet.reaper")
 CLEAN_EVERY = 5.0  # seconds
@@ -41,12 +50,11 @@ return 1
 """
 
 
-def cancelled_result(job_id: str, attempt: int | None = None) -> dict[str, object]:
-    """The result of a job cancelled before it ran (the same shape job.result() returns)."""
-    return {"job_id": job_id, "text": "", "finish_reason": "cancelled",
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-            "worker": None, "backend": None, "attempt": attempt,
-            "timings": {"queue_ms": None, "ttft_ms": None, "total_ms": None, "tokens_per_s": None}}
+def cancelled_result(job_id: str, attempt: int = 1) -> dict[str, object]:
+    """The result of a job cancelled before it ran (the same shape job.result() returns; the
+    attempt it would have been, as the script numbers its entry)."""
+    return job_result(job_id, "", "cancelled", prompt_tokens=0, completion_tokens=0, worker=None,
+                      backend=None, attempt=attempt).model_dump()
 
 
 class Housekeeper:
@@ -71,9 +79,10 @@ class Housekeeper:
 
     def end_rq_cancels(self, queue: str) -> int:
         ended = 0
-        for raw in self.redis.zrange(f"rq:canceled:{queue}", 0, CANCELS_PER_PASS - 1):
+        for raw in self.redis.zrange(canceled_registry_key(queue), 0, CANCELS_PER_PASS - 1):
             job_id = as_str(raw) or ""
-            result = json.dumps(cancelled_result(job_id))
+            attempt = as_int(self.redis.hget(job_key(job_id), ATTEMPT_FIELD)) + 1  # as the script counts
+            result = json.dumps(cancelled_result(job_id, attempt))
             args: list[EncodableT] = [result, self.result_ttl, FINAL_FIELD, OWNER_FIELD, ATTEMPT_FIELD]
             if self._end_rq_cancel(keys=[job_key(job_id), stream_key(job_id)], args=args):
                 ended += 1

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from backends.base import MAX_REQUEST_CHARS, GenerateRequest
-from dispatcher.keys import job_key
-from worker.settings import BackendSettings
+from backends.contract.keys import job_key
+from backends.contract.schema import MAX_REQUEST_CHARS, GenerateRequest
+from backends.registry import BackendSettings
 
 # A token is at most this many characters in the vocabularies we serve (gemma's longest pieces are
 # runs of whitespace/punctuation well under this): a request with more characters than

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 
-from dispatcher.reconnect import Backoff
+from backends.contract.retry import Backoff
 
 log = logging.getLogger("fleet.worker")
 LOG_EVERY = 10.0  # seconds between "still unreachable" lines

@@ -5,7 +5,7 @@
         events = backend.step()                   (one batched decode / drain of HTTP streams)
         events change the jobs' state in memory  (text deltas, endings, restarts)
         flush: one pipeline of text deltas + cancel checks, then the endings in one MULTI that
-               applies only to jobs this worker still holds (worker/claim.py), then requeues
+               applies only to jobs this worker still holds, then requeues (worker/endings.py)
 
 Redis outages: generation does not wait for Redis. Unwritten deltas and endings stay on the jobs
 and are flushed, in order, when Redis answers again (RedisLink paces the retries). Past
@@ -25,18 +25,18 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 from redis import Redis
-from redis.client import Pipeline
 
 from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
-from dispatcher.keys import cancel_key, job_key, queue_names, wake_key
-from dispatcher.reconnect import OUTAGE_ERRORS, Backoff
-from dispatcher.replies import as_str
-from worker import endings, facts, limits, rqjobs
-from worker.claim import Claimer, Contended, log_refusals
+from backends.contract.keys import cancel_key, job_key, queue_names, wake_key
+from backends.contract.replies import as_str
+from backends.contract.retry import OUTAGE_ERRORS, Backoff
+from worker import endings, limits, rqjobs
+from worker.claim import Claimer
 from worker.counters import WorkerCounters
+from worker.endings import AttemptWriter, Contended
 from worker.link import RedisLink
 from worker.priority import ClaimPolicy
 from worker.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
@@ -46,6 +46,20 @@ log = logging.getLogger("fleet.worker")
 IDLE_WAIT = 0.25  # seconds an idle worker blocks on the wake list before polling the queues
 OUTAGE_BUFFER_ENTRIES = 16_384  # unwritten text deltas held through a Redis outage, all jobs
 RECONCILE_EVERY = 5.0  # seconds between checks that Redis and this loop agree on held jobs
+
+
+@dataclass(frozen=True)
+class BurstSummary:
+    """What `run_until_idle` did: `idle` (False: the timeout passed first), jobs let go of by
+    outcome (finished, cancelled, failed, requeued, taken over), and how long it ran."""
+
+    idle: bool
+    ended: dict[str, int]
+    seconds: float
+
+    @property
+    def total(self) -> int:
+        return sum(self.ended.values())
 
 
 class FleetWorker:
@@ -58,6 +72,7 @@ class FleetWorker:
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
         self.claimer = Claimer(redis, name, self.queues)
+        self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl)
         self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues)
         self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
         # handed back once Redis allows: (job, why, counted against max_attempts)
@@ -65,6 +80,7 @@ class FleetWorker:
         self.unstarted: list[tuple[bytes, str, int | None]] = []  # claimed (at server ms); not started
         self.budget = limits.budget_for(settings.backend)
         self.counters = WorkerCounters()
+        self.outcomes: Counter[str] = Counter()  # jobs this loop let go of, by outcome (burst summary)
         self.stopping = threading.Event()
         self.jobs_ended = threading.Event()  # tells the heartbeat to refresh the status now
         self._drain_deadline: float | None = None
@@ -105,6 +121,39 @@ class FleetWorker:
 
     def run_once(self) -> None:
         self._guarded(self._serve_once)
+
+    def run_until_idle(self, timeout: float | None = None) -> BurstSummary:
+        """Burst mode (rq's `work(burst=True)`, arq's `burst`): turn the loop until no job is
+        queued for this pool and none is in flight here, then return what ended, by outcome.
+        With Redis unreachable it is never idle (the queues cannot be read): it keeps buffering
+        until Redis is back or `timeout` passes (then `idle` is False and jobs stay in flight)."""
+        started, before = time.monotonic(), Counter(self.outcomes)
+        deadline = started + timeout if timeout is not None else float("inf")
+        idle = False
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            self.run_once()
+            if self._holds_nothing() and self.link.up and self._queues_empty():
+                idle = True
+                break
+        ended = Counter(self.outcomes)
+        ended.subtract(before)
+        return BurstSummary(idle, {k: n for k, n in ended.items() if n > 0},
+                            round(time.monotonic() - started, 3))
+
+    def _holds_nothing(self) -> bool:
+        engine_busy = self.backend.free_slots() < self.backend.slots
+        return not (self.inflight or self.to_requeue or self.unstarted or engine_busy)
+
+    def _queues_empty(self) -> bool:
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for key in self.claimer.queue_keys:
+                    pipe.llen(key)
+                pipe.llen(self.claimer.inflight)  # e.g. a claim whose reply was lost
+                return not any(pipe.execute())
+        except OUTAGE_ERRORS as e:
+            self.link.failed(e, "checking the queues")
+            return False
 
     def _serve_once(self) -> None:
         if self.link.ready():
@@ -199,15 +248,8 @@ class FleetWorker:
         if self.redis.exists(cancel_key(job_id)):
             self._end_cancelled(job)
             return
-        ttl = self.settings.job_timeout + 60
-
-        def mark_started(pipe: Pipeline, _id: str) -> None:
-            rqjobs.mark_started(job, self.name, ttl, pipe)
-            facts.record_start(job, self.name, self.backend.name, pipe)
-
         # fenced: only while this worker holds it (defect 10)
-        started = self.claimer.commit_held([job_id], mark_started, release=False)
-        if not started:
+        if not self.writes.start(job, self.settings.job_timeout + 60):
             log.warning("job %s was taken over before it started here; dropped", job_id)
             return
         self.inflight[job_id] = job
@@ -220,23 +262,20 @@ class FleetWorker:
             self._retry_or_fail(job, f"backend unavailable: {e}")
 
     def _end_cancelled(self, job: ClaimedJob) -> None:
-        self._end(job, Ending(result=self._result(job, Done(job.id, "cancelled", 0, 0), time.monotonic())))
+        self._end(job, endings.cancelled(job, self.name, self.backend.name))
 
     def _refuse_raw(self, raw_id: bytes, queue: str) -> None:
         reason = "refused: job id is not UTF-8 text"
         log.warning("job %r: %s", raw_id, reason)
-        with self.redis.pipeline(transaction=True) as pipe:
-            endings.write_refusal(raw_id, queue, reason, self.name, self.settings.result_ttl, pipe)
-            self.claimer.drop(raw_id, pipe)
-            log_refusals(pipe.execute(raise_on_error=False), f"the refusal of {raw_id!r}")
+        self.writes.refuse(raw_id, queue, reason)
         self.counters.jobs_failed += 1
+        self.outcomes["failed"] += 1
 
     def _engine_ready(self) -> bool:
         """After an engine failure, claim again only once the backoff passed and it answers."""
         if time.monotonic() < self._engine_hold_until:
             return False
-        probe = getattr(self.backend, "probe", None)
-        if self._engine_hold_until and callable(probe) and not probe():
+        if self._engine_hold_until and not self.backend.probe():
             self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
             return False
         self._engine_hold_until = 0.0
@@ -280,11 +319,7 @@ class FleetWorker:
                 job.restart_reason = ev.reason
             elif isinstance(ev, Done):
                 self._engine_backoff.reset()
-                if job.timed_out:
-                    limit = job.deadline - job.claimed_at
-                    job.ending = Ending(error=f"timed out: ran longer than {limit:.0f}s (job timeout)")
-                else:
-                    job.ending = Ending(result=self._result(job, ev, now))
+                job.ending = endings.finished(job, ev, now, self.name, self.backend.name)
             elif isinstance(ev, Failed):
                 if ev.retryable:
                     self._retry_or_fail(job, ev.error)
@@ -292,19 +327,13 @@ class FleetWorker:
                     job.ending = Ending(error=ev.error)
         return n_tokens
 
-    def _result(self, job: ClaimedJob, done: Done, now: float) -> dict[str, Any]:
-        return endings.result_of(job, done, now, self.name, self.backend.name)
-
     def _retry_or_fail(self, job: ClaimedJob, reason: str) -> None:
         """The engine (not the job) failed: hand the job back for another attempt, and pause
         claiming until the engine looks healthy; after max_attempts, fail it."""
         if time.monotonic() >= self._engine_hold_until:  # one incident fails many jobs: one step back
             self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
         if job.attempt - job.drains >= self.settings.max_attempts:
-            drained = (f"; {job.drains} more handed back by draining workers, not counted"
-                       if job.drains else "")
-            failed = job.attempt - job.drains
-            job.ending = Ending(error=f"{reason} (gave up after {failed} attempts{drained})")
+            job.ending = endings.gave_up(job, reason)
         else:
             log.warning("job %s: %s; retrying it (attempt %d)", job.id, reason, job.attempt + 1)
             self._hand_back(job, reason)
@@ -315,15 +344,13 @@ class FleetWorker:
         """Everything Redis has not seen yet, in order: deltas, then endings, then hand-backs."""
         jobs = list(self.inflight.values())
         running = [j for j in jobs if j.ending is None]
-        writer = self.claimer.text_writer()
         with self.redis.pipeline(transaction=False) as pipe:
-            counts = [endings.write_text(job, pipe, writer, self.name) for job in jobs]
+            counts = self.writes.queue_text(jobs, pipe)
             for job in running:  # a producer's cancel, or RQ's own job.cancel()
                 pipe.exists(cancel_key(job.id))
                 pipe.hget(job_key(job.id), "status")
             replies = pipe.execute(raise_on_error=False)
-        for job, count in zip(jobs, counts, strict=True):
-            endings.mark_text_sent(job, count)
+        self.writes.text_sent(jobs, counts)
         checks = replies[len(replies) - 2 * len(running):]
         for job, cancelled, status in zip(running, checks[::2], checks[1::2], strict=True):
             if cancelled is True or cancelled == 1 or status == b"canceled":
@@ -336,11 +363,7 @@ class FleetWorker:
         if not ended:
             return
         try:
-            written = self.claimer.commit_held(
-                [j.id for j in ended],
-                lambda pipe, job_id: endings.write_ending(self.inflight[job_id], pipe, self.name,
-                                                          self.backend.name, self.settings.result_ttl),
-                seen=lambda job_id, status: endings.honour_rq_cancel(self.inflight[job_id], status))
+            written = self.writes.end(ended)
         except Contended as e:
             log.warning("final writes postponed: %s", e)
             return
@@ -349,21 +372,23 @@ class FleetWorker:
             if job.id not in written:
                 log.warning("job %s was taken over while this worker was cut off; attempt %d's "
                             "result is dropped", job.id, job.attempt)
+                self.outcomes["taken over"] += 1
             elif job.ending is not None and job.ending.error is None:
                 self.counters.jobs_done += 1
+                self.outcomes[endings.outcome(job.ending)] += 1
             else:
                 self.counters.jobs_failed += 1
+                self.outcomes["failed"] += 1
         self.jobs_ended.set()
 
     def _write_requeues(self) -> None:
         for job_id, (job, why, counted) in list(self.to_requeue.items()):
-            # the script also removes the attempt's RQ execution, so a lost reply leaves none (defect 5)
-            attempt = self.claimer.requeue(job_id, job.queue, bump_attempt=True, counted=counted)
+            attempt = self.writes.requeue(job_id, job.queue, why, counted=counted)
             del self.to_requeue[job_id]
             if attempt < 0:
                 continue  # no longer ours: the reaper already handed it back
             self.counters.jobs_requeued += 1
-            facts.record_restart_now(self.redis, job_id, job.queue, attempt, why, self.name)
+            self.outcomes["requeued"] += 1
             log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
     def _end(self, job: ClaimedJob, ending: Ending) -> None:
@@ -420,7 +445,7 @@ class FleetWorker:
     def _hand_back_unstarted(self) -> None:
         for raw_id, queue, _ in self.unstarted:
             try:
-                self.claimer.requeue(raw_id.decode(), queue, bump_attempt=False)
+                self.writes.put_back(raw_id.decode(), queue)
             except UnicodeDecodeError:
                 pass  # never ran; the reaper fails it
             except OUTAGE_ERRORS:

@@ -1,4 +1,5 @@
-"""`fleet worker`: pin, load the model once, register with RQ, serve until SIGTERM/SIGINT."""
+"""`fleet worker`: pin, load the model once, register with RQ, serve until SIGTERM/SIGINT
+(or, with --burst, until no job is queued or in flight)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from redis import Redis
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from backends import make_backend
-from dispatcher.keys import queue_names, worker_key
-from dispatcher.reconnect import OUTAGE_ERRORS
+from backends.contract.keys import RQ_WORKERS_SET, queue_names, worker_key
+from backends.contract.retry import OUTAGE_ERRORS
+from backends.registry import make_backend
 from worker.heartbeat import Heartbeat, clear_status, static_status
 from worker.link import RedisLink
-from worker.loop import FleetWorker
+from worker.loop import BurstSummary, FleetWorker
 from worker.pinning import pin
 from worker.reaper import Reaper, recover_own
 from worker.settings import FleetSettings
@@ -32,7 +33,9 @@ def default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def run_worker(settings: FleetSettings, redis: Redis) -> None:
+def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) -> BurstSummary | None:
+    """Serve until SIGTERM/SIGINT; with `burst`, until no job is queued or in flight (then the
+    summary of what ended is returned)."""
     name = settings.name or default_name()
     if redis.exists(worker_key(name)):
         raise WorkerNameTaken(f"a live worker named {name!r} is already registered; pick another --name")
@@ -58,8 +61,12 @@ def run_worker(settings: FleetSettings, redis: Redis) -> None:
     hb = Heartbeat(fw, rq_worker, reaper, static)
     hb.beat()  # visible before the first job
     hb.start()
+    summary = None
     try:
-        fw.run()
+        if burst:
+            summary = fw.run_until_idle()
+        else:
+            fw.run()
     finally:
         hb.halt()
         hb.join(timeout=5)
@@ -70,6 +77,7 @@ def run_worker(settings: FleetSettings, redis: Redis) -> None:
         backend.close()
         c = fw.counters
         log.info("worker %s: stopped (%d done, %d failed)", name, c.jobs_done, c.jobs_failed)
+    return summary
 
 
 def _register_rq(rq_worker: Worker, redis: Redis) -> None:
@@ -77,6 +85,6 @@ def _register_rq(rq_worker: Worker, redis: Redis) -> None:
     if redis.exists(rq_worker.key):
         with redis.pipeline() as pipe:
             pipe.delete(rq_worker.key)
-            pipe.srem("rq:workers", rq_worker.key)
+            pipe.srem(RQ_WORKERS_SET, rq_worker.key)
             pipe.execute()
     rq_worker.register_birth()

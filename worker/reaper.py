@@ -21,24 +21,34 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
-from dispatcher.keys import (
+from backends.contract.keys import (
     ATTEMPT_FIELD,
+    DIED_ON_FIELD,
     DRAINS_FIELD,
     EXECUTION_FIELD,
     OWNERS_SET,
     REAPER_LOCK,
     WORKERS_SET,
+    execution_key,
     inflight_key,
     job_key,
+    rq_worker_key,
+    started_registry_key,
     worker_key,
 )
-from dispatcher.replies import as_int, as_str
-from worker import claim, endings, facts, housekeeping
+from backends.contract.replies import as_int, as_str
+from worker import endings, facts, housekeeping
 from worker.link import RedisLink
 from worker.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.reaper")
 LOCK_MS = 10_000
+
+# KEYS: lock   ARGV: owner. Release a lock only if we still own it.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 class Reaper:
@@ -51,8 +61,8 @@ class Reaper:
         self.result_ttl = result_ttl
         self.link = link
         self.hold_off = hold_off  # seconds after our own reconnect before declaring others dead
-        self._requeue = claim.requeue_script(redis)
-        self._unlock = claim.unlock_script(redis)
+        self._requeue = redis.register_script(endings.REQUEUE_LUA)
+        self._unlock = redis.register_script(_UNLOCK)
         self.keeper = housekeeping.Housekeeper(redis, queues or [], result_ttl)
 
     def dead_workers(self) -> list[str]:
@@ -82,7 +92,7 @@ class Reaper:
         n = 0
         for raw in self.redis.lrange(inflight, 0, -1):
             job_id = as_str(raw) or ""
-            fields = ["origin", ATTEMPT_FIELD, claim.DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD]
+            fields = ["origin", ATTEMPT_FIELD, DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD]
             origin, attempts, died_on, drains, execution = (
                 as_str(v) for v in self.redis.hmget(job_key(job_id), fields))
             used = as_int(attempts) + 1 - as_int(drains)  # drain hand-backs are not failures
@@ -95,11 +105,9 @@ class Reaper:
                 facts.record_restart_now(self.redis, job_id, origin, used, _died(name, gone), self.me,
                                          reaped=True, requeued=False)
             else:  # the requeue script removes the attempt's RQ execution itself
-                attempt = claim.requeue(self._requeue, inflight, job_id, origin, bump_attempt=True,
-                                        died_on=name)
+                attempt = endings.requeue_and_record(self.redis, self._requeue, inflight, job_id, origin,
+                                                     _died(name, gone), self.me, died_on=name, reaped=True)
                 if attempt >= 0:
-                    facts.record_restart_now(self.redis, job_id, origin, attempt, _died(name, gone), self.me,
-                                             reaped=True)
                     log.warning("worker %s is dead: requeued %s at the front (attempt %d)", name, job_id,
                                 attempt + 1)
             n += 1
@@ -115,14 +123,14 @@ class Reaper:
         other jobs whose ids start with this one: defect 11)."""
         if execution and execution.startswith(job_id + ":"):
             with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zrem(claim.wip_key(origin), execution)
-                pipe.delete(f"rq:execution:{execution}")
+                pipe.zrem(started_registry_key(origin), execution)
+                pipe.delete(execution_key(execution))
                 pipe.hdel(job_key(job_id), EXECUTION_FIELD)
                 pipe.execute()
 
     def _forget_rq_worker(self, name: str) -> None:
         """Keep `rq info` truthful: a dead worker leaves RQ's worker registry now, not in a minute."""
-        rq_key = f"rq:worker:{name}"
+        rq_key = rq_worker_key(name)
         queues = (as_str(self.redis.hget(rq_key, "queues")) or "").split(",")
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.delete(rq_key)
@@ -145,7 +153,7 @@ class Reaper:
         def write(pipe: Pipeline, _job_id: str) -> None:
             endings.write_ending(job, pipe, worker, "", self.result_ttl)
 
-        if claim.commit_held(self.redis, inflight_key(worker), [job_id], write):
+        if endings.commit_held(self.redis, inflight_key(worker), [job_id], write):
             log.warning("job %s: %s", job_id, reason)
 
 

@@ -8,7 +8,6 @@ results in RQ's result stream, so `rq info`, rq-dashboard and `job.latest_result
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
@@ -20,13 +19,12 @@ from redis import Redis
 from redis.exceptions import ResponseError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.registry import CanceledJobRegistry, FailedJobRegistry
+from rq.registry import CanceledJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from backends.base import GenerateRequest
-from dispatcher.keys import (
+from backends.contract.keys import (
     ATTEMPT_FIELD,
     DRAINS_FIELD,
     ENQUEUED_MS_META,
@@ -34,10 +32,13 @@ from dispatcher.keys import (
     FINAL_FIELD,
     JOB_FUNCTION,
     OWNER_FIELD,
+    execution_key,
+    failed_registry_key,
     inflight_key,
     job_key,
 )
-from dispatcher.replies import as_int, as_str
+from backends.contract.replies import as_int, as_str
+from backends.contract.schema import GenerateRequest, describe_validation_error
 from worker import limits
 
 log = logging.getLogger("fleet.worker")
@@ -222,14 +223,6 @@ def _request_payload(args: Any, kwargs: Any) -> Any:
     return None
 
 
-def describe_validation_error(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "request"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
-
-
 def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
@@ -246,7 +239,7 @@ def mark_started(claimed: ClaimedJob, worker_name: str, ttl: int, pipe: Any) -> 
     earlier = claimed.execution.composite_key if claimed.execution is not None else None
     for stale in filter(None, {claimed.stale_execution, earlier}):  # a try whose reply was lost
         pipe.zrem(job.started_job_registry.key, stale)
-        pipe.delete(f"rq:execution:{stale}")
+        pipe.delete(execution_key(stale))
     job.prepare_for_execution(worker_name, pipe)
     claimed.execution = Execution.create(job, ttl=ttl, pipeline=pipe, worker_name=worker_name)
     pipe.hset(job.key, EXECUTION_FIELD, claimed.execution.composite_key)
@@ -294,7 +287,7 @@ def store_plain_failure(key: str | bytes, member: str | bytes, queue: str, reaso
         "ended_at": utcformat(now()),
     })
     pipe.expire(key, ttl)
-    pipe.zadd(f"rq:failed:{queue}", {member: time.time() + ttl})
+    pipe.zadd(failed_registry_key(queue), {member: time.time() + ttl})
 
 
 def _execution_args(claimed: ClaimedJob) -> dict[str, Any]:
@@ -310,14 +303,6 @@ def _end_execution(claimed: ClaimedJob, pipe: Any) -> None:
         pipe.hdel(claimed.job.key, EXECUTION_FIELD)
 
 
-def failed_registry(redis: Redis, queue: str) -> FailedJobRegistry:
-    return FailedJobRegistry(queue, connection=redis, serializer=JSONSerializer)
-
-
 def error_payload(reason: str, claimed: ClaimedJob, worker_name: str, backend: str) -> dict[str, Any]:
     return {"job_id": claimed.id, "error": reason, "worker": worker_name, "backend": backend,
             "attempt": claimed.attempt}
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))

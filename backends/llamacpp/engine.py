@@ -20,19 +20,20 @@ import time
 
 import llama_cpp as ll
 
-from backends.base import Done, Event, Failed, FinishReason, GenerateRequest, Token
+from backends.base import Done, Event, Failed, Token
+from backends.contract.schema import FinishReason, GenerateRequest
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, check_n_batch
 from backends.llamacpp.state import ActiveJob
-from worker.settings import BackendSettings
+from backends.llamacpp_settings import LlamaCppSettings
 
 
 class LlamaCppBackend:
     name = "llama-cpp"
 
-    def __init__(self, settings: BackendSettings, threads: int | None = None) -> None:
+    def __init__(self, settings: LlamaCppSettings, threads: int | None = None) -> None:
         self.settings = settings
         self.slots = settings.slots
         self.per_slot = not settings.kv_unified
@@ -66,6 +67,10 @@ class LlamaCppBackend:
 
     def free_slots(self) -> int:
         return self.scheduler.free_slots()
+
+    def probe(self) -> bool:
+        """In process: the engine is there as long as this object is."""
+        return True
 
     def admit(self, job_id: str, request: GenerateRequest) -> None:
         if self.free_slots() <= 0:

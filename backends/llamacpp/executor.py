@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import llama_cpp as ll
 import numpy as np
 
-from backends.base import Sampling
+from backends.contract.schema import Sampling
 from backends.llamacpp.kv import KvOp, Remove
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.scheduler import DecodeCall

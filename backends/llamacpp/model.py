@@ -9,7 +9,8 @@ from pathlib import Path
 
 import llama_cpp as ll
 
-from backends.base import GenerateRequest, JobRejected
+from backends.base import JobRejected
+from backends.contract.schema import GenerateRequest
 from backends.llamacpp.invariance import TILED_MM_ROWS
 from backends.model import default_model_path
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backends.base import JobRejected, Sampling
+from backends.base import JobRejected
+from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.speculation import NgramIndex, draft_room

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backends.base import Done, Sampling
+from backends.base import Done
+from backends.contract.schema import Sampling
 from backends.llamacpp.speculation import NgramIndex
 from backends.llamacpp.text import TextAssembler
 

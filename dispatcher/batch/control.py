@@ -10,10 +10,7 @@ from typing import Any, TextIO
 
 from redis import Redis
 
-from dispatcher.batch import record
-from dispatcher.gateway.core import JobUpdate
-from dispatcher.gateway.openai_bodies import Reply
-from dispatcher.keys import (
+from backends.contract.keys import (
     BATCH_JOB_PREFIX,
     BATCHES_INDEX,
     batch_key,
@@ -24,7 +21,10 @@ from dispatcher.keys import (
     queue_key,
     queue_names,
 )
-from dispatcher.replies import as_str
+from backends.contract.replies import as_str
+from dispatcher.batch import record
+from dispatcher.gateway.core import JobUpdate
+from dispatcher.gateway.openai_bodies import Reply
 
 SCAN_COUNT = 1000
 

@@ -26,8 +26,8 @@ from typing import Any, Literal
 from redis import Redis
 from redis.client import Pipeline
 
-from dispatcher.keys import BATCH_JOB_PREFIX, batch_key, batch_lines_key
-from dispatcher.replies import as_str
+from backends.contract.keys import BATCH_JOB_PREFIX, batch_key, batch_lines_key
+from backends.contract.replies import as_str
 
 BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # RQ job ids allow only [A-Za-z0-9_-]
 KEY_CHARS = 16

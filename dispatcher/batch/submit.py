@@ -19,12 +19,12 @@ from typing import Any
 
 from redis import Redis
 
+from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, batch_lock_key
+from backends.contract.replies import as_str
 from dispatcher.batch import record
 from dispatcher.batch.lines import BatchLine, Scan, scan, valid_lines
 from dispatcher.client import Fleet
 from dispatcher.durability import push_wake
-from dispatcher.keys import BATCHES_INDEX, batch_key, batch_lines_key, batch_lock_key
-from dispatcher.replies import as_str
 
 CHUNK = 500  # lines per MULTI
 LOCK_MS = 20_000

@@ -25,12 +25,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from backends.contract.connect import redis_from_url
+from backends.contract.keys import batch_key, file_key
+from backends.contract.replies import Fields, as_str
 from dispatcher.batch import control, record
 from dispatcher.batch.lines import URLS, scan
 from dispatcher.batch.submit import BatchRefused, BatchSpec, new_batch_id, submit_batch
 from dispatcher.gateway.core import ApiError, Gateway
-from dispatcher.keys import batch_key, file_key
-from dispatcher.replies import Fields, as_str
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 FILE_TTL = 7 * 86400

@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import PRIORITIES
+from backends.contract.keys import WORKERS_SET, queue_key, queue_names, worker_key
+from backends.contract.replies import as_str
+from backends.contract.retry import OUTAGE_ERRORS
+from backends.contract.schema import PRIORITIES
 from dispatcher.aio import AsyncFleet, AsyncFleetJob
 from dispatcher.gateway.settings import ServeSettings
-from dispatcher.keys import WORKERS_SET, queue_key, queue_names, worker_key
-from dispatcher.reconnect import OUTAGE_ERRORS
-from dispatcher.replies import as_str
 from dispatcher.stream import JobFailed, JobRestarted, TextDeltas
 
 log = logging.getLogger("fleet.gateway")

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from worker.settings import SettingsError
+from backends.contract.settings import SettingsError
 
 
 @click.command()

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from worker.settings import FleetSettings, load_settings
+from backends.contract.settings import ProducerSettings, load
 
 POOL_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
@@ -46,8 +46,9 @@ class GatewaySettings(BaseModel):
         return v
 
 
-class ServeSettings(FleetSettings):
-    """The fleet's settings plus the gateway section (`fleet serve`)."""
+class ServeSettings(ProducerSettings):
+    """The producer's settings plus the gateway section (`fleet serve`); worker keys in the same
+    file are the worker's to check."""
 
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
@@ -57,6 +58,4 @@ class ServeSettings(FleetSettings):
 
 
 def load_serve_settings(config: str | None = None, **overrides: Any) -> ServeSettings:
-    s = load_settings(config, model=ServeSettings, **overrides)
-    assert isinstance(s, ServeSettings)
-    return s
+    return load(ServeSettings, config, **overrides)

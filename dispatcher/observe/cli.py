@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from backends.contract.retry import OUTAGE_ERRORS
 from dispatcher.observe import history, snapshot, tables
-from dispatcher.reconnect import OUTAGE_ERRORS
 
 F = TypeVar("F", bound=Callable[..., Any])
 config_option = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
@@ -42,7 +42,7 @@ def connect(config: str | None) -> tuple[Any, Redis]:
 
 
 def header(pool: str, redis_url: str) -> str:
-    from dispatcher.status import redact_url
+    from backends.contract.redact import redact_url
 
     return f"llama-fleet · pool {pool} · redis {redact_url(redis_url)} · {time.strftime('%H:%M:%S')}"
 

@@ -14,8 +14,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from backends.base import PRIORITIES
-from dispatcher.keys import (
+from backends.contract.keys import (
     HISTORY_RECENT,
     WORKERS_SET,
     history_failed_key,
@@ -25,8 +24,9 @@ from dispatcher.keys import (
     queue_key,
     queue_name,
 )
+from backends.contract.replies import as_str
+from backends.contract.schema import PRIORITIES
 from dispatcher.observe import schema
-from dispatcher.replies import as_str
 
 KINDS = ("recent", "failed", "running", "queued")
 

@@ -17,7 +17,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 from redis import Redis
 
-from dispatcher.keys import histogram_key
+from backends.contract.keys import histogram_key
 from dispatcher.observe import schema, snapshot
 
 P = "llama_fleet_"

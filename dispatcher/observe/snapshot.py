@@ -10,20 +10,23 @@ from typing import Any
 
 from redis import Redis
 
-from backends.base import PRIORITIES
-from dispatcher.keys import (
+from backends.contract.keys import (
     POOLS_SET,
     WORKERS_SET,
+    failed_registry_key,
+    finished_registry_key,
     history_failed_key,
     job_key,
     pool_counters_key,
     queue_key,
     queue_name,
+    started_registry_key,
     worker_counters_key,
     worker_key,
 )
+from backends.contract.replies import as_str
+from backends.contract.schema import PRIORITIES
 from dispatcher.observe import schema
-from dispatcher.replies import as_str
 
 FAILED_WINDOW = 3600.0  # "failed in the last hour"
 
@@ -83,10 +86,10 @@ def queues(redis: Redis, pool: str, now: float | None = None) -> list[dict[str, 
             name = queue_name(pool, p)
             pipe.llen(queue_key(name))
             pipe.lindex(queue_key(name), 0)  # claims pop the head: it is the oldest waiting job
-            pipe.zcard(f"rq:wip:{name}")
+            pipe.zcard(started_registry_key(name))
             pipe.zcount(history_failed_key(name), now - FAILED_WINDOW, "+inf")
-            pipe.zcard(f"rq:finished:{name}")
-            pipe.zcard(f"rq:failed:{name}")
+            pipe.zcard(finished_registry_key(name))
+            pipe.zcard(failed_registry_key(name))
         replies = pipe.execute()
     rows = []
     heads: list[str] = []

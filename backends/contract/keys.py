@@ -1,8 +1,10 @@
-"""Every Redis key and queue name the fleet uses, in one place (see docs/ARCHITECTURE.md)."""
+"""Every Redis key, key prefix and hash field the fleet uses, in one place (table in
+docs/ARCHITECTURE.md). RQ's own keys are named here too where the fleet reads or writes them
+directly; they must match what RQ itself uses."""
 
 from __future__ import annotations
 
-from backends.base import PRIORITIES
+from backends.contract.schema import PRIORITIES
 
 # The one function a fleet job may name. Workers refuse (fail, never run) anything else.
 JOB_FUNCTION = "dispatcher.jobs.generate"
@@ -18,12 +20,38 @@ def queue_names(pool: str) -> list[str]:
     return [queue_name(pool, p) for p in PRIORITIES]
 
 
+QUEUE_PREFIX = "rq:queue:"  # worker/claim.py's script strips these 9 characters to name the queue
+RQ_WORKERS_SET = "rq:workers"  # RQ's set of registered worker keys
+
+
 def queue_key(name: str) -> str:
-    return f"rq:queue:{name}"
+    return f"{QUEUE_PREFIX}{name}"
 
 
 def job_key(job_id: str) -> str:
     return f"rq:job:{job_id}"
+
+
+def started_registry_key(queue: str) -> str:
+    """RQ's StartedJobRegistry (`wip`): executions of jobs now running."""
+    return f"rq:wip:{queue}"
+
+
+def finished_registry_key(queue: str) -> str:
+    return f"rq:finished:{queue}"
+
+
+def failed_registry_key(queue: str) -> str:
+    return f"rq:failed:{queue}"
+
+
+def canceled_registry_key(queue: str) -> str:
+    return f"rq:canceled:{queue}"
+
+
+def rq_worker_key(name: str) -> str:
+    """RQ's worker hash (what `rq info` lists)."""
+    return f"rq:worker:{name}"
 
 
 def stream_key(job_id: str) -> str:
@@ -36,9 +64,17 @@ def cancel_key(job_id: str) -> str:
     return f"fleet:cancel:{job_id}"
 
 
+WORKER_PREFIX = "fleet:worker:"
+
+
 def worker_key(name: str) -> str:
     """Worker status hash; its TTL is the liveness signal (3 heartbeats)."""
-    return f"fleet:worker:{name}"
+    return f"{WORKER_PREFIX}{name}"
+
+
+def worker_name_of(key: str) -> str:
+    """The worker name in a status key (worker_key's inverse)."""
+    return key[len(WORKER_PREFIX):]
 
 
 def inflight_key(name: str) -> str:
@@ -62,7 +98,8 @@ def hub_wake_key(hub_id: str) -> str:
 
 
 # hash fields the fleet adds to RQ's job hash
-ATTEMPT_FIELD = "fleet_attempt"
+ATTEMPT_FIELD = "fleet_attempt"  # restarts so far (the running attempt is this + 1)
+DIED_ON_FIELD = "fleet_died_on"  # workers that died running the job, comma-separated
 OWNER_FIELD = "fleet_owner"  # the worker whose in-flight list holds the job (set by the claim script)
 FINAL_FIELD = "fleet_final"  # the attempt that got the job's final stream entry
 DRAINS_FIELD = "fleet_drains"  # attempts handed back by a draining worker (not failures)
@@ -77,13 +114,18 @@ def results_key(job_id: str) -> str:
     return f"rq:results:{job_id}"
 
 
+def execution_key(execution_id: str) -> str:
+    """One RQ execution (an attempt's run record) of a job."""
+    return f"rq:execution:{execution_id}"
+
+
 def executions_key(job_id: str) -> str:
     """RQ's per-job execution registry."""
     return f"rq:executions:{job_id}"
 
 
 # RQ registries of ended jobs, trimmed by the workers' housekeeping (scores are expiry times)
-ENDED_REGISTRIES = ("rq:finished:", "rq:failed:", "rq:canceled:")
+ENDED_REGISTRIES = (finished_registry_key(""), failed_registry_key(""), canceled_registry_key(""))
 
 
 # -- batches (dispatcher/batch, docs/batch.md) ----------------------------------------------------

@@ -18,11 +18,11 @@ from typing import Protocol
 import httpx
 from httpx_sse import connect_sse
 
-from backends.base import GenerateRequest, Sampling, SamplingDefaults
 from backends.contract.connect import redis_from_url
+from backends.contract.schema import GenerateRequest, Sampling, SamplingDefaults
 from backends.llama_server import completion_body
-from dispatcher.bench_workloads import BenchRequest
 from dispatcher.client import Fleet
+from ecosystem.local.bench_workloads import BenchRequest
 
 REQUEST_TIMEOUT = 600.0
 

@@ -1,8 +1,9 @@
 """A local `llama-server` process on the real model, for `fleet bench` and the tests.
 
 The binary is llama.cpp's server built from the llama.cpp vendored in the pinned llama-cpp-python
-(scripts/build-llama-server, cached by version), so the server and the in-process backend run the
-same llama.cpp. $FLEET_LLAMA_SERVER names another binary.
+(scripts/build-llama-server, run by scripts/setup, caches it by version in the cache dir), so the
+server and the in-process backend run the same llama.cpp. $FLEET_LLAMA_SERVER names another
+binary; a `llama-server` on PATH is the last resort.
 
     with start_llama_server(log_dir, parallel=4, ctx=4096, threads=2) as srv:  # waits for /health
         httpx.post(f"{srv.url}/completion", json={...})
@@ -11,6 +12,7 @@ same llama.cpp. $FLEET_LLAMA_SERVER names another binary.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -20,20 +22,24 @@ from pathlib import Path
 
 import httpx
 
-from backends.model import default_model_path
-from dispatcher.local import ROOT, free_port
+from backends.model import cache_dir, default_model_path
+from ecosystem.local.processes import free_port
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the pin in pyproject.toml; scripts/build-llama-server's default
 
 
 def llama_server_binary() -> Path:
-    """$FLEET_LLAMA_SERVER, else build once (minutes) and return the cached path (instant)."""
+    """$FLEET_LLAMA_SERVER, else the build cached in the cache dir, else `llama-server` on PATH."""
     if env := os.environ.get("FLEET_LLAMA_SERVER"):
         return Path(env)
-    done = subprocess.run(
-        [str(ROOT / "scripts" / "build-llama-server")], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"scripts/build-llama-server failed:\n{done.stderr[-3000:]}")
-    return Path(done.stdout.strip().splitlines()[-1])
+    version = os.environ.get("LLAMA_CPP_PYTHON_VERSION", LLAMA_CPP_PYTHON_VERSION)
+    cached = cache_dir() / f"llama-server-{version}" / "bin" / "llama-server"
+    if os.access(cached, os.X_OK):
+        return cached
+    if found := shutil.which("llama-server"):
+        return Path(found)
+    raise RuntimeError(f"no llama-server at {cached} nor on PATH: run scripts/build-llama-server "
+                       "(scripts/setup does), or set FLEET_LLAMA_SERVER")
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dispatcher.bench_load import LoadResult, Sample
-from dispatcher.bench_workloads import is_length_rejection
+from ecosystem.local.bench_load import LoadResult, Sample
+from ecosystem.local.bench_workloads import is_length_rejection
 
 FLEET, PEER = "fleet", "peer"  # the two roles compared in every row pair
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dispatcher.bench_report import Ratios, Summary, ratios, workloads_of
+from ecosystem.local.bench_report import Ratios, Summary, ratios, workloads_of
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
 W, H, PAD_L, PAD_R, PAD_T, PAD_B = 460, 280, 56, 12, 28, 40

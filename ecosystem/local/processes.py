@@ -1,5 +1,6 @@
 """A local fleet from real processes: a private redis-server and `fleet worker` subprocesses.
-Used by `scripts/demo`, `fleet bench` and the integration tests.
+Used by `scripts/demo`, `fleet bench` and the integration tests. Workers read the config the
+caller names, else the one this process would read (FLEET_CONFIG or ./worker-config.json).
 
     with RedisServer.start(tmp) as rs:                      # redis-server on a free loopback port
         w = start_worker(rs.url, "w1", logs, backend__slots=4)  # a real `fleet worker` process
@@ -10,7 +11,6 @@ Used by `scripts/demo`, `fleet bench` and the integration tests.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,22 +24,15 @@ from typing import Any
 from redis import Redis
 
 from backends.contract.connect import redis_from_url
-from dispatcher.keys import worker_key
-
-ROOT = Path(__file__).resolve().parent.parent
+from backends.contract.keys import worker_key
+from backends.contract.settings import config_path
+from ecosystem.private_redis import redis_server_binary
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def redis_server_binary() -> str:
-    path = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not Path(path).exists():
-        raise RuntimeError("redis-server is not installed: run scripts/setup")
-    return path
 
 
 @dataclass
@@ -122,11 +115,14 @@ class WorkerProcess:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def worker_env(redis_url: str, name: str, **settings: Any) -> dict[str, str]:
-    """Environment for a worker: FLEET_* overrides; nested keys with __ (backend__slots=4)."""
+def worker_env(redis_url: str, name: str, *, config: Path | None = None, **settings: Any) -> dict[str, str]:
+    """Environment for a worker: FLEET_* overrides; nested keys with __ (backend__slots=4).
+    `config`: the worker-config.json to read (default: this process's, see config_path())."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-    env.update({"FLEET_REDIS_URL": redis_url, "FLEET_NAME": name, "PYTHONUNBUFFERED": "1",
-                "FLEET_CONFIG": str(ROOT / "worker-config.json")})
+    env.update({"FLEET_REDIS_URL": redis_url, "FLEET_NAME": name, "PYTHONUNBUFFERED": "1"})
+    config = config or config_path()
+    if config is not None:
+        env["FLEET_CONFIG"] = str(config.resolve())
     for key, value in settings.items():
         env["FLEET_" + key.upper()] = value if isinstance(value, str) else _json(value)
     return env
@@ -139,13 +135,13 @@ def _json(value: Any) -> str:
 
 
 def start_worker(redis_url: str, name: str, log_dir: Path, *, wait: bool = True, timeout: float = 90,
-                 args: list[str] | None = None, **settings: Any) -> WorkerProcess:
+                 args: list[str] | None = None, config: Path | None = None, **settings: Any) -> WorkerProcess:
     """Start `fleet worker` as its own process; wait until its status key appears."""
     log = log_dir / f"{name}.log"
     log_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dispatcher.cli", "worker", *(args or [])],
-        env=worker_env(redis_url, name, **settings), cwd=ROOT,
+        env=worker_env(redis_url, name, config=config, **settings),
         stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
     w = WorkerProcess(name, proc, log)

@@ -16,8 +16,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from backends.contract.schema import JobResult
 from dispatcher.client import Fleet, FleetJob
-from dispatcher.local import RedisServer, start_worker
+from ecosystem.local.processes import RedisServer, start_worker
 
 PROMPTS = [
     "Once upon a time, in a village by the sea,",
@@ -73,7 +74,7 @@ def run(console: Console, fleet: Fleet, args: argparse.Namespace) -> None:
     print_results(console, jobs, results, wall)
 
 
-def print_results(console: Console, jobs: list[FleetJob], results: list[dict], wall: float) -> None:
+def print_results(console: Console, jobs: list[FleetJob], results: list[JobResult], wall: float) -> None:
     table = Table(title="results")
     for col in ("job", "worker", "tokens", "queue wait ms", "TTFT ms", "tok/s", "finish", "text"):
         is_text = col == "text"

@@ -1,7 +1,8 @@
-"""Riding out a Redis outage: which errors mean "Redis is away for now", and how long to wait
-before asking again. Shared by producers (dispatcher.client) and workers (worker.link).
+"""Waiting on something that is away for now: which Redis errors mean "away", and the one
+exponential backoff every retry in the project uses (Redis reconnects of producers and workers,
+HTTP engines coming up, a fallback chain resting a failed backend).
 
-Clients are made with `Redis.from_url`, which does not retry by itself, so a failed call returns at
+Clients (connect.py `redis_from_url`) do not retry by themselves, so a failed call returns at
 once and the caller decides: producers retry until their own deadline, workers keep generating
 and retry their writes on a backoff (docs/reliability.md).
 """
@@ -31,20 +32,26 @@ def is_outage(error: BaseException) -> bool:
 
 
 class Backoff:
-    """Exponential delays between reconnect attempts: first, 2*first, ... capped at `cap`."""
+    """Exponential delays between attempts: first, 2*first, 4*first, ... capped at `cap`.
+
+    `next()` walks the sequence (and `reset()` starts it again); `delay(n)` is the n-th delay
+    for callers that count failures themselves."""
 
     def __init__(self, first: float = 0.1, cap: float = 2.0) -> None:
         self.first = first
         self.cap = cap
-        self._delay = first
+        self.attempts = 0
+
+    def delay(self, n: int) -> float:
+        """The delay after the n-th consecutive failure (n >= 1; 0 or less reads as 1)."""
+        return float(min(self.cap, self.first * 2 ** min(max(0, n - 1), 60)))  # no float overflow
 
     def next(self) -> float:
-        delay = self._delay
-        self._delay = min(self._delay * 2, self.cap)
-        return delay
+        self.attempts += 1
+        return self.delay(self.attempts)
 
     def reset(self) -> None:
-        self._delay = self.first
+        self.attempts = 0
 
 
 def retry_outage(call: Callable[[], T], deadline: float | None, backoff: Backoff | None = None) -> T:

@@ -34,10 +34,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from backends.model import default_model_path
-from dispatcher.bench_html import write_html
-from dispatcher.bench_load import FleetTarget, LlamaServerTarget, Sample, Target, closed_loop
-from dispatcher.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
-from dispatcher.bench_workloads import (
+from ecosystem.local.bench_html import write_html
+from ecosystem.local.bench_load import FleetTarget, LlamaServerTarget, Sample, Target, closed_loop
+from ecosystem.local.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
+from ecosystem.local.bench_workloads import (
     WORKLOADS,
     BenchRequest,
     Tokenizer,
@@ -47,8 +47,8 @@ from dispatcher.bench_workloads import (
     describe,
     with_max_tokens,
 )
-from dispatcher.local import ROOT, RedisServer, WorkerProcess, start_worker
-from dispatcher.local_llama_server import LlamaServer, llama_server_binary, start_llama_server
+from ecosystem.local.llama_server import LlamaServer, llama_server_binary, start_llama_server
+from ecosystem.local.processes import RedisServer, WorkerProcess, start_worker
 from worker.settings import format_cpu_list
 
 PROMPTS = [
@@ -266,7 +266,7 @@ def machine_meta() -> dict[str, Any]:
     with contextlib.suppress(OSError):
         model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                       if ln.startswith("model name")), "")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip()
     return {"cores": len(os.sched_getaffinity(0)), "cpu": model, "loadavg": os.getloadavg(),
             "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -310,9 +310,9 @@ def workdir(keep: bool) -> Iterator[Path]:
               help="extra llama-server argument (repeatable), e.g. --server-arg=--kv-unified")
 @click.option("--fleet-set", "fleet_settings", multiple=True, callback=lambda _c, _p, v: _key_values(v),
               help="backend setting of the fleet's llama-cpp workers (repeatable), "
-                   "e.g. --fleet-set batch_invariant=false")
+                   "e.g. --fleet-set batch_invariant=true")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="JSON file (default <repo>/bench-results/fleet-bench-<time>.json); a .png beside it")
+              help="JSON file (default ./bench-results/fleet-bench-<time>.json); a .png beside it")
 @click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")
 def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_user: int,
           max_tokens: int | None, prompts_file: str | None,
@@ -341,7 +341,7 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
         console.print(f"[yellow]load average {meta['loadavg'][0]:.2f} on {meta['cores']} cores: "
                       "other work is running, the numbers will be noisy")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = out or ROOT / "bench-results" / f"fleet-bench-{stamp}.json"
+    out = out or Path("bench-results") / f"fleet-bench-{stamp}.json"
     started = time.monotonic()
     with workdir(keep_logs) as tmp:
         console.log(f"logs in {tmp / 'logs'}")

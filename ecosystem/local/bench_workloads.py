@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dispatcher.bench_text import paragraph, question, sentence
+from ecosystem.local.bench_text import paragraph, question, sentence
 
 WORKLOADS = ("short", "mixed", "shared-prefix", "grounded")
 SHORT_MAX_TOKENS = 64

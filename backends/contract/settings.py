@@ -1,0 +1,114 @@
+"""Settings loading for every part of the fleet: `worker-config.json`, overridden by `FLEET_*`
+environment variables, and the settings models shared across layers.
+
+Priority: explicit arguments > FLEET_* env (nested with `__`, e.g. FLEET_BACKEND__TYPE) >
+the JSON file (path from --config / FLEET_CONFIG, default ./worker-config.json) > defaults.
+Unknown keys and bad values fail at start with pydantic's message, which names the key.
+
+Each part owns its model: producers `ProducerSettings` (here), each backend its own (next to its
+code, built on `EngineSettings`), the worker `FleetSettings` (worker/settings.py) composing them.
+"""
+
+from __future__ import annotations
+
+import os
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from backends.contract.schema import SamplingDefaults
+
+_config_path: ContextVar[Path | None] = ContextVar("fleet_config_path", default=None)
+S = TypeVar("S", bound=BaseSettings)
+
+
+class SettingsError(Exception):
+    """Config could not be loaded; the message names the file and the key."""
+
+
+class FileAndEnvSettings(BaseSettings):
+    """Read from init arguments, then FLEET_* env, then the JSON file `load()` was given."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEET_", env_nested_delimiter="__", extra="forbid",
+                                      validate_default=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = _config_path.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path is not None:
+            sources.append(JsonConfigSettingsSource(settings_cls, json_file=path))
+        return tuple(sources)
+
+
+class ProducerSettings(FileAndEnvSettings):
+    """What a producer (`Fleet`, the gateway) needs from the shared config. Keys meant for workers
+    (backend, cpus, ...) are ignored here; the worker's own model checks them."""
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    pool: str = Field("llm", pattern=r"^[A-Za-z0-9_.-]+$")
+    job_timeout: int = Field(600, ge=1, description="wall seconds a job may run")
+    queue_ttl: int | None = Field(None, ge=1, description="seconds a job may wait in the queue")
+    result_ttl: int = Field(3600, ge=1)
+    durability: Literal["primary", "replicated"] = Field(
+        "primary", description="producers: submit returns once the primary has the job, or (replicated) "
+        "once a replica has it too (Redis WAIT; docs/scale-out.md)")
+
+
+class EngineSettings(BaseModel):
+    """What every backend's settings have: job concurrency, context per job, sampling defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slots: int = Field(16, ge=1, le=256, description="sequences decoded together in one context")
+    n_ctx_per_seq: int = Field(1024, ge=64, description="max prompt + generated tokens of one job; with "
+                               "per-slot KV streams, the KV cells of each slot and prefix entry")
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+
+
+def config_path(explicit: str | os.PathLike[str] | None = None) -> Path | None:
+    """--config, else FLEET_CONFIG, else ./worker-config.json if it exists."""
+    if explicit:
+        return Path(explicit)
+    if env := os.environ.get("FLEET_CONFIG"):
+        return Path(env)
+    default = Path("worker-config.json")
+    return default if default.exists() else None
+
+
+def load(model: type[S], path: str | os.PathLike[str] | None = None, **overrides: Any) -> S:
+    """`model` from the config file (`config_path(path)`), env and `overrides`; SettingsError
+    naming the file and every bad key otherwise."""
+    cfg = config_path(path)
+    if cfg is not None and not cfg.exists():
+        raise SettingsError(f"config file not found: {cfg}")
+    token = _config_path.set(cfg)
+    try:
+        return model(**overrides)
+    except ValidationError as e:
+        where = f" in {cfg}" if cfg else ""
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()
+        )
+        raise SettingsError(f"bad settings{where}: {problems}") from None
+    except ValueError as e:  # malformed JSON file
+        raise SettingsError(f"cannot read {cfg}: {e}") from None
+    finally:
+        _config_path.reset(token)

@@ -1,0 +1,194 @@
+"""The layer rule (docs/ARCHITECTURE.md, "Layers"): a module imports only from its own layer or
+below, and no two packages import each other, directly or round a loop. Imports are read with
+`ast` from every module, function-level and TYPE_CHECKING imports included, so a lazy import
+cannot hide an upward edge."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("backends", "dispatcher", "ecosystem", "worker")
+
+# The layer table, top to bottom: a module may import from its own row or any row below it.
+# A module belongs to the row of the longest prefix that names it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # the `fleet` group and the command modules that import it (their own modules, registered by it)
+    ("tools: the CLI that assembles everything", ("dispatcher.cli", "dispatcher.batch.cli",
+                                                  "dispatcher.observe.cli")),
+    ("ecosystem: placement, process managers, local fleets, bench", ("ecosystem",)),
+    ("worker: the worker process", ("worker",)),
+    ("producers: Fleet, AsyncFleet, the gateway", ("dispatcher",)),
+    ("backends: engines", ("backends",)),
+    ("contract: keys, codec, retry, schemas, settings", ("backends.contract",)),
+)
+# Units of the package graph: the top-level packages and every prefix of the layer table (so the
+# contract is apart from the backends); a subpackage belongs to its package; the tools layer (the
+# CLI and its command modules, which live inside the producer package) is one unit.
+TOOLS = "tools"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> Iterator[tuple[str, Path]]:
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield module_name(path), path
+
+
+def imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
+    """(imported module, line) for every import in the file, at any depth."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            yield target, node.lineno
+            for alias in node.names:  # `from pkg import submodule`
+                yield f"{target}.{alias.name}", node.lineno
+
+
+def longest_prefix(module: str, prefixes: tuple[str, ...]) -> str | None:
+    hits = [p for p in prefixes if module == p or module.startswith(p + ".")]
+    return max(hits, key=len) if hits else None
+
+
+def layer_of(module: str) -> int | None:
+    prefixes = tuple(p for _, ps in LAYERS for p in ps)
+    hit = longest_prefix(module, prefixes)
+    if hit is None:
+        return None
+    return next(i for i, (_, ps) in enumerate(LAYERS) if hit in ps)
+
+
+def project_modules() -> dict[str, Path]:
+    return dict(modules())
+
+
+def project_target(target: str, known: dict[str, Path]) -> str | None:
+    """The project module an import names (`from pkg import name` names pkg when name is no module)."""
+    while target:
+        if target in known:
+            return target
+        target = target.rpartition(".")[0]
+    return None
+
+
+def edges() -> list[tuple[str, str, int]]:
+    known = project_modules()
+    out: set[tuple[str, str, int]] = set()
+    for name, path in known.items():
+        for target, line in imports(name, path):
+            resolved = project_target(target, known)
+            if resolved is not None and resolved != name:
+                out.add((name, resolved, line))
+    return sorted(out)
+
+
+def unit_of(module: str) -> str:
+    if layer_of(module) == 0:
+        return TOOLS
+    units = (*PACKAGES, *(p for _, ps in LAYERS[1:] for p in ps))
+    hit = longest_prefix(module, units)
+    assert hit is not None, module
+    return hit
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for src, dst, _line in edges():
+        a, b = unit_of(src), unit_of(dst)
+        graph.setdefault(a, set())
+        graph.setdefault(b, set())
+        if a != b:
+            graph[a].add(b)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [n for n, _ in modules() if layer_of(n) is None] == []
+
+
+def test_no_import_runs_upward() -> None:
+    upward = []
+    for src, dst, line in edges():
+        a, b = layer_of(src), layer_of(dst)
+        assert a is not None and b is not None
+        if b < a:
+            upward.append(f"{src}:{line} imports {dst} ({LAYERS[a][0]} -> {LAYERS[b][0]})")
+    assert upward == [], "imports that run upward:\n" + "\n".join(upward)
+
+
+def test_no_package_cycle() -> None:
+    assert cycles(package_graph()) == []
+
+
+def test_the_checker_sees_function_level_imports_and_cycles() -> None:
+    """The checker itself: a lazy import counts, and a two-package loop is found."""
+    source = "def f():\n    from worker.loop import FleetWorker\n"
+    tree = ast.parse(source)
+    found = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert found == ["worker.loop"]
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert layer_of("backends.contract.keys") == len(LAYERS) - 1
+    assert layer_of("dispatcher.cli") == 0 and layer_of("dispatcher.client") == 3
+
+
+def test_producers_and_the_contract_import_without_llama_cpp() -> None:
+    """Producer-only hosts have no llama-cpp-python: nothing below the worker may pull it in."""
+    code = ("import sys, dispatcher, dispatcher.client, backends, backends.registry, worker.settings\n"
+            "import backends.contract.keys, backends.contract.settings, backends.contract.stream\n"
+            "print(sorted(m for m in sys.modules if m.startswith('llama_cpp')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
