@@ -23,6 +23,9 @@ class LlamaCppSettings(EngineSettings):
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
     draft_max: int = Field(6, ge=0, le=16, description="speculation by prompt lookup: draft tokens a "
                            "decoder may verify per step, used only while 1-3 slots decode (0: off)")
+    chat_template: str | None = Field(
+        None, description="a llama.cpp built-in chat template name (e.g. gemma, chatml, llama3) for "
+        "chat requests; None: the model's own template, else `gemma` for gemma-family models")
 
     @model_validator(mode="after")
     def _invariance_needs_streams(self) -> LlamaCppSettings:

@@ -1,9 +1,9 @@
 """`fleet serve` as a real process in front of a real worker on the real model, driven by the
 official `openai` and `ollama` Python clients (and raw HTTP where a client hides the detail).
 
-The embedded model has no chat template, so on the in-process engine a chat request fails the
-way the worker fails it today (a clear error); chat that succeeds runs through the llama-server
-backend (tests/test_gateway_llama_server.py)."""
+The embedded model has no chat template of its own; the in-process engine formats chats with
+llama.cpp's built-in `gemma` template (backend.chat_template), so chat works on the default setup.
+The llama-server backend's chat: tests/test_gateway_llama_server.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import ollama
 import openai
 import pytest
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher import Fleet
 from tests.gateway_harness import start_gateway, wait_until_healthy
+from tests.test_gateway_llama_server import ASK, PERSON
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "Once upon a time"
@@ -88,25 +90,38 @@ def test_openai_completions_sync_async_stream_n_stop_usage(workers, gateways) ->
     assert [m.id for m in models.data] == ["llm"] and client.models.retrieve("llm").id == "llm"
 
 
-def test_openai_chat_sync_and_async_reports_the_engines_answer(workers, gateways) -> None:
-    workers.start("w1", backend__slots=2)
+def test_openai_chat_stream_and_not_json_schema_and_logprobs_on_the_default_engine(workers, gateways) -> None:
+    workers.start("w1", backend__slots=4)
     gw = gateways.start()
     wait_until_healthy(gw)
-    messages: list[Any] = [{"role": "user", "content": "Say hello."}]
-    # today the in-process engine refuses messages on a model without a chat template
-    with pytest.raises(openai.UnprocessableEntityError, match="chat template"):
-        oai(gw).chat.completions.create(model="llm", messages=messages, max_tokens=4)
+    client = oai(gw)
+    hello: list[Any] = [{"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model="llm", messages=hello, max_tokens=8, temperature=0)
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
+    assert whole.usage is not None and whole.usage.prompt_tokens > 0
 
-    async def streamed() -> None:
+    structured = client.chat.completions.create(
+        model="llm", messages=ASK, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert structured.choices[0].finish_reason == "stop"  # the grammar completed the object
+    jsonschema.validate(json.loads(structured.choices[0].message.content or ""), PERSON)
+
+    probs = client.chat.completions.create(model="llm", messages=hello, max_tokens=4, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = probs.choices[0].logprobs and probs.choices[0].logprobs.content
+    assert content and len(content) == 4
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob <= 0 for t in content)
+
+    async def streamed() -> str:
         aclient = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.APIError, match="chat template"):
-            stream: Any = await aclient.chat.completions.create(model="llm", messages=messages,
-                                                                max_tokens=4, stream=True)
-            async for _ in stream:
-                pass
+        stream: Any = await aclient.chat.completions.create(model="llm", messages=hello, max_tokens=8,
+                                                            temperature=0, stream=True)
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         await aclient.close()
+        return "".join(parts)
 
-    asyncio.run(streamed())
+    assert asyncio.run(streamed()) == text
 
 
 def test_ollama_client_generate_stream_and_not_tags_ps_version(workers, gateways) -> None:
@@ -130,8 +145,15 @@ def test_ollama_client_generate_stream_and_not_tags_ps_version(workers, gateways
     with pytest.raises(ollama.ResponseError) as missing:
         client.generate(model="nope", prompt=PROMPT)
     assert missing.value.status_code == 404 and "nope" in missing.value.error
-    with pytest.raises(ollama.ResponseError, match="chat template"):
-        client.chat(model="llm", messages=[{"role": "user", "content": "hi"}], options=options)
+    chat = client.chat(model="llm", messages=[{"role": "user", "content": "hi"}], options=options)
+    assert chat.message.content and chat.message.role == "assistant" and chat.done
+    streamed = list(client.chat(model="llm", messages=[{"role": "user", "content": "hi"}], options=options,
+                                stream=True))
+    assert "".join(p.message.content or "" for p in streamed) == chat.message.content
+    person = client.chat(model="llm", messages=ASK, format=PERSON,
+                         options={"num_predict": 60, "temperature": 0})
+    assert person.done_reason == "stop"
+    jsonschema.validate(json.loads(person.message.content or ""), PERSON)
     with pytest.raises(ollama.ResponseError) as bad:
         client.generate(model="llm", prompt=PROMPT, options={"mirostat": 2})
     assert bad.value.status_code == 400 and "options.mirostat" in bad.value.error

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from backends.contract.schema import GenerateRequest, SamplingDefaults
 from backends.llamacpp.invariance import TILED_MM_ROWS
 from backends.llamacpp.scheduler import DecodeCall, Scheduler
 from backends.llamacpp.speculation import NgramIndex, draft_room
@@ -100,3 +101,16 @@ def test_speculation_off_by_setting_and_in_the_unified_pool() -> None:
         (job,) = _decoding(s, 1, SEVENS)
         assert job.ngrams is None
         assert all(not c.drafts for c in s.plan_step().calls)
+
+
+def test_jobs_with_a_grammar_penalties_or_logprobs_never_draft() -> None:
+    for fields in ({"format": "json"}, {"presence_penalty": 0.5}, {"repeat_penalty": 1.2},
+                   {"logprobs": True, "top_logprobs": 2}):
+        s = engine(draft_max=6)
+        req = GenerateRequest(prompt="-", max_tokens=100, temperature=0.0, **fields)
+        s.enqueue("x", SEVENS, req.sampling(SamplingDefaults()))
+        (job,) = s.start_waiting()
+        while job.next_token is None:
+            execute(s, s.plan_step())
+        assert job.ngrams is None, fields
+        assert not _decoders_call(s).drafts, fields

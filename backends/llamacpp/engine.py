@@ -20,11 +20,12 @@ import time
 
 import llama_cpp as ll
 
-from backends.base import Done, Event, Failed, Token
+from backends.base import Done, Event, Failed, JobRejected, Token
 from backends.contract.schema import FinishReason, GenerateRequest
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.sampling import check_format
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, check_n_batch
 from backends.llamacpp.state import ActiveJob
 from backends.llamacpp_settings import LlamaCppSettings
@@ -42,6 +43,7 @@ class LlamaCppBackend:
         check_n_batch(self.n_batch, streams)  # before the model loads
         self.model = LoadedModel(
             settings.model_path,
+            chat_template=settings.chat_template,
             n_ctx=settings.n_ctx_per_seq * streams if self.per_slot else settings.n_ctx,
             n_batch=self.n_batch,
             n_seq_max=streams,
@@ -62,6 +64,7 @@ class LlamaCppBackend:
         self.tokens_generated = 0
         self.draft_tokens = 0  # proposed by prompt lookup (speculation.py) ...
         self.draft_accepted = 0  # ... and kept
+        self.grammar_rejections = 0
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -76,7 +79,10 @@ class LlamaCppBackend:
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")  # before tokenizing: the worker checks first
         tokens = self.model.prompt_tokens(request)
-        self.scheduler.enqueue(job_id, tokens, request.sampling(self.settings.sampling))
+        sampling = request.sampling(self.settings.sampling)
+        if sampling.format is not None:
+            check_format(self.model, sampling.format)  # a schema that cannot compile fails now
+        self.scheduler.enqueue(job_id, tokens, sampling)
         self._start_waiting()
 
     def cancel(self, job_id: str) -> None:
@@ -113,6 +119,7 @@ class LlamaCppBackend:
             "tokens_generated": self.tokens_generated,
             "draft_tokens": self.draft_tokens,
             "draft_accepted": self.draft_accepted,
+            "grammar_rejections": self.grammar_rejections,
             "deferred_admissions": self.scheduler.deferred_admissions,
             "decode_seconds": round(self.executor.decode_seconds, 3),
         }
@@ -180,7 +187,13 @@ class LlamaCppBackend:
                 self.executor.apply(self.kv.take_ops())
 
     def _sample(self, job: ActiveJob, events: list[Event], draft_index: int = 0) -> None:
-        tok = self.executor.sample(job, draft_index)
+        try:
+            tok = self.executor.sample(job, draft_index)
+        except JobRejected as e:  # its grammar has no way on
+            job.done = None
+            self._release(job, keep_kv=False)
+            events.append(Failed(job.job_id, str(e)))
+            return
         if self.model.is_eog(tok):
             self._finish(job, "stop", events)
             return
@@ -190,7 +203,7 @@ class LlamaCppBackend:
         delta = job.text.feed(self.model.piece(tok))
         if delta:
             events.append(Token(job.job_id, delta))
-        if job.text.stopped:
+        if job.text.stopped or self.executor.sampler(job).grammar_complete:
             self._finish(job, "stop", events)
         elif job.generated >= job.sampling.max_tokens or job.n_past + 1 >= self.n_ctx_per_seq:
             self._finish(job, "length", events)
@@ -202,6 +215,10 @@ class LlamaCppBackend:
         if tail:
             events.append(Token(job.job_id, tail, n_tokens=0))
         job.done = Done(job.job_id, reason, len(job.tokens), job.generated)
+        sampler = self.executor.sampler(job)
+        self.grammar_rejections += sampler.rejections
+        if sampler.top_logprobs is not None:  # the end-of-generation token is not output
+            job.done.extra["logprobs"] = sampler.logprobs[: job.generated]
 
     def _fail(self, call: DecodeCall, rc: int, events: list[Event]) -> None:
         why = "KV cache full" if rc == 1 else f"llama_decode failed (rc={rc})"

@@ -4,21 +4,19 @@ bookkeeper's operations (llama_memory_seq_rm / seq_cp) and samples with one chai
 It decides nothing about who runs; what it owns is the mechanics: where each row goes in the
 batch, where a sequence's logits are, the throw-away rows that top up an equal-width ubatch and
 how a copy is done in each KV layout. Per step it writes the batch in place (no per-row objects)
-and samples on llama.cpp's side (no per-step Python work that grows with the vocabulary).
+and samples with one `SequenceSampler` per sequence (sampling.py: chains, grammars, logprobs).
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 
 import llama_cpp as ll
-import numpy as np
 
-from backends.contract.schema import Sampling
 from backends.llamacpp.kv import KvOp, Remove
 from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.sampling import Candidates, SequenceSampler
 from backends.llamacpp.scheduler import DecodeCall
 from backends.llamacpp.state import ActiveJob
 
@@ -37,8 +35,8 @@ class Executor:
         self._seq_id = [self._batch.seq_id[i] for i in range(n_batch)]
         for i in range(n_batch):
             self._batch.n_seq_id[i] = 1
-        self._chains: list[ll.llama_sampler_p | None] = [None] * n_streams
-        self._greedy = [False] * n_streams  # per sequence id: its chain is greedy alone (argmax)
+        self._samplers: list[SequenceSampler | None] = [None] * n_streams
+        self._candidates: Candidates | None = None  # made for the first job with a grammar
         self._logits_row = [-1] * n_streams  # per sequence id: its logits' row in the last batch
         self.decode_calls = 0
         self.decode_seconds = 0.0
@@ -56,29 +54,25 @@ class Executor:
                 ll.llama_memory_seq_cp(self._memory, op.src, op.dst, 0, op.n_tokens)
 
     def open(self, job: ActiveJob) -> None:
-        chain = sampler_chain(job.sampling, self.model.n_vocab)
-        self._chains[job.seq_id] = chain
-        self._greedy[job.seq_id] = is_greedy_alone(chain)
+        if job.sampling.format is not None and self._candidates is None:
+            self._candidates = Candidates(self.model.n_vocab)
+        self._samplers[job.seq_id] = SequenceSampler(self.model, job.sampling, job.tokens, self._candidates)
 
     def close_sequence(self, seq_id: int) -> None:
-        chain = self._chains[seq_id]
-        if chain is not None:
-            ll.llama_sampler_free(chain)
-            self._chains[seq_id] = None
+        sampler = self._samplers[seq_id]
+        if sampler is not None:
+            sampler.close()
+            self._samplers[seq_id] = None
+
+    def sampler(self, job: ActiveJob) -> SequenceSampler:
+        sampler = self._samplers[job.seq_id]
+        assert sampler is not None
+        return sampler
 
     def sample(self, job: ActiveJob, draft_index: int = 0) -> int:
         """The job's next token, from its row of the last decode (draft_index i: the row that fed
         its i-th draft token, see speculation.py)."""
-        row = self._logits_row[job.seq_id] + draft_index
-        if self._greedy[job.seq_id]:
-            # llama_sampler_sample would first copy all 262k logits into candidate structs
-            # (~0.35 ms per sequence); greedy takes the first maximum, as np.argmax does
-            return int(self.logits(row).argmax())
-        return int(ll.llama_sampler_sample(self._chains[job.seq_id], self._ctx, row))
-
-    def logits(self, row: int) -> np.ndarray:
-        """The logits of batch row `row` of the last decode (a view, valid until the next one)."""
-        return np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, row), shape=(self.model.n_vocab,))
+        return self.sampler(job).sample(self._ctx, self._logits_row[job.seq_id] + draft_index)
 
     # -- one llama_decode -------------------------------------------------------------------------
 
@@ -157,39 +151,6 @@ class Executor:
         return int(rc)
 
     def close(self) -> None:
-        for seq_id in range(len(self._chains)):
+        for seq_id in range(len(self._samplers)):
             self.close_sequence(seq_id)
         ll.llama_batch_free(self._batch)
-
-
-def sampler_chain(s: Sampling, n_vocab: int) -> ll.llama_sampler_p:
-    """One chain per sequence: its own seed, penalties history and temperature."""
-    chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
-    if s.temperature <= 0:
-        if s.repeat_penalty != 1.0:
-            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(64))
-            ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s.repeat_penalty))
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
-        return chain
-    if s.top_k > 0:
-        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(s.top_k))
-    if s.repeat_penalty != 1.0:  # after top-k: penalties over the whole vocabulary are slow
-        ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s.repeat_penalty))
-    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(s.top_p, 1))
-    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(s.min_p, 1))
-    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(s.temperature))
-    seed = s.seed if s.seed is not None else random.getrandbits(32)
-    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
-    return chain
-
-
-def is_greedy_alone(chain: ll.llama_sampler_p) -> bool:
-    """A chain of one greedy sampler and nothing else (no penalties, grammar, ...): then the
-    token is the argmax of the logits and needs no candidate array."""
-    if ll.llama_sampler_chain_n(chain) != 1:
-        return False
-    return bool(ll.llama_sampler_name(ll.llama_sampler_chain_get(chain, 0)) == b"greedy")
-
-
-def _penalties(n_vocab: int, repeat: float) -> ll.llama_sampler_p:
-    return ll.llama_sampler_init_penalties(n_vocab, 64, repeat, 0.0, 0.0)

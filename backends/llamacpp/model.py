@@ -42,12 +42,14 @@ def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 class LoadedModel:
     def __init__(
         self, path: Path | None, *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int | None,
-        batch_invariant: bool = False, kv_unified: bool = False,
+        batch_invariant: bool = False, kv_unified: bool = False, chat_template: str | None = None,
     ) -> None:
         path = Path(path) if path else default_model_path()
         if not path.exists():
             raise FileNotFoundError(f"model file not found: {path}")
         ll.llama_log_set(_quiet_log, ctypes.c_void_p())
+        if chat_template is not None:
+            check_builtin_template(chat_template)  # before anything is loaded
         _choose_kernels(batch_invariant)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
@@ -83,9 +85,15 @@ class LoadedModel:
         self.vocab = ll.llama_model_get_vocab(model)
         self.memory = ll.llama_get_memory(ctx)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
-        tmpl = ll.llama_model_chat_template(model, None)
-        self.chat_template: bytes | None = tmpl if tmpl else None
         self._piece_buf = ctypes.create_string_buffer(256)
+        self.chat_template = choose_chat_template(self, chat_template)
+        eos = ll.llama_vocab_eos(self.vocab)
+        self.eog_token = eos if eos >= 0 else ll.llama_vocab_eot(self.vocab)
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text (None when the model has no such key)."""
+        n = ll.llama_model_meta_val_str(self.model, key.encode(), self._piece_buf, len(self._piece_buf))
+        return self._piece_buf.value.decode("utf-8", errors="replace") if n >= 0 else None
 
     # -- text <-> tokens --------------------------------------------------------------------------
 
@@ -112,7 +120,8 @@ class LoadedModel:
     def apply_chat_template(self, request: GenerateRequest) -> str:
         msgs = request.messages or []
         if self.chat_template is None:
-            raise JobRejected("this model has no chat template; send 'prompt' instead of 'messages'")
+            raise JobRejected("this model has no chat template; set backend.chat_template to one of "
+                              "llama.cpp's built-in templates, or send 'prompt' instead of 'messages'")
         keep = [(m.role.encode(), m.content.encode("utf-8", errors="replace")) for m in msgs]
         chat = (ll.llama_chat_message * len(keep))()
         for i, (role, content) in enumerate(keep):
@@ -148,3 +157,31 @@ class LoadedModel:
             ll.llama_model_free(self.model)
             self.model = None
 
+
+
+def builtin_chat_templates() -> list[str]:
+    """The template names llama.cpp formats chats with itself (`llama_chat_builtin_templates`)."""
+    n = ll.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * n)()
+    ll.llama_chat_builtin_templates(names, n)
+    return [name.decode() for name in names if name]
+
+
+def check_builtin_template(name: str) -> None:
+    builtin = builtin_chat_templates()
+    if name not in builtin:
+        raise ValueError(f"chat_template {name!r} is not a llama.cpp built-in template; "
+                         f"choose one of: {', '.join(sorted(builtin))}")
+
+
+def choose_chat_template(model: LoadedModel, setting: str | None) -> bytes | None:
+    """The chat template: the `chat_template` setting (a llama.cpp built-in name) if given, else
+    the model's own, else by family: gemma models get `gemma` (the embedded gemma-3-270m GGUF
+    ships without a template); None: chat requests are refused with a clear error."""
+    if setting is not None:
+        return setting.encode()
+    own = ll.llama_model_chat_template(model.model, None)
+    if own:
+        return bytes(own)
+    family = f"{model.meta('general.architecture') or ''} {model.meta('general.name') or ''}".lower()
+    return b"gemma" if "gemma" in family else None

@@ -106,7 +106,7 @@ class Scheduler:
                 break  # running jobs will free KV cells; the job keeps its place in line
             self.waiting.pop(0)
             job = ActiveJob.start(waiting, seq_id, need)
-            if self.draft_max:
+            if self.draft_max and waiting.sampling.is_plain():  # see speculation.py
                 job.ngrams = NgramIndex(job.tokens)
             self.kv.reuse_prefix(job, self.active.values())
             self.active[job.job_id] = job

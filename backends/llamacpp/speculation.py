@@ -15,6 +15,9 @@ call stays below TILED_MM_ROWS rows. Drafts are therefore only proposed while
 where it pays: a step of a few rows costs about what one row costs (the weights are read once),
 while a full batch is compute-bound and extra rows are not free. With `batch_invariant` the
 tiled kernel runs at every size, so the rule keeps the text unchanged there too.
+
+Only plain jobs draft (`Sampling.is_plain`): a grammar, the penalties' history and the logprobs
+advance with every token, so those jobs decode one token at a time (simple, and surely right).
 """
 
 from __future__ import annotations

@@ -1,0 +1,265 @@
+"""One sequence's token sampling on llama.cpp: its sampler chain, an optional grammar (structured
+output) and optional log-probabilities.
+
+- Plain greedy jobs (no grammar, penalties or logprobs) take the argmax of the logits row.
+- Other jobs without a grammar take `llama_sampler_sample` (the candidate array is built and
+  filtered in C): no per-step Python work that grows with the vocabulary.
+- Logprobs: a numpy log-softmax over the sequence's logits row, only for jobs that ask.
+- Grammar: what llama-server does (`common_sampler_sample` with grammar_first=false). Filtering
+  every candidate of a 262k vocabulary through the grammar each step is slow, so the chain samples
+  first (in C, llama_sampler_sample, unless penalties make the chain remember what it sees) and
+  only the picked token is checked against the grammar (a 1-element candidate array);
+  only when the grammar rejects it is the candidate list filtered and sampled again. That
+  re-filter first tries the SHORTLIST best logits (a few ms instead of 60-200 ms for 262k pieces):
+  when at least as many of them pass as the chain keeps (its top-k; 1 for plain greedy), the
+  chain picks exactly what it would pick from the whole filtered vocabulary; else the whole one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import random
+from functools import lru_cache
+from typing import Any
+
+import llama_cpp as ll
+import numpy as np
+from llama_cpp.llama_grammar import JSON_GBNF
+
+from backends.base import JobRejected
+from backends.contract.schema import Sampling
+from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.schema_grammar import json_schema_to_gbnf
+
+PENALTY_LAST_N = 64  # llama-server's default window for repeat/frequency/presence penalties
+GREEDY_PENALTY_TOP_K = 64  # greedy with penalties looks at the best 64 only (see sampler_chain)
+SHORTLIST = 1024  # candidates a rejected pick is re-sampled from first
+GrammarFormat = str | dict[str, Any]
+
+
+def sampler_chain(s: Sampling, n_vocab: int) -> ll.llama_sampler_p:
+    """One chain per sequence: its own seed, penalties history and temperature."""
+    chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+    if s.temperature <= 0:
+        if s.has_penalties():  # penalties over the whole vocabulary are slow: the top 64 suffice
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(GREEDY_PENALTY_TOP_K))
+            ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s))
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+        return chain
+    if s.top_k > 0:
+        ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(s.top_k))
+    if s.has_penalties():  # after top-k, for the same reason
+        ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(s.top_p, 1))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(s.min_p, 1))
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(s.temperature))
+    seed = s.seed if s.seed is not None else random.getrandbits(32)
+    ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+    return chain
+
+
+def chain_keeps(s: Sampling) -> int | None:
+    """How many best candidates `sampler_chain` samples from (None: it may use all of them)."""
+    if s.temperature <= 0:
+        return GREEDY_PENALTY_TOP_K if s.has_penalties() else 1
+    return s.top_k if 0 < s.top_k <= SHORTLIST else None
+
+
+def _penalties(n_vocab: int, s: Sampling) -> ll.llama_sampler_p:
+    return ll.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, s.repeat_penalty, s.frequency_penalty,
+                                           s.presence_penalty)
+
+
+# -- grammars --------------------------------------------------------------------------------------
+
+
+def gbnf_for(fmt: GrammarFormat) -> str:
+    """The GBNF grammar of a request's `format`: "json" = any JSON object, a dict = a JSON Schema.
+    JobRejected naming the problem when the schema cannot be converted."""
+    if fmt == "json":
+        return JSON_GBNF
+    if not isinstance(fmt, dict):
+        raise JobRejected(f"format must be \"json\" or a JSON schema object, not {fmt!r}")
+    return _schema_gbnf(json.dumps(fmt))  # keeps the schema's property order
+
+
+@lru_cache(maxsize=64)
+def _schema_gbnf(schema: str) -> str:
+    try:
+        return json_schema_to_gbnf(schema)
+    except Exception as e:  # the converter raises whatever its parser meets; name it for the user
+        why = f"{type(e).__name__}: {e}"
+        raise JobRejected(f"the JSON schema cannot be turned into a grammar: {why}") from None
+
+
+def compile_grammar(model: LoadedModel, gbnf: str) -> ll.llama_sampler_p:
+    grammar = ll.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root")
+    if not grammar:
+        raise JobRejected("llama.cpp could not compile the grammar made from the JSON schema")
+    return grammar
+
+
+def check_format(model: LoadedModel, fmt: GrammarFormat) -> None:
+    """Fail a job at admission (not mid-generation) when its schema cannot become a grammar."""
+    ll.llama_sampler_free(compile_grammar(model, gbnf_for(fmt)))
+
+
+class Candidates:
+    """A reusable llama_token_data array over the whole vocabulary, filled from a logits row with
+    numpy (what llama_sampler_sample does in C), for jobs that need the grammar between steps."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self._data = (ll.llama_token_data * n_vocab)()
+        self._view = np.ctypeslib.as_array(self._data)  # fields id, logit, p
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        self.array = ll.llama_token_data_array(self._data, n_vocab, -1, False)
+
+    def fill(self, logits: np.ndarray) -> ll.llama_token_data_array:
+        self._view["id"] = self._ids  # samplers sort and cut the array in place: refill it all
+        self._view["logit"] = logits
+        self._view["p"] = 0.0
+        return self._reset(self.n_vocab)
+
+    def fill_best(self, logits: np.ndarray, n: int) -> ll.llama_token_data_array:
+        """Only the n best logits (in no order)."""
+        best = np.argpartition(logits, -n)[-n:]
+        self._view["id"][:n] = best
+        self._view["logit"][:n] = logits[best]
+        self._view["p"][:n] = 0.0
+        return self._reset(n)
+
+    def passing(self) -> int:
+        """How many candidates of the array have not been ruled out (logit -inf)."""
+        return int(np.count_nonzero(self._view["logit"][: self.array.size] != -np.inf))
+
+    def _reset(self, size: int) -> ll.llama_token_data_array:
+        self.array.size = size
+        self.array.selected = -1
+        self.array.sorted = False
+        return self.array
+
+    def selected(self) -> tuple[int, float]:
+        picked = self._data[self.array.selected]
+        return int(picked.id), float(picked.logit)
+
+
+# -- one sequence ----------------------------------------------------------------------------------
+
+
+class SequenceSampler:
+    def __init__(self, model: LoadedModel, s: Sampling, prompt: list[int],
+                 candidates: Candidates | None) -> None:
+        self.model = model
+        self.chain = sampler_chain(s, model.n_vocab)
+        if s.has_penalties():  # like llama-server: the prompt's tokens count towards the penalties
+            for tok in prompt[-PENALTY_LAST_N:]:
+                ll.llama_sampler_accept(self.chain, tok)
+        self.grammar: ll.llama_sampler_p | None = None
+        self.candidates = candidates
+        if s.format is not None:
+            assert candidates is not None
+            self.grammar = compile_grammar(model, gbnf_for(s.format))
+            self._one = ll.llama_token_data(0, 1.0, 0.0)
+            self._one_array = ll.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
+        self.top_logprobs = s.top_logprobs
+        self.keeps = chain_keeps(s)
+        # with penalties the chain remembers what it accepts, so it may only see the final pick;
+        # without, accepting is a no-op and the first pick can be made in C (llama_sampler_sample)
+        self.remembers = s.has_penalties()
+        self.logprobs: list[dict[str, Any]] = []  # one entry per sampled token, when asked
+        self.grammar_complete = False  # the grammar's text is whole: nothing but whitespace may follow
+        self.rejections = 0  # picks the grammar refused (each one cost a full-vocabulary filter)
+        self.greedy_alone = s.temperature <= 0 and s.is_plain()  # the chain is one greedy sampler
+
+    def sample(self, ctx: ll.llama_context_p, row: int) -> int:
+        if self.greedy_alone:
+            # llama_sampler_sample would first copy all 262k logits into candidate structs
+            # (~0.35 ms per sequence); greedy takes the first maximum, as np.argmax does
+            return int(self._logits(ctx, row).argmax())
+        if self.grammar is None:
+            tok = int(ll.llama_sampler_sample(self.chain, ctx, row))
+        else:
+            tok = self._sample_constrained(ctx, row)
+        if self.top_logprobs is not None:
+            self.logprobs.append(self._logprob_entry(self._logits(ctx, row), tok))
+        return tok
+
+    def _logits(self, ctx: ll.llama_context_p, row: int) -> np.ndarray:
+        return np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, row), shape=(self.model.n_vocab,))
+
+    def _sample_constrained(self, ctx: ll.llama_context_p, row: int) -> int:
+        assert self.grammar is not None and self.candidates is not None
+        if self.remembers:
+            cur = self.candidates.fill(self._logits(ctx, row))
+            ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
+            tok, _ = self.candidates.selected()
+        else:
+            tok = int(ll.llama_sampler_sample(self.chain, ctx, row))
+        if not self._grammar_allows(tok):
+            self.rejections += 1
+            tok, logit = self._resample(self._logits(ctx, row))
+            if logit == -math.inf:  # accepting a token the grammar refuses would abort llama.cpp
+                raise JobRejected("the grammar allows no further token")
+        if self.remembers:
+            ll.llama_sampler_accept(self.chain, tok)
+        if not self.model.is_eog(tok):  # an end-of-generation token ends the job, not the grammar
+            ll.llama_sampler_accept(self.grammar, tok)
+            self.grammar_complete = self._whole(tok)
+        return tok
+
+    def _resample(self, logits: np.ndarray) -> tuple[int, float]:
+        """Sample from the candidates the grammar allows (the picked one was refused)."""
+        assert self.grammar is not None and self.candidates is not None
+        if self.keeps is not None:
+            cur = self.candidates.fill_best(logits, SHORTLIST)
+            ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
+            if self.candidates.passing() >= self.keeps:  # the chain's choice lies in the shortlist
+                ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
+                return self.candidates.selected()
+        cur = self.candidates.fill(logits)
+        ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
+        ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
+        return self.candidates.selected()
+
+    def _grammar_allows(self, tok: int) -> bool:
+        assert self.grammar is not None
+        self._one.id = ll.llama_token(tok)
+        self._one.logit = 1.0
+        self._one_array.selected = -1
+        ll.llama_sampler_apply(self.grammar, ctypes.byref(self._one_array))
+        return bool(self._one.logit != -math.inf)
+
+    def _whole(self, tok: int) -> bool:
+        """The grammar may end here (it accepts end-of-generation) and the text cannot grow into a
+        longer value: JSON's only open-ended ending is a number ("12" may become "123")."""
+        tail = self.model.piece(tok).rstrip()
+        if tail and tail[-1:].isdigit():
+            return False
+        return self._grammar_allows(self.model.eog_token)
+
+    def _logprob_entry(self, logits: np.ndarray, tok: int) -> dict[str, Any]:
+        """OpenAI's chat shape: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
+        row = logits.astype(np.float64)
+        top = float(row.max())
+        log_z = top + math.log(float(np.exp(row - top).sum()))
+        entry = self._token_entry(tok, float(row[tok]) - log_z)
+        alts: list[dict[str, Any]] = []
+        k = self.top_logprobs or 0
+        if k > 0:
+            best = np.argpartition(row, -k)[-k:]
+            best = best[np.argsort(-row[best], kind="stable")]
+            alts = [self._token_entry(int(t), float(row[t]) - log_z) for t in best]
+        return {**entry, "top_logprobs": alts}
+
+    def _token_entry(self, tok: int, logprob: float) -> dict[str, Any]:
+        piece = self.model.piece(tok)
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+
+    def close(self) -> None:
+        ll.llama_sampler_free(self.chain)
+        if self.grammar is not None:
+            ll.llama_sampler_free(self.grammar)
+            self.grammar = None
