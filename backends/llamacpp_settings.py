@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from backends.contract.settings import EngineSettings
 
@@ -12,12 +12,23 @@ from backends.contract.settings import EngineSettings
 class LlamaCppSettings(EngineSettings):
     model_path: Path | None = None  # None: the embedded gemma-3-270m Q4_K_M
     batch_invariant: bool = Field(
-        True, description="a job's greedy text is the same alone or in any batch: per-slot KV "
-        "streams and batch-invariant kernels (false: one shared KV pool, llama.cpp's default kernels)")
-    n_ctx: int = Field(8192, ge=256, description="KV cells shared by all slots (batch_invariant=false)")
+        False, description="a job's greedy text is the same alone or in any batch: ggml's tiled "
+        "matmul at every batch size (a lone decoder costs ~2x CPU per token); needs kv_unified=false")
+    kv_unified: bool = Field(
+        False, description="one KV pool of n_ctx cells shared by all slots, a job reserves what it "
+        "needs (false: one KV stream of n_ctx_per_seq cells per slot and prefix entry)")
+    n_ctx: int = Field(8192, ge=256, description="KV cells shared by all slots (kv_unified=true)")
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
+    draft_max: int = Field(6, ge=0, le=16, description="speculation by prompt lookup: draft tokens a "
+                           "decoder may verify per step, used only while 1-3 slots decode (0: off)")
     chat_template: str | None = Field(
         None, description="a llama.cpp built-in chat template name (e.g. gemma, chatml, llama3) for "
         "chat requests; None: the model's own template, else `gemma` for gemma-family models")
+
+    @model_validator(mode="after")
+    def _invariance_needs_streams(self) -> LlamaCppSettings:
+        if self.batch_invariant and self.kv_unified:  # a job's cells at other offsets sum differently
+            raise ValueError("batch_invariant needs kv_unified=false (one KV stream per slot)")
+        return self

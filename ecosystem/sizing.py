@@ -35,7 +35,7 @@ MEASURED_TOK_S_PER_CORE = 95.0  # 190 tok/s at 16 slots on 2 cores (docs/bench.m
 
 
 def kv_cells(backend: BackendSettings) -> int:
-    if backend.batch_invariant:
+    if not backend.kv_unified:
         return (backend.slots + backend.prefix_cache) * backend.n_ctx_per_seq
     return backend.n_ctx
 

@@ -16,8 +16,10 @@ from backends.registry import BackendSettings
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:
-    b = LlamaCppBackend(BackendSettings(slots=16, n_ctx_per_seq=2048, n_batch=512, prefix_cache=4),
-                        threads=2)
+    # batch invariance on explicitly (not the default): the first model of a process fixes ggml's
+    # kernels, and the determinism test below needs the invariant ones
+    b = LlamaCppBackend(BackendSettings(slots=16, n_ctx_per_seq=2048, n_batch=512, prefix_cache=4,
+                                        batch_invariant=True), threads=2)
     yield b
     b.close()
 
@@ -65,8 +67,8 @@ TOPICS = ["the old lighthouse", "a recipe for bread", "why the sky is blue", "th
 
 
 def test_greedy_text_is_identical_alone_and_in_a_full_batch(engine: LlamaCppBackend) -> None:
-    """The default engine is batch-invariant: per-slot KV streams and kernels whose result for a
-    row does not depend on the other rows. Prompts of 10 to ~200 tokens (long ones take other
+    """With batch_invariant: per-slot KV streams and kernels whose result for a row does not
+    depend on the other rows. Prompts of 10 to ~200 tokens (long ones take other
     attention kernels and share their step with decoders); half greedy, half a fixed seed."""
     def request(i: int) -> GenerateRequest:
         prompt = f"Write {'a very long and detailed ' * (i * 5 % 41)}text about {TOPICS[i]}. Begin:"
@@ -169,8 +171,8 @@ def test_shared_prefix_is_copied_not_prefilled(engine: LlamaCppBackend) -> None:
 
 
 def test_shared_prefix_in_one_kv_pool() -> None:
-    """batch_invariant=false: one unified KV pool, where a prefix copy only tags cells."""
-    pool = LlamaCppBackend(BackendSettings(slots=4, n_ctx=2048, prefix_cache=2, batch_invariant=False),
+    """kv_unified: one KV pool, where a prefix copy only tags cells."""
+    pool = LlamaCppBackend(BackendSettings(slots=4, n_ctx=2048, prefix_cache=2, kv_unified=True),
                            threads=2)
     try:
         system = "You are a terse assistant. Answer with one word only, please. " * 4
@@ -198,7 +200,8 @@ def test_next_turn_reuses_the_slot_kv_and_keeps_the_text(engine: LlamaCppBackend
     texts, _ = run_all(engine)
     n_first = len(engine.model.prompt_tokens(req(first)))
     assert int(engine.stats()["prompt_tokens_reused"]) - reused0 >= n_first - 1
-    fresh = LlamaCppBackend(BackendSettings(slots=2, n_ctx_per_seq=512, prefix_cache=0), threads=2)
+    fresh = LlamaCppBackend(BackendSettings(slots=2, n_ctx_per_seq=512, prefix_cache=0, batch_invariant=True),
+                            threads=2)
     try:
         fresh.admit("turn2", req(follow, 12, temperature=0.0))
         baseline, _ = run_all(fresh)
@@ -226,7 +229,7 @@ def test_prompt_longer_than_context_is_rejected_clearly(engine: LlamaCppBackend)
 
 def test_kv_exhaustion_defers_admission_not_running_jobs() -> None:
     tiny = LlamaCppBackend(BackendSettings(slots=4, n_ctx=256, n_ctx_per_seq=128, prefix_cache=0,
-                                           batch_invariant=False), threads=2)
+                                           kv_unified=True), threads=2)
     try:
         for i in range(4):  # each reserves prompt + 60 cells of 256: only 3 fit at once
             tiny.admit(f"k{i}", req(f"Count from {i}:", 60))

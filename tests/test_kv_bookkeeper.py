@@ -9,9 +9,9 @@ from tests.engine_state import prompt, sampling
 
 
 def bookkeeper(*, slots: int = 4, prefix_cache: int = 2, n_ctx: int = 4096,
-               invariant: bool = True) -> KvBookkeeper:
+               per_slot: bool = True) -> KvBookkeeper:
     return KvBookkeeper(slots=slots, prefix_cache=prefix_cache, n_ctx=n_ctx, n_batch=512,
-                        invariant=invariant)
+                        per_slot=per_slot)
 
 
 def start(kv: KvBookkeeper, job_id: str, tokens: list[int], running: list[ActiveJob] | None = None,
@@ -59,7 +59,7 @@ def test_kept_kv_with_nothing_shared_is_dropped() -> None:
 
 
 def test_a_copy_must_share_eight_tokens_in_place_one_is_enough() -> None:
-    kv = bookkeeper(invariant=False)
+    kv = bookkeeper(per_slot=False)
     a = prefilled(start(kv, "a", prompt(20))[0])
     _, seven = start(kv, "b", prompt(7) + prompt(13, 5000), running=[a])
     assert seven is None and kv.take_ops() == []
@@ -77,7 +77,7 @@ def test_a_copy_must_share_eight_tokens_in_place_one_is_enough() -> None:
 
 
 def test_the_longest_shared_prefix_wins() -> None:
-    kv = bookkeeper(invariant=False)
+    kv = bookkeeper(per_slot=False)
     a = prefilled(start(kv, "a", prompt(30))[0])
     b = prefilled(start(kv, "b", prompt(12) + prompt(18, 7000))[0])
     kv.take_ops()
@@ -86,7 +86,7 @@ def test_the_longest_shared_prefix_wins() -> None:
 
 
 def test_the_last_prompt_token_always_runs() -> None:
-    kv = bookkeeper(invariant=False)
+    kv = bookkeeper(per_slot=False)
     a = prefilled(start(kv, "a", prompt(30))[0])
     _, reuse = start(kv, "again", prompt(30), running=[a])
     assert reuse is not None and reuse.n_tokens == 29  # its logits give the first token
@@ -95,7 +95,7 @@ def test_the_last_prompt_token_always_runs() -> None:
 def test_batch_invariance_limits_what_may_be_reused() -> None:
     """The source prefilled 40 tokens row by row; a 300-token prompt alone tiles them."""
     for invariant, expected in [(True, None), (False, 30)]:
-        kv = bookkeeper(invariant=invariant)
+        kv = bookkeeper(per_slot=invariant)
         a = prefilled(start(kv, "a", prompt(40))[0])
         _, reuse = start(kv, "b", prompt(30) + prompt(270, 5000), running=[a])
         assert (reuse.n_tokens if reuse else None) == expected, invariant
@@ -114,7 +114,7 @@ def test_another_slots_kept_kv_is_copied() -> None:
 
 
 def test_prefix_entries_are_an_lru() -> None:
-    kv = bookkeeper(slots=6, invariant=False)
+    kv = bookkeeper(slots=6, per_slot=False)
     x = prefilled(start(kv, "x", prompt(20, 0))[0])
     start(kv, "x2", prompt(20, 0), running=[x])  # entry 7 <- x's prefix
     y = prefilled(start(kv, "y", prompt(20, 5000))[0])
@@ -127,7 +127,7 @@ def test_prefix_entries_are_an_lru() -> None:
 
 
 def test_unified_pool_reservations_evict_cached_prefixes_before_deferring() -> None:
-    kv = bookkeeper(slots=4, n_ctx=256, invariant=False)
+    kv = bookkeeper(slots=4, n_ctx=256, per_slot=False)
     a = prefilled(start(kv, "a", prompt(60), need=100)[0])
     start(kv, "b", prompt(60), running=[a], need=100)  # caches a 59-token prefix entry
     kv.take_ops()

@@ -37,7 +37,7 @@ def test_a_prompt_longer_than_the_context_is_rejected() -> None:
 
 
 def test_unified_pool_defers_admission_in_line_and_never_preempts() -> None:
-    s = engine(slots=5, prefix_cache=0, n_ctx=256, n_ctx_per_seq=128, invariant=False)
+    s = engine(slots=5, prefix_cache=0, n_ctx=256, n_ctx_per_seq=128, per_slot=False)
     for i in range(4):  # each reserves 5 + 60 cells of 256: only 3 fit at once
         admit(s, f"k{i}", prompt(5, 100 * i), max_tokens=60)
     assert len(s.active) == 3 and [w.job_id for w in s.waiting] == ["k3"]
@@ -50,7 +50,7 @@ def test_unified_pool_defers_admission_in_line_and_never_preempts() -> None:
 
 
 def test_per_slot_streams_admit_whenever_a_slot_is_free() -> None:
-    s = engine(slots=4, prefix_cache=0, n_ctx=256, n_ctx_per_seq=4096, invariant=True)
+    s = engine(slots=4, prefix_cache=0, n_ctx=256, n_ctx_per_seq=4096, per_slot=True)
     for i in range(4):  # a slot's stream is its budget: the pool size plays no part
         admit(s, f"k{i}", prompt(1000, 5000 * i), max_tokens=1000)
     assert len(s.active) == 4 and s.deferred_admissions == 0
@@ -58,7 +58,7 @@ def test_per_slot_streams_admit_whenever_a_slot_is_free() -> None:
 
 @pytest.mark.parametrize("invariant", [True, False])
 def test_a_long_prompt_prefills_in_chunks_while_every_decoder_keeps_its_row(invariant: bool) -> None:
-    s = engine(invariant=invariant)
+    s = engine(per_slot=invariant)
     for i in range(8):
         admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
     while any(j.next_token is None for j in s.active.values()):
@@ -135,7 +135,7 @@ def test_short_prompts_share_a_ubatch_while_it_fits_the_rest_run_alone() -> None
 
 
 def test_unified_pool_fills_one_call_up_to_n_batch_in_admission_order() -> None:
-    s = engine(n_batch=256, invariant=False)
+    s = engine(n_batch=256, per_slot=False)
     admit(s, "a", prompt(200, 0))
     admit(s, "b", prompt(200, 1000))
     plan = s.plan_step()
@@ -147,7 +147,7 @@ def test_unified_pool_fills_one_call_up_to_n_batch_in_admission_order() -> None:
 
 
 def test_which_jobs_fail_with_a_call() -> None:
-    s = engine(invariant=False)
+    s = engine(per_slot=False)
     a, b, c = (admit(s, x, prompt(10, 100 * i))[0] for i, x in enumerate("abc"))
     pooled = DecodeCall(decoders=[a], prompts=[(b, 10), (c, 10)])
     assert s.failed(pooled, 1) == [c]  # KV full: the newest prompt, the decoders keep going

@@ -146,6 +146,14 @@ class Sampling:
     format: Literal["json"] | dict[str, Any] | None = None  # structured output (a grammar)
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token (0..20)
 
+    def has_penalties(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def is_plain(self) -> bool:
+        """No grammar, no penalties, no logprobs: each token comes from its logits row and the
+        chain's own draws alone (what the greedy fast path and speculation rely on)."""
+        return self.format is None and self.top_logprobs is None and not self.has_penalties()
+
 
 def describe_validation_error(e: ValidationError) -> str:
     """pydantic's errors as one line a producer understands: `field: message; ...` (first five)."""

@@ -79,7 +79,7 @@ class EngineSettings(BaseModel):
 
     slots: int = Field(16, ge=1, le=256, description="sequences decoded together in one context")
     n_ctx_per_seq: int = Field(1024, ge=64, description="max prompt + generated tokens of one job; with "
-                               "batch_invariant, the KV cells of each slot and prefix entry")
+                               "per-slot KV streams, the KV cells of each slot and prefix entry")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
 
 

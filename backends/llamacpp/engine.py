@@ -5,11 +5,11 @@
 `Executor` runs plans on llama.cpp. What is left here is the glue: tokenizing a request,
 turning sampled tokens into events and the finish rules, and the engine's counters.
 
-KV layout (backend.batch_invariant):
-- true (default): every sequence id has its own KV stream of n_ctx_per_seq cells and ggml runs
-  batch-invariant kernels, so a job's greedy text is the same alone or in any batch. A slot's
-  stream is its budget: admission only waits for a free slot.
-- false: all slots share one unified pool of n_ctx cells. A job reserves prompt + max_tokens
+KV layout (backend.kv_unified):
+- false (default): every sequence id has its own KV stream of n_ctx_per_seq cells. A slot's
+  stream is its budget: admission only waits for a free slot. With backend.batch_invariant ggml
+  also runs batch-invariant kernels, so a job's greedy text is the same alone or in any batch.
+- true: all slots share one unified pool of n_ctx cells. A job reserves prompt + max_tokens
   cells (capped by n_ctx_per_seq) when it starts; when the pool cannot hold it yet it waits
   (admission deferred), it never evicts a running job.
 """
@@ -37,29 +37,33 @@ class LlamaCppBackend:
     def __init__(self, settings: LlamaCppSettings, threads: int | None = None) -> None:
         self.settings = settings
         self.slots = settings.slots
-        self.invariant = settings.batch_invariant
+        self.per_slot = not settings.kv_unified
         self.n_batch = settings.n_batch
         streams = self.slots + settings.prefix_cache
         check_n_batch(self.n_batch, streams)  # before the model loads
         self.model = LoadedModel(
             settings.model_path,
             chat_template=settings.chat_template,
-            n_ctx=settings.n_ctx_per_seq * streams if self.invariant else settings.n_ctx,
+            n_ctx=settings.n_ctx_per_seq * streams if self.per_slot else settings.n_ctx,
             n_batch=self.n_batch,
             n_seq_max=streams,
             threads=threads,
-            batch_invariant=self.invariant,
+            batch_invariant=settings.batch_invariant,
+            kv_unified=settings.kv_unified,
         )
         self.n_ctx = ll.llama_n_ctx(self.model.ctx)  # llama.cpp rounds streams up to 256 cells
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self.kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
-                               n_batch=self.n_batch, invariant=self.invariant)
-        self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq)
+                               n_batch=self.n_batch, per_slot=self.per_slot)
+        self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
+                                   draft_max=settings.draft_max)
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
-                                 invariant=self.invariant)
+                                 per_slot=self.per_slot)
         self._finished: list[Event] = []
         self.prompt_tokens_prefilled = 0
         self.tokens_generated = 0
+        self.draft_tokens = 0  # proposed by prompt lookup (speculation.py) ...
+        self.draft_accepted = 0  # ... and kept
         self.grammar_rejections = 0
 
     # -- protocol -----------------------------------------------------------------------------
@@ -113,6 +117,8 @@ class LlamaCppBackend:
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "prompt_tokens_reused": self.kv.reused_tokens,
             "tokens_generated": self.tokens_generated,
+            "draft_tokens": self.draft_tokens,
+            "draft_accepted": self.draft_accepted,
             "grammar_rejections": self.grammar_rejections,
             "deferred_admissions": self.scheduler.deferred_admissions,
             "decode_seconds": round(self.executor.decode_seconds, 3),
@@ -150,8 +156,7 @@ class LlamaCppBackend:
                 self._fail(call, rc, events)
                 continue
             for job in call.decoders:
-                job.n_past += 1
-                self._sample(job, events)
+                self._verify(job, call.drafts.get(job.seq_id, ()), events)
             for job, count in call.prompts:
                 job.n_past += count
                 self.prompt_tokens_prefilled += count
@@ -163,9 +168,27 @@ class LlamaCppBackend:
         self._finished = []
         return events
 
-    def _sample(self, job: ActiveJob, events: list[Event]) -> None:
+    def _verify(self, job: ActiveJob, draft: list[int] | tuple[()], events: list[Event]) -> None:
+        """A decoder's step: sample its next token; with a draft, keep sampling the draft rows
+        while each draft token is what was sampled before it (so the text is the one decoding
+        one token at a time gives), then drop the KV of the rows not kept."""
+        job.n_past += 1
+        self._sample(job, events)
+        kept = 0
+        while kept < len(draft) and job.done is None and job.next_token == draft[kept]:
+            kept += 1
+            job.n_past += 1  # the draft token's KV is already in place
+            self._sample(job, events, kept)
+        if draft:
+            self.draft_tokens += len(draft)
+            self.draft_accepted += kept
+            if kept < len(draft):
+                self.kv.drop_tail(job)
+                self.executor.apply(self.kv.take_ops())
+
+    def _sample(self, job: ActiveJob, events: list[Event], draft_index: int = 0) -> None:
         try:
-            tok = self.executor.sample(job)
+            tok = self.executor.sample(job, draft_index)
         except JobRejected as e:  # its grammar has no way on
             job.done = None
             self._release(job, keep_kv=False)

@@ -10,6 +10,7 @@ and samples with one `SequenceSampler` per sequence (sampling.py: chains, gramma
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import llama_cpp as ll
 
@@ -21,9 +22,9 @@ from backends.llamacpp.state import ActiveJob
 
 
 class Executor:
-    def __init__(self, model: LoadedModel, *, n_batch: int, n_streams: int, invariant: bool) -> None:
+    def __init__(self, model: LoadedModel, *, n_batch: int, n_streams: int, per_slot: bool) -> None:
         self.model = model
-        self.invariant = invariant
+        self.per_slot = per_slot
         self._ctx = model.ctx
         self._memory = model.memory
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
@@ -46,7 +47,7 @@ class Executor:
         for op in ops:
             if isinstance(op, Remove):
                 ll.llama_memory_seq_rm(self._memory, op.seq_id, op.start, -1)
-            elif self.invariant:  # across streams llama.cpp copies a whole stream: copy, then cut
+            elif self.per_slot:  # across streams llama.cpp copies a whole stream: copy, then cut
                 ll.llama_memory_seq_cp(self._memory, op.src, op.dst, -1, -1)
                 ll.llama_memory_seq_rm(self._memory, op.dst, op.n_tokens, -1)
             else:  # one pool: the cells just gain a sequence id
@@ -68,8 +69,10 @@ class Executor:
         assert sampler is not None
         return sampler
 
-    def sample(self, job: ActiveJob) -> int:
-        return self.sampler(job).sample(self._ctx, self._logits_row[job.seq_id])
+    def sample(self, job: ActiveJob, draft_index: int = 0) -> int:
+        """The job's next token, from its row of the last decode (draft_index i: the row that fed
+        its i-th draft token, see speculation.py)."""
+        return self.sampler(job).sample(self._ctx, self._logits_row[job.seq_id] + draft_index)
 
     # -- one llama_decode -------------------------------------------------------------------------
 
@@ -79,7 +82,7 @@ class Executor:
             return self._run_equal(call)
         n = 0
         for job in call.decoders:
-            n = self._put_decoder(n, job)
+            n = self._put_decoder(n, job, call.drafts.get(job.seq_id, ()))
         for job, count in call.prompts:
             n = self._put_prompt(n, job, count)
         return self._decode(n)
@@ -96,8 +99,9 @@ class Executor:
             start = n
             decoder = decoders.get(seq_id)
             if decoder is not None:
-                n = self._put_decoder(n, decoder)
-                pos = decoder.n_past + 1
+                draft = call.drafts.get(seq_id, ())
+                n = self._put_decoder(n, decoder, draft)
+                pos = decoder.n_past + 1 + len(draft)
             elif seq_id in prompts:
                 job, count = prompts[seq_id]
                 n = self._put_prompt(n, job, count)
@@ -120,11 +124,14 @@ class Executor:
         self._seq_id[i][0] = seq_id
         self._logits[i] = logits
 
-    def _put_decoder(self, n: int, job: ActiveJob) -> int:
+    def _put_decoder(self, n: int, job: ActiveJob, draft: Sequence[int] = ()) -> int:
+        """Its next token, then its draft tokens, each row with logits (the verification)."""
         assert job.next_token is not None
         self._put(n, job.next_token, job.n_past, job.seq_id, True)
         self._logits_row[job.seq_id] = n
-        return n + 1
+        for i, token in enumerate(draft, 1):
+            self._put(n + i, token, job.n_past + i, job.seq_id, True)
+        return n + 1 + len(draft)
 
     def _put_prompt(self, n: int, job: ActiveJob, count: int) -> int:
         tokens, start, seq_id = job.tokens, job.n_past, job.seq_id
@@ -147,4 +154,3 @@ class Executor:
         for seq_id in range(len(self._samplers)):
             self.close_sequence(seq_id)
         ll.llama_batch_free(self._batch)
-

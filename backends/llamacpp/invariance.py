@@ -10,6 +10,7 @@ where that job computed each position with the kernel this prompt would use alon
 
 from __future__ import annotations
 
+TILED_MM_ROWS = 8  # ggml CPU K-quant matmul: a tiled kernel from this many rows, vec_dot below
 FA_TILE_ROWS = 64  # ggml CPU flash attention: a tiled kernel from this many rows of one stream
 SPLIT_KV_CELLS = 512  # ... and a KV scan split across threads for a lone row from this many cells
 

@@ -1,9 +1,9 @@
 """The KV bookkeeper: who holds which sequence id and what each id's KV holds, without llama.cpp.
 
 Sequence ids 0..slots-1 are slots (one per running job), slots..slots+prefix_cache-1 hold
-shared prefixes in an LRU. With per-slot streams (batch_invariant) a free slot keeps its last
+shared prefixes in an LRU. With per-slot streams (kv_unified=false) a free slot keeps its last
 job's KV until the slot is reused, so the next turn of a chat prefills only what is new; in the
-unified pool (batch_invariant=false) a job reserves its cells when it starts.
+unified pool (kv_unified=true) a job reserves its cells when it starts.
 
 The bookkeeper decides; it never calls llama.cpp. What it wants done to the KV cache (drop a
 sequence's tail, copy a prefix) is queued as `KvOp`s that the executor applies, in order, before
@@ -63,12 +63,12 @@ class Reuse:
 
 class KvBookkeeper:
     def __init__(self, *, slots: int, prefix_cache: int, n_ctx: int, n_batch: int,
-                 invariant: bool) -> None:
+                 per_slot: bool) -> None:
         self.slots = slots
         self.n_streams = slots + prefix_cache
         self.n_ctx = n_ctx  # cells of the unified pool (checked by fits() only when not invariant)
         self.n_batch = n_batch
-        self.invariant = invariant
+        self.per_slot = per_slot
         self._free_seq_ids = list(range(slots))
         self._free_prefix_ids = list(range(slots, self.n_streams))
         self.prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
@@ -102,7 +102,7 @@ class KvBookkeeper:
         return seq_id
 
     def fits(self, need: int) -> bool:
-        if self.invariant:
+        if self.per_slot:
             return True  # each slot owns its KV stream
         # the scheduler caps `need` at n_ctx_per_seq <= n_ctx, so an idle engine always fits a job
         return self.reserved + need + self.prefix_cells() <= self.n_ctx
@@ -121,12 +121,16 @@ class KvBookkeeper:
     def release(self, job: ActiveJob, keep_kv: bool = True) -> None:
         """Free a finished/cancelled/failed job's slot and reservation. A per-slot stream keeps
         its KV for the slot's next job (see slot_kv) unless keep_kv is false."""
-        if self.invariant and keep_kv:
+        if self.per_slot and keep_kv:
             self.slot_kv[job.seq_id] = PrefixEntry(job.seq_id, job.kv_tokens(), len(job.tokens))
         else:
             self._ops.append(Remove(job.seq_id))
         self._free_seq_ids.append(job.seq_id)
         self.reserved -= job.reserved
+
+    def drop_tail(self, job: ActiveJob) -> None:
+        """Remove a job's KV past n_past: the rows of draft tokens that were not kept."""
+        self._ops.append(Remove(job.seq_id, job.n_past))
 
     # -- prefix reuse -----------------------------------------------------------------------------
 
@@ -168,7 +172,7 @@ class KvBookkeeper:
         for source, kind in sources:
             # the last prompt token must run, for the first logits
             n = min(common_prefix(source.tokens, job.tokens), len(job.tokens) - 1)
-            if self.invariant:
+            if self.per_slot:
                 n = reusable_prefix(n, source.n_prompt, len(job.tokens), self.n_batch)
             worth = 1 if kind == "kept" else MIN_SHARED_PREFIX  # in place any token pays
             if n >= worth and n > (best[0] if best else 0):

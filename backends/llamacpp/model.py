@@ -11,6 +11,7 @@ import llama_cpp as ll
 
 from backends.base import JobRejected
 from backends.contract.schema import GenerateRequest
+from backends.llamacpp.invariance import TILED_MM_ROWS
 from backends.model import default_model_path
 
 # ggml reads its kernel switches once per process, at the first matmul; the first model decides
@@ -41,7 +42,7 @@ def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 class LoadedModel:
     def __init__(
         self, path: Path | None, *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int | None,
-        batch_invariant: bool = False, chat_template: str | None = None,
+        batch_invariant: bool = False, kv_unified: bool = False, chat_template: str | None = None,
     ) -> None:
         path = Path(path) if path else default_model_path()
         if not path.exists():
@@ -52,8 +53,10 @@ class LoadedModel:
         _choose_kernels(batch_invariant)
         ll.llama_backend_init()
         mparams = ll.llama_model_default_params()
-        # repacked weights (CPU_REPACK) use a 4-row kernel and a 1-row kernel that round differently
-        mparams.use_extra_bufts = not batch_invariant
+        # repacked weights (CPU_REPACK) use a 4-row kernel and a 1-row kernel that round differently:
+        # a draft's verification rows would not give what decoding one row at a time gives
+        # (speculation.py). Not slower without them here: docs/bench.md, "Kernels".
+        mparams.use_extra_bufts = False
         model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -65,12 +68,13 @@ class LoadedModel:
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_seq_max = n_seq_max
-        cparams.n_outputs_max = n_seq_max  # logits rows: one per sequence, not n_batch x 262k vocab
+        # logits rows: one per sequence (or a few drafts' rows), not n_batch x 262k vocab
+        cparams.n_outputs_max = max(n_seq_max, TILED_MM_ROWS)
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
         # unified: one cell pool for all slots (flexible lengths, seq_cp of a prefix is free); else
         # one KV stream per sequence, so a job's cells and attention sums are laid out as if alone
-        cparams.kv_unified = not batch_invariant
+        cparams.kv_unified = kv_unified
         cparams.swa_full = True  # keep sliding-window layers whole, so a copied prefix is complete
         cparams.no_perf = True
         ctx = ll.llama_init_from_model(model, cparams)

@@ -1,8 +1,9 @@
 """One sequence's token sampling on llama.cpp: its sampler chain, an optional grammar (structured
 output) and optional log-probabilities.
 
-- Plain jobs take `llama_sampler_sample` (the candidate array is built and filtered in C): no
-  per-step Python work that grows with the vocabulary.
+- Plain greedy jobs (no grammar, penalties or logprobs) take the argmax of the logits row.
+- Other jobs without a grammar take `llama_sampler_sample` (the candidate array is built and
+  filtered in C): no per-step Python work that grows with the vocabulary.
 - Logprobs: a numpy log-softmax over the sequence's logits row, only for jobs that ask.
 - Grammar: what llama-server does (`common_sampler_sample` with grammar_first=false). Filtering
   every candidate of a 262k vocabulary through the grammar each step is slow, so the chain samples
@@ -42,14 +43,14 @@ def sampler_chain(s: Sampling, n_vocab: int) -> ll.llama_sampler_p:
     """One chain per sequence: its own seed, penalties history and temperature."""
     chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
     if s.temperature <= 0:
-        if has_penalties(s):  # penalties over the whole vocabulary are slow: the top 64 suffice
+        if s.has_penalties():  # penalties over the whole vocabulary are slow: the top 64 suffice
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(GREEDY_PENALTY_TOP_K))
             ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s))
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
         return chain
     if s.top_k > 0:
         ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(s.top_k))
-    if has_penalties(s):  # after top-k, for the same reason
+    if s.has_penalties():  # after top-k, for the same reason
         ll.llama_sampler_chain_add(chain, _penalties(n_vocab, s))
     ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(s.top_p, 1))
     ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(s.min_p, 1))
@@ -59,14 +60,10 @@ def sampler_chain(s: Sampling, n_vocab: int) -> ll.llama_sampler_p:
     return chain
 
 
-def has_penalties(s: Sampling) -> bool:
-    return s.repeat_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
-
-
 def chain_keeps(s: Sampling) -> int | None:
     """How many best candidates `sampler_chain` samples from (None: it may use all of them)."""
     if s.temperature <= 0:
-        return GREEDY_PENALTY_TOP_K if has_penalties(s) else 1
+        return GREEDY_PENALTY_TOP_K if s.has_penalties() else 1
     return s.top_k if 0 < s.top_k <= SHORTLIST else None
 
 
@@ -157,7 +154,7 @@ class SequenceSampler:
                  candidates: Candidates | None) -> None:
         self.model = model
         self.chain = sampler_chain(s, model.n_vocab)
-        if has_penalties(s):  # like llama-server: the prompt's tokens count towards the penalties
+        if s.has_penalties():  # like llama-server: the prompt's tokens count towards the penalties
             for tok in prompt[-PENALTY_LAST_N:]:
                 ll.llama_sampler_accept(self.chain, tok)
         self.grammar: ll.llama_sampler_p | None = None
@@ -171,12 +168,17 @@ class SequenceSampler:
         self.keeps = chain_keeps(s)
         # with penalties the chain remembers what it accepts, so it may only see the final pick;
         # without, accepting is a no-op and the first pick can be made in C (llama_sampler_sample)
-        self.remembers = has_penalties(s)
+        self.remembers = s.has_penalties()
         self.logprobs: list[dict[str, Any]] = []  # one entry per sampled token, when asked
         self.grammar_complete = False  # the grammar's text is whole: nothing but whitespace may follow
         self.rejections = 0  # picks the grammar refused (each one cost a full-vocabulary filter)
+        self.greedy_alone = s.temperature <= 0 and s.is_plain()  # the chain is one greedy sampler
 
     def sample(self, ctx: ll.llama_context_p, row: int) -> int:
+        if self.greedy_alone:
+            # llama_sampler_sample would first copy all 262k logits into candidate structs
+            # (~0.35 ms per sequence); greedy takes the first maximum, as np.argmax does
+            return int(self._logits(ctx, row).argmax())
         if self.grammar is None:
             tok = int(ll.llama_sampler_sample(self.chain, ctx, row))
         else:

@@ -5,10 +5,11 @@ token of every decoding job plus, within the token budget (n_batch), chunks of n
 prompts. So streams keep producing tokens while a long prompt prefills (chunked prefill), and
 new jobs join between steps.
 
-- Unified pool (batch_invariant=false): one call per step, decoders first, then prompt chunks in
+- Unified pool (kv_unified=true): one call per step, decoders first, then prompt chunks in
   admission order until n_batch rows.
-- Batch-invariant: the same work split so that each row meets the same ggml kernels as if its job
-  ran alone (docs/ARCHITECTURE.md, "Determinism"): one call for the decoders, one for the short
+- Per-slot streams (the default): the same work split so that each row meets the same ggml
+  kernels as if its job ran alone (what batch_invariant relies on; docs/ARCHITECTURE.md,
+  "Determinism"): one call for the decoders, one for the short
   prompts that fit (under FA_TILE_ROWS tokens: row-by-row attention however they are split), then
   each other prompt's chunk in a call of its own, cut at multiples of n_batch whatever the load.
   Calls that share a ubatch give every sequence id from the lowest to the highest member the same
@@ -28,6 +29,7 @@ from backends.base import JobRejected
 from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS
 from backends.llamacpp.kv import KvBookkeeper
+from backends.llamacpp.speculation import NgramIndex, draft_room
 from backends.llamacpp.state import ActiveJob, WaitingJob
 
 
@@ -42,11 +44,15 @@ class DecodeCall:
     # throw-away rows after its own ones (None: rows as they come)
     span: tuple[int, int] | None = None
     width: int = 0
+    # speculation: draft tokens a decoder feeds after its next token (seq_id -> tokens), verified
+    # by their logits in this same call
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def n_rows(self) -> int:
         if self.span is not None:
             return (self.span[1] - self.span[0] + 1) * self.width
-        return len(self.decoders) + sum(count for _, count in self.prompts)
+        return (len(self.decoders) + sum(len(d) for d in self.drafts.values())
+                + sum(count for _, count in self.prompts))
 
     def members(self) -> list[ActiveJob]:
         return [*self.decoders, *(job for job, _ in self.prompts)]
@@ -58,13 +64,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KvBookkeeper, *, n_batch: int, n_ctx_per_seq: int) -> None:
+    def __init__(self, kv: KvBookkeeper, *, n_batch: int, n_ctx_per_seq: int, draft_max: int = 0) -> None:
         check_n_batch(n_batch, kv.n_streams)
         self.kv = kv
         self.slots = kv.slots
-        self.invariant = kv.invariant
+        self.per_slot = kv.per_slot
         self.n_batch = n_batch
         self.n_ctx_per_seq = n_ctx_per_seq
+        self.draft_max = draft_max if self.per_slot else 0  # (the unified pool: no speculation yet)
         self.waiting: list[WaitingJob] = []
         self.active: dict[str, ActiveJob] = {}  # admission order = prefill order
         self.deferred_admissions = 0
@@ -99,6 +106,8 @@ class Scheduler:
                 break  # running jobs will free KV cells; the job keeps its place in line
             self.waiting.pop(0)
             job = ActiveJob.start(waiting, seq_id, need)
+            if self.draft_max and waiting.sampling.is_plain():  # see speculation.py
+                job.ngrams = NgramIndex(job.tokens)
             self.kv.reuse_prefix(job, self.active.values())
             self.active[job.job_id] = job
             started.append(job)
@@ -121,7 +130,7 @@ class Scheduler:
         self.steps += 1
         decoding = [j for j in self.active.values() if j.next_token is not None]
         prefilling = [j for j in self.active.values() if j.next_token is None]
-        if self.invariant:
+        if self.per_slot:
             return StepPlan(self._invariant_calls(decoding, prefilling))
         return StepPlan([self._pooled_call(decoding, prefilling)])
 
@@ -154,7 +163,7 @@ class Scheduler:
             decoding, alone = [], []
         calls: list[DecodeCall] = []
         if decoding:
-            calls.append(DecodeCall(decoders=decoding, span=self._span(decoding, 1), width=1))
+            calls.append(self._decoders_call(decoding))
         budget = self.n_batch - len(decoding)
         if short:
             width = max(len(j.tokens) - j.n_past for j in short)
@@ -170,6 +179,27 @@ class Scheduler:
             calls.append(DecodeCall(prompts=[(job, count)]))
             budget -= count
         return calls
+
+    def _decoders_call(self, decoding: list[ActiveJob]) -> DecodeCall:
+        """All decoders in one equal-width ubatch: one row each, plus their drafts (speculation)
+        while the call stays in the per-row matmul regime (speculation.draft_room)."""
+        lo = min(j.seq_id for j in decoding)
+        hi = max(j.seq_id for j in decoding)
+        room = draft_room(hi - lo + 1, self.draft_max)
+        drafts: dict[int, list[int]] = {}
+        for job in decoding if room else ():
+            # no draft past the job's end: max_tokens, or the last cell of its stream
+            k = min(room, job.sampling.max_tokens - job.generated - 1,
+                    self.n_ctx_per_seq - job.n_past - 2)
+            if job.ngrams is not None and k > 0:
+                job.ngrams.follow(job.output)
+                draft = job.ngrams.propose(k)
+                if draft:
+                    drafts[job.seq_id] = draft
+        if not drafts:
+            return DecodeCall(decoders=decoding, span=self._span(decoding, 1), width=1)
+        width = 1 + max(len(d) for d in drafts.values())
+        return DecodeCall(decoders=decoding, span=(lo, hi), width=width, drafts=drafts)
 
     def _pick_short(self, prefilling: list[ActiveJob]) -> tuple[list[ActiveJob], list[ActiveJob]]:
         """Short prompts that fit one equal-width ubatch; the rest run alone."""

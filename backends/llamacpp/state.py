@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from backends.base import Done
 from backends.contract.schema import Sampling
+from backends.llamacpp.speculation import NgramIndex
 from backends.llamacpp.text import TextAssembler
 
 
@@ -32,6 +33,7 @@ class ActiveJob:
     generated: int = 0
     output: list[int] = field(default_factory=list)  # generated token ids (fed back into the KV)
     done: Done | None = None  # finished or cancelled: released at the end of the step
+    ngrams: NgramIndex | None = None  # prompt + output, for drafts (speculation on)
 
     @classmethod
     def start(cls, job: WaitingJob, seq_id: int, reserved: int) -> ActiveJob:

@@ -310,7 +310,7 @@ def workdir(keep: bool) -> Iterator[Path]:
               help="extra llama-server argument (repeatable), e.g. --server-arg=--kv-unified")
 @click.option("--fleet-set", "fleet_settings", multiple=True, callback=lambda _c, _p, v: _key_values(v),
               help="backend setting of the fleet's llama-cpp workers (repeatable), "
-                   "e.g. --fleet-set batch_invariant=false")
+                   "e.g. --fleet-set batch_invariant=true")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="JSON file (default ./bench-results/fleet-bench-<time>.json); a .png beside it")
 @click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")

@@ -1,0 +1,116 @@
+"""Prompt-lookup speculation without a model: what a job proposes, and when the scheduler lets it
+(drafts ride in the decoders' call only while it stays in the per-row matmul regime)."""
+
+from __future__ import annotations
+
+from backends.contract.schema import GenerateRequest, SamplingDefaults
+from backends.llamacpp.invariance import TILED_MM_ROWS
+from backends.llamacpp.scheduler import DecodeCall, Scheduler
+from backends.llamacpp.speculation import NgramIndex, draft_room
+from backends.llamacpp.state import ActiveJob
+from tests.engine_state import admit, engine, execute, prompt
+
+
+def test_a_repeated_ngram_proposes_what_followed_it_last_time() -> None:
+    index = NgramIndex([5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 3, 4, 5, 6])
+    # longest suffix first: (5, 6) was last followed by 7, 3, 4, ...
+    assert index.propose(3) == [7, 3, 4]
+    index.append(7)  # suffix (5, 6, 7): last seen before 3
+    assert index.propose(2) == [3, 4]
+    assert index.propose(0) == []
+
+
+def test_no_match_no_draft_and_single_tokens_do_not_count() -> None:
+    assert NgramIndex([1, 2, 3, 4]).propose(4) == []
+    assert NgramIndex([1, 9, 1]).propose(4) == []  # a one-token match is below NGRAM_MIN
+    assert NgramIndex([]).propose(4) == []
+
+
+def test_in_a_loop_the_first_occurrence_gives_the_longer_draft() -> None:
+    # the latest (1, 2, 1, 2) is followed by two tokens only; the first one by the whole tail
+    assert NgramIndex([1, 2, 1, 2, 1, 2, 1, 2]).propose(3) == [1, 2, 1]
+    assert NgramIndex([1, 2, 1, 2, 1, 2]).propose(5) == [1, 2]  # no more than the tokens hold
+
+
+def test_the_index_follows_the_output_as_it_grows() -> None:
+    index = NgramIndex([10, 11, 12, 13])
+    output = [10, 11]
+    index.follow(output)
+    assert index.propose(2) == [12, 13]
+    output += [12, 99]
+    index.follow(output)
+    index.follow(output)  # nothing new: nothing appended twice
+    assert index.tokens == [10, 11, 12, 13, 10, 11, 12, 99]
+    assert index.propose(1) == []
+
+
+def test_draft_room_keeps_the_call_below_the_tiled_matmul() -> None:
+    assert [draft_room(n, 6) for n in range(1, 6)] == [6, 2, 1, 0, 0]
+    assert draft_room(1, 3) == 3 and draft_room(0, 6) == 0
+    assert all(n * (1 + draft_room(n, 16)) < TILED_MM_ROWS for n in range(1, 10) if draft_room(n, 16))
+
+
+def _decoding(s: Scheduler, n: int, tokens: list[int], max_tokens: int = 1000) -> list[ActiveJob]:
+    for i in range(n):
+        admit(s, f"d{i}", tokens, max_tokens=max_tokens)
+    while any(j.next_token is None for j in s.active.values()):
+        execute(s, s.plan_step())
+    return list(s.active.values())
+
+
+def _decoders_call(s: Scheduler) -> DecodeCall:
+    (call,) = [c for c in s.plan_step().calls if c.decoders]
+    return call
+
+
+# the test executor samples token 7 every time: a prompt of 7s makes a draft of 7s
+SEVENS = [3, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]
+
+
+def test_a_lone_decoder_verifies_its_draft_in_one_wider_row_group() -> None:
+    s = engine(draft_max=6)
+    (job,) = _decoding(s, 1, SEVENS)
+    call = _decoders_call(s)
+    assert call.drafts == {job.seq_id: [7] * 6}
+    assert call.span == (job.seq_id, job.seq_id) and call.width == 7 and call.n_rows() == 7
+
+
+def test_drafts_shrink_with_more_decoders_and_stop_at_four() -> None:
+    for n, width in [(2, 3), (3, 2), (4, 1), (16, 1)]:
+        s = engine(draft_max=6)
+        _decoding(s, n, SEVENS)
+        call = _decoders_call(s)
+        assert call.width == width, n
+        assert call.n_rows() < TILED_MM_ROWS or not call.drafts
+        if width == 1:
+            assert not call.drafts
+
+
+def test_no_draft_past_max_tokens_nor_without_a_match() -> None:
+    s = engine(draft_max=6)
+    (job,) = _decoding(s, 1, SEVENS, max_tokens=3)  # one token generated, two to go
+    assert _decoders_call(s).drafts == {job.seq_id: [7]}  # the next token + one draft
+    s = engine(draft_max=6)
+    _decoding(s, 1, prompt(20))  # distinct tokens: nothing to look up
+    call = _decoders_call(s)
+    assert not call.drafts and call.width == 1
+
+
+def test_speculation_off_by_setting_and_in_the_unified_pool() -> None:
+    for s in (engine(draft_max=0), engine(draft_max=6, per_slot=False)):
+        (job,) = _decoding(s, 1, SEVENS)
+        assert job.ngrams is None
+        assert all(not c.drafts for c in s.plan_step().calls)
+
+
+def test_jobs_with_a_grammar_penalties_or_logprobs_never_draft() -> None:
+    for fields in ({"format": "json"}, {"presence_penalty": 0.5}, {"repeat_penalty": 1.2},
+                   {"logprobs": True, "top_logprobs": 2}):
+        s = engine(draft_max=6)
+        req = GenerateRequest(prompt="-", max_tokens=100, temperature=0.0, **fields)
+        s.enqueue("x", SEVENS, req.sampling(SamplingDefaults()))
+        (job,) = s.start_waiting()
+        while job.next_token is None:
+            execute(s, s.plan_step())
+        assert job.ngrams is None, fields
+        assert not _decoders_call(s).drafts, fields
