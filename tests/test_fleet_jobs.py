@@ -122,7 +122,7 @@ def test_sigterm_with_job_in_flight_loses_nothing(redis_url: str, workers) -> No
     w = workers.start("w1", backend__slots=2, drain_grace=0)
     fleet = Fleet(redis_url)
     job = fleet.submit(prompt="A long tale:", max_tokens=LONG, temperature=0.0)
-    next(job.stream(timeout=60))
+    next(job.stream(timeout=60, detach=True))  # only a peek: leaving it must not cancel
     assert w.stop(signal.SIGTERM) == 0  # grace 0: requeued at once, process exits cleanly
     r = Redis.from_url(redis_url)
     assert job.id.encode() in r.lrange(queue_key("llm:default"), 0, -1)

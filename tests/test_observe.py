@@ -96,7 +96,7 @@ def test_a_killed_worker_leaves_status_within_its_ttl_and_its_job_says_why(redis
     started = (workers.start("w-a", backend__slots=2), workers.start("w-b", backend__slots=2))
     procs = {w.name: w for w in started}
     job = Fleet(redis_url).submit(prompt="Write a long story about the sea.", max_tokens=120, temperature=0.0)
-    next(iter(job.stream(timeout=120)))
+    next(iter(job.stream(timeout=120, detach=True)))  # only a peek: leaving it must not cancel
     holder = fleet_json(redis_url, "job", job.id)["attempts"][0]["worker"]
     (other,) = set(procs) - {holder}
     procs[holder].stop(signal.SIGKILL)
@@ -108,7 +108,7 @@ def test_a_killed_worker_leaves_status_within_its_ttl_and_its_job_says_why(redis
     assert [w["name"] for w in fleet_json(redis_url, "status")["workers"]] == [other]
 
     res = job.result(timeout=300)
-    assert res["worker"] == other and res["attempt"] == 2
+    assert res["worker"] == other and res["attempt"] == 2, res
     record = fleet_json(redis_url, "job", job.id)
     first, second = record["attempts"]
     assert first["worker"] == holder and f"worker {holder} died" in first["lost"]["reason"]

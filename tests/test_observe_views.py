@@ -58,6 +58,9 @@ def test_status_watch_redraws_in_place_under_tmux(redis_url: str, workers, tmp_p
     sock = f"fleet-watch-{free_port()}"
     env = cli_env(redis_url)
     cmd = " ".join([f"{k}={v!r}" for k, v in env.items() if k.startswith(("FLEET_", "PATH"))]
+                   # the pane's size, also as LINES/COLUMNS: a detached tmux session may report 80x24
+                   # to the program for a moment, and rich keeps the Live region to that height
+                   + ["LINES=45", "COLUMNS=80"]
                    + [sys.executable, "-m", "dispatcher.cli", "status", "--watch", "--interval", "0.5"])
     tmux = ["tmux", "-L", sock]
     subprocess.run([*tmux, "new-session", "-d", "-s", "watch", "-x", "80", "-y", "45", f"cd {ROOT} && {cmd}"],
@@ -83,7 +86,7 @@ def test_status_watch_redraws_in_place_under_tmux(redis_url: str, workers, tmp_p
         assert "running jobs" not in finished
         for shot in (idle, busy, finished):
             assert max(len(line) for line in shot.splitlines()) <= 80
-            assert shot.count("workers") == 2  # redrawn in place, not scrolled: one header + totals
+            assert shot.count("workers") == 2, shot  # redrawn in place, not scrolled: one header + totals
     finally:
         subprocess.run([*tmux, "kill-server"], check=False)
 

@@ -77,7 +77,7 @@ def fleet_status(redis_url: str) -> dict[str, dict[str, object]]:
 
 def first_delta(job) -> None:  # type: ignore[no-untyped-def]
     """Block until the job has streamed its first text."""
-    next(iter(job.stream(timeout=60)))
+    next(iter(job.stream(timeout=60, detach=True)))  # only a peek: leaving it must not cancel
 
 
 # -- llama-server: concurrency, streaming, stop, max_tokens, cancel -------------------------------
