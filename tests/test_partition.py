@@ -23,7 +23,7 @@ from backends.contract.keys import inflight_key, stream_key, worker_key
 from dispatcher import Fleet
 from tests.multihost_checks import Timeline, ended, final_counts, late_text, start_worker_in, submit_all
 from tests.netns import NetLab, RedisInNamespace
-from tests.reliability_checks import held
+from tests.reliability_checks import final_entries, held
 
 JOBS = 300
 CUT_S = 15.0
@@ -71,7 +71,9 @@ def test_partitioned_host_is_fenced_and_rejoins(tmp_path: Path) -> None:
         time.sleep(2)  # let any straggler writes land before checking
         counts = final_counts(r, ids)
         late = late_text(r, ids)
-        wrong_status = {j.id: j.status() for j in jobs if j.status() != "finished"}
+        # with the final entry each one got (its error names who failed it and why)
+        wrong_status = {j.id: (j.status(), [(e.kind, e.data) for e in final_entries(r, j.id)])
+                        for j in jobs if j.status() != "finished"}
         tl.dump(tmp_path / "partition-timeline.json", jobs=JOBS, cut_s=CUT_S, cut_off_jobs=len(cut_off),
                 w1_jobs_after_rejoin=w1_done_after_restore(), late_text_jobs=len(late),
                 not_finished_status=wrong_status)
