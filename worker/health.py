@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+import psutil
 
 if TYPE_CHECKING:
     from worker.loop import FleetWorker
@@ -58,15 +59,7 @@ def check_health(path: Path, ready: bool, now: float | None = None) -> tuple[boo
 
 
 def _pid_exists(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid > 0 and psutil.pid_exists(pid)
 
 
 @click.command("health")
