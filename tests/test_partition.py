@@ -14,6 +14,7 @@ goes to stdout and partition-timeline.json in the test's tmp dir.
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import pytest
@@ -76,14 +77,29 @@ def partition(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         counts = final_counts(r, ids)
         late = late_text(r, ids)
         # with the final entry each one got (its error names who failed it and why)
-        wrong_status = {j.id: (j.status(), [(e.kind, e.data) for e in final_entries(r, j.id)])
-                        for j in jobs if j.status() != "finished"}
+        wrong_status = {j.id: forensics(r, j.id) for j in jobs if j.status() != "finished"}
         tl.dump(tmp_path / "partition-timeline.json", jobs=JOBS, cut_s=CUT_S, cut_off_jobs=len(cut_off),
                 w1_jobs_after_rejoin=w1_done_after_restore(), late_text_jobs=len(late),
                 not_finished_status=wrong_status)
 
         return {"counts": counts, "late": late, "wrong_status": wrong_status,
                 "w1_after_rejoin": w1_done_after_restore()}
+
+
+def forensics(r: Redis, job_id: str) -> dict[str, Any]:
+    """Who wrote what about a job: its final entries, its hash (RQ's failure text unpacked) and
+    RQ's results stream (which names the writing worker)."""
+    fields = {k.decode(): v for k, v in r.hgetall(f"rq:job:{job_id}").items()}
+    exc = fields.get("exc_info")
+    return {
+        "status": fields.get("status", b"").decode(),
+        "final_entries": [(e.kind, e.data) for e in final_entries(r, job_id)],
+        "exc_info": zlib.decompress(exc).decode("utf-8", "replace")[-400:] if exc else None,
+        "hash": {k: v.decode("utf-8", "replace")[:120] for k, v in fields.items()
+                 if k not in ("data", "exc_info")},
+        "rq_results": [{k.decode(): v.decode("utf-8", "replace")[:200] for k, v in f.items()}
+                       for _id, f in r.xrange(f"rq:results:{job_id}")],
+    }
 
 
 def test_partitioned_host_is_fenced_and_rejoins(partition: dict[str, Any]) -> None:
