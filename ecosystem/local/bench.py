@@ -85,6 +85,7 @@ class BenchConfig:
     warmup: bool
     server_args: tuple[str, ...] = ()
     fleet_settings: tuple[str, ...] = ()  # KEY=VALUE backend settings for the fleet's workers
+    worker_settings: tuple[str, ...] = ()  # KEY=VALUE worker settings (e.g. observe=false)
     workloads: tuple[str, ...] = ("short",)
     seed: int = 0
 
@@ -113,6 +114,7 @@ class Bench:
         started = []
         for i in range(n):
             extra: dict[str, Any] = {f"backend__{k}": v for k, v in backend.items()}
+            extra.update(kv.partition("=")[::2] for kv in self.cfg.worker_settings)
             if n > 1:
                 extra["cpus"] = format_cpu_list(cores[i * per:(i + 1) * per] or cores)
             started.append(start_worker(redis_url, f"bench-{tag}-{i}", self.logs, backend__threads=per,
@@ -311,14 +313,16 @@ def workdir(keep: bool) -> Iterator[Path]:
 @click.option("--fleet-set", "fleet_settings", multiple=True, callback=lambda _c, _p, v: _key_values(v),
               help="backend setting of the fleet's llama-cpp workers (repeatable), "
                    "e.g. --fleet-set batch_invariant=true")
+@click.option("--worker-set", "worker_settings", multiple=True, callback=lambda _c, _p, v: _key_values(v),
+              help="worker setting of the fleet's workers (repeatable), e.g. --worker-set observe=false")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="JSON file (default ./bench-results/fleet-bench-<time>.json); a .png beside it")
 @click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")
 def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_user: int,
           max_tokens: int | None, prompts_file: str | None,
           fleet_backend: str, workers: int, threads: int | None, ctx_per_user: int, rounds: int,
-          warmup: bool, server_args: tuple[str, ...], fleet_settings: tuple[str, ...], out: Path | None,
-          keep_logs: bool) -> None:
+          warmup: bool, server_args: tuple[str, ...], fleet_settings: tuple[str, ...],
+          worker_settings: tuple[str, ...], out: Path | None, keep_logs: bool) -> None:
     """Benchmark the fleet against llama-server -np C on the same model and machine, in one run."""
     console = Console()
     if not console.is_terminal:  # a log file: no need to squeeze the table into 80 columns
@@ -330,7 +334,7 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
             raise click.BadParameter("the prompts file has no prompts", param_hint="--prompts")
     cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers,
                       threads or len(os.sched_getaffinity(0)), ctx_per_user, rounds, warmup, server_args,
-                      fleet_settings, workloads, seed)
+                      fleet_settings, worker_settings, workloads, seed)
     config = {k: v for k, v in vars(cfg).items() if k != "prompts"}
     per_seq = dict(kv.split("=", 1) for kv in fleet_settings).get("n_ctx_per_seq")
     if per_seq is not None and not per_seq.isdigit():
