@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -79,10 +80,21 @@ class OpenAICompletionsTarget:
         self.client.close()
 
 
-def measure(args: argparse.Namespace, role: str, name: str, target: Target, prompts: list[str]) -> Run:
+def measure(args: argparse.Namespace, role: str, name: str, target: Target, prompts: list[str],
+            round_no: int = 0) -> Run:
     closed_loop(target, args.users, 1, unmeasured(prompts, 8))  # warm-up: every slot once, off the clock
     load = closed_loop(target, args.users, args.requests_per_user, unmeasured(prompts, args.max_tokens))
-    return Run.of(args.users, role, name, 0, load, {})
+    return Run.of(args.users, role, name, round_no, load, {})
+
+
+def median_ratio(runs: list[Run], a: str, b: str) -> float | None:
+    """Median over rounds of system a's tok/s over system b's (each round ran both seconds apart)."""
+    ratios = []
+    for rnd in sorted({r.round for r in runs}):
+        tok_s = {r.system: summarise([r]).tok_s for r in runs if r.round == rnd}
+        if tok_s.get(a) and tok_s.get(b):
+            ratios.append(tok_s[a] / tok_s[b])
+    return round(statistics.median(ratios), 3) if ratios else None
 
 
 async def slow_clients(url: str, clients: int, seconds: float, gateway_pid: int) -> dict[str, Any]:
@@ -128,6 +140,8 @@ def main() -> None:
     parser.add_argument("--requests-per-user", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=len(psutil.Process().cpu_affinity() or [0, 1]))
+    parser.add_argument("--rounds", type=int, default=1, help="each round runs the three systems, "
+                        "in an order that rotates every round")
     parser.add_argument("--slow-clients", type=int, default=1000)
     parser.add_argument("--slow-seconds", type=float, default=20.0)
     parser.add_argument("--out", default="bench-gateway.json")
@@ -150,18 +164,28 @@ def main() -> None:
         stack.callback(gw.stop)
         wait_until_healthy(gw, 60)
         gateway_target = OpenAICompletionsTarget(gw.url, args.users, "llm")
-        runs.append(measure(args, FLEET, "fleet serve /v1/completions", gateway_target, prompts))
-        runs.append(measure(args, "python-api", "Python API (Fleet)", FleetTarget(redis.url), prompts))
+        gateway_name, api_name = "fleet serve /v1/completions", "Python API (Fleet)"
+        peer_name = f"llama-server -np {args.users} /v1/completions"
         with start_llama_server(logs, parallel=args.users, ctx=args.users * ctx,
                                 threads=args.threads) as server:  # stopped before the slow clients
-            peer = OpenAICompletionsTarget(server.url, args.users, "any")
-            runs.append(measure(args, PEER, f"llama-server -np {args.users} /v1/completions", peer, prompts))
-        rows = [summarise([r]) for r in runs]
-        console.print(table(rows, f"{args.users} streaming users, {args.max_tokens} tokens, greedy"))
+            systems: list[tuple[str, str, Target]] = [
+                (FLEET, gateway_name, gateway_target), ("python-api", api_name, FleetTarget(redis.url)),
+                (PEER, peer_name, OpenAICompletionsTarget(server.url, args.users, "any"))]
+            for rnd in range(args.rounds):
+                for role, name, target in systems[rnd % 3:] + systems[:rnd % 3]:
+                    runs.append(measure(args, role, name, target, prompts, rnd))
+                    console.log(f"round {rnd}: {name}: {summarise([runs[-1]]).tok_s:.1f} tok/s")
+        names = (gateway_name, api_name, peer_name)
+        rows = [summarise([r for r in runs if r.system == name]) for name in names]
+        console.print(table(rows, f"{args.users} streaming users, {args.max_tokens} tokens, greedy, "
+                                  f"{args.rounds} round(s)"))
         gw_row, api_row, peer_row = rows
         ratios = {"gateway_vs_llama_server_tok_s": _ratio(gw_row.tok_s, peer_row.tok_s),
+                  "gateway_vs_llama_server_tok_s_median_of_rounds":
+                      median_ratio(runs, gateway_name, peer_name),
                   "gateway_vs_llama_server_ttft_p95": _ratio(gw_row.ttft_p95_ms, peer_row.ttft_p95_ms),
-                  "gateway_vs_python_api_tok_s": _ratio(gw_row.tok_s, api_row.tok_s)}
+                  "gateway_vs_python_api_tok_s": _ratio(gw_row.tok_s, api_row.tok_s),
+                  "gateway_vs_python_api_tok_s_median_of_rounds": median_ratio(runs, gateway_name, api_name)}
         console.print(ratios)
         console.log(f"{args.slow_clients} slow streaming clients, /health probed for {args.slow_seconds:g}s")
         slow = asyncio.run(slow_clients(gw.url, args.slow_clients, args.slow_seconds, gw.process.pid))
