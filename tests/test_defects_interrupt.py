@@ -23,11 +23,12 @@ from worker.loop import FleetWorker
 
 pytestmark = pytest.mark.timeout(120)
 WORDS = 20_000  # the fake engine emits one word per step: long enough to interrupt
+STEP_S = 0.002  # paced like an engine: 8,000 words take 16 s, so an interrupt always lands mid-job
 
 
 @pytest.fixture
 def serving(redis_url: str) -> Iterator[FleetWorker]:
-    fw = inproc_worker(redis_url, "i1")
+    fw = inproc_worker(redis_url, "i1", backend={"step_delay": STEP_S})
     thread = threading.Thread(target=fw.run, daemon=True)
     thread.start()
     yield fw
