@@ -148,7 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per slow client, both ends
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * args.slow_clients + 1024)), hard))
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # a log file: room for the table
     prompts = list(PROMPTS)
     ctx = 1024
     runs: list[Run] = []
