@@ -54,9 +54,17 @@ class OpenAICompletionsTarget:
                                    limits=httpx.Limits(max_connections=users + 4))
 
     def request(self, prompt: str, max_tokens: int) -> Sample:
+        t0 = time.perf_counter()
+        try:
+            return self._request(prompt, max_tokens, t0)
+        except httpx.RemoteProtocolError:
+            # a kept-alive connection the server had closed meanwhile (llama-server drops idle ones):
+            # the request never reached it, so send it again on a new connection, on the same clock
+            return self._request(prompt, max_tokens, t0)
+
+    def _request(self, prompt: str, max_tokens: int, t0: float) -> Sample:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}}
-        t0 = time.perf_counter()
         ttft, tokens, chunks = None, 0, 0
         with self.client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
