@@ -37,7 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ecosystem.local.bench import PROMPTS, machine_meta  # noqa: E402
-from ecosystem.local.bench_load import REQUEST_TIMEOUT, FleetTarget, Sample, Target, closed_loop  # noqa: E402
+from ecosystem.local.bench_load import (  # noqa: E402
+    REQUEST_TIMEOUT,
+    FleetTarget,
+    Sample,
+    Target,
+    again_if_stale,
+    closed_loop,
+)
 from ecosystem.local.bench_report import FLEET, PEER, Run, percentile, summarise, table  # noqa: E402
 from ecosystem.local.bench_workloads import unmeasured  # noqa: E402
 from ecosystem.local.llama_server import start_llama_server  # noqa: E402
@@ -54,34 +61,33 @@ class OpenAICompletionsTarget:
                                    limits=httpx.Limits(max_connections=users + 4))
 
     def request(self, prompt: str, max_tokens: int) -> Sample:
-        t0 = time.perf_counter()
-        try:
-            return self._request(prompt, max_tokens, t0)
-        except httpx.RemoteProtocolError:
-            # a kept-alive connection the server had closed meanwhile (llama-server drops idle ones):
-            # the request never reached it, so send it again on a new connection, on the same clock
-            return self._request(prompt, max_tokens, t0)
+        return again_if_stale(lambda t0: self._request(prompt, max_tokens, t0))
 
     def _request(self, prompt: str, max_tokens: int, t0: float) -> Sample:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}}
         ttft, tokens, chunks = None, 0, 0
-        with self.client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                response.read()
-                return Sample(None, time.perf_counter() - t0, 0,
-                              f"HTTP {response.status_code}: {response.text[:200]}")
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return Sample(ttft, time.perf_counter() - t0, 0, str(chunk["error"]))
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    chunks += 1
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"].get("completion_tokens") or 0)
+        try:
+            with self.client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    return Sample(None, time.perf_counter() - t0, 0,
+                                  f"HTTP {response.status_code}: {response.text[:200]}")
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return Sample(ttft, time.perf_counter() - t0, 0, str(chunk["error"]))
+                    if any(c.get("text") for c in chunk.get("choices") or []):
+                        chunks += 1
+                        ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    if chunk.get("usage"):
+                        tokens = int(chunk["usage"].get("completion_tokens") or 0)
+        except httpx.RemoteProtocolError:
+            if ttft is None:
+                raise  # nothing came back: again_if_stale sends it once more
+            return Sample(ttft, time.perf_counter() - t0, 0, "the server closed the stream")
         return Sample(ttft, time.perf_counter() - t0, tokens or chunks)
 
     def close(self) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
 from ecosystem.local.bench import bench
-from ecosystem.local.bench_load import Sample
+from ecosystem.local.bench_load import Sample, again_if_stale
 from ecosystem.local.bench_report import FLEET, PEER, Run, percentile, ratios, summaries
 
 
@@ -56,3 +57,22 @@ def test_one_small_run_end_to_end(tmp_path: Path) -> None:
 def test_fleet_set_must_be_key_value() -> None:
     result = CliRunner().invoke(bench, ["--fleet-set", "batch_invariant"])
     assert result.exit_code == 2 and "'batch_invariant' is not KEY=VALUE" in result.output
+
+
+def test_a_request_on_a_stale_connection_is_sent_once_more() -> None:
+    calls: list[float] = []
+
+    def flaky(t0: float) -> Sample:  # the server had closed the kept-alive connection, once
+        calls.append(t0)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return Sample(0.1, 0.2, 8)
+
+    assert again_if_stale(flaky) == Sample(0.1, 0.2, 8)
+    assert len(calls) == 2 and calls[0] == calls[1]  # the second try runs on the first one's clock
+
+    def dead(t0: float) -> Sample:
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    failed = again_if_stale(dead)
+    assert failed.tokens == 0 and failed.error is not None and "RemoteProtocolError" in failed.error
