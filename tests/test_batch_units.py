@@ -72,15 +72,22 @@ def test_low_jobs_leave_the_reserve_free() -> None:
     assert claim_limits(order, free=2, slots=16, low_in_flight=14, reserved=2) == [2, 2, 0]
     # an idle worker takes at most 14 low jobs in one claim
     assert claim_limits(order, free=16, slots=16, low_in_flight=0, reserved=2) == [16, 16, 14]
-    # interactive jobs running count against the low room too (via the peak)
-    assert claim_limits(order, free=6, slots=16, low_in_flight=4, reserved=2, interactive_peak=6) == [6, 6, 4]
+    # interactive jobs running count against the low room too (via the peak), and beside them low
+    # jobs get at most batch_share per interactive job (6 interactive: 3 low)
+    assert claim_limits(order, free=6, slots=16, low_in_flight=1, reserved=2, interactive_peak=6) == [6, 6, 2]
+    assert claim_limits(order, free=6, slots=16, low_in_flight=4, reserved=2, interactive_peak=6) == [6, 6, 0]
+    assert claim_limits(order, free=6, slots=16, low_in_flight=0, reserved=2, interactive_peak=6,
+                        batch_share=2.0) == [6, 6, 6]
+    # one interactive user still leaves the batch one slot
+    one_user = claim_limits(order, free=15, slots=16, low_in_flight=0, reserved=2, interactive_peak=1)
+    assert one_user == [15, 15, 1]
     assert auto_reserved(16) == 2 and auto_reserved(4) == 1 and auto_reserved(2) == 0
 
 
 def test_a_recent_interactive_peak_keeps_its_slots() -> None:
     policy = ClaimPolicy(16, 2, QUEUES, window=30)
     held = ["llm:high"] * 8
-    assert policy.limits(8, held, now=0.0) == [8, 8, 6]
+    assert policy.limits(8, held, now=0.0) == [8, 8, 4]  # 8 interactive: 4 low (batch_share 0.5)
     # the users paused: their slots stay free of low jobs for the window
-    assert policy.limits(16, [], now=10.0) == [16, 16, 6]
+    assert policy.limits(16, [], now=10.0) == [16, 16, 4]
     assert policy.limits(16, [], now=31.0) == [16, 16, 14]

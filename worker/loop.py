@@ -73,7 +73,8 @@ class FleetWorker:
         self.queues = queue_names(settings.pool)
         self.claimer = Claimer(redis, name, self.queues)
         self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl)
-        self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues)
+        self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues,
+                                        batch_share=settings.batch_share)
         self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
         # handed back once Redis allows: (job, why, counted against max_attempts)
         self.to_requeue: dict[str, tuple[ClaimedJob, str, bool]] = {}

@@ -33,6 +33,9 @@ class FleetSettings(ProducerSettings):
     max_attempts: int = Field(3, ge=1, le=20)
     reserved_slots: int | None = Field(None, ge=0, description="slots a worker keeps free of low-priority "
                                        "(batch) jobs for interactive ones; None: 1 in 8 (worker/priority.py)")
+    batch_share: float = Field(0.5, ge=0, le=16, description="while interactive jobs run, low-priority "
+                               "jobs per interactive one (at least one): bounds what a batch adds to a "
+                               "step, hence to interactive time to first token (worker/priority.py)")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
     observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
                           "status hash is always written: it is the liveness signal)")
