@@ -12,10 +12,20 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from backends.contract.keys import ATTEMPT_FIELD, JOB_FUNCTION, inflight_key, job_key, queue_key
+from backends.contract.keys import (
+    ATTEMPT_FIELD,
+    JOB_FUNCTION,
+    OWNER_FIELD,
+    inflight_key,
+    job_key,
+    queue_key,
+    queue_names,
+    worker_key,
+)
 from dispatcher import Fleet
 from tests.lossy import LossyProxy, inproc_worker, long_prompt, run_until
 from tests.reliability_checks import assert_exactly_one_final, final_entries, stream_events
+from worker.claim import Claimer
 from worker.reaper import Reaper
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,3 +149,19 @@ def test_low_priority_moves_under_sustained_high_load(redis_url: str, redis: Red
     assert len(claimed) == 16
     # picks 4 and 8 of each 8 start below high; default is empty, so both go to low
     assert sum(raw.decode() in low for raw, _ in claimed) == 4
+
+
+def test_a_worker_the_fleet_takes_for_dead_does_not_claim(redis_server: Any, redis: Redis) -> None:
+    """Defect 10, seen in tests/test_partition.py: a worker back from a Redis outage claimed jobs
+    before its heartbeat re-registered it; the reaper, seeing no status key, took them back, and
+    three rounds of that failed jobs "after 3 attempts". A worker process claims only while its
+    status key exists."""
+    job = Fleet(redis_server.url).submit(prompt="not for the dead", max_tokens=1)
+    claimer = Claimer(redis, "ghost", queue_names("llm"))
+    claimer.require_live = True  # as `fleet worker` sets once its heartbeat runs
+    assert claimer.claim(4) == []
+    assert redis.lrange(queue_key(QUEUE), 0, -1) == [job.id.encode()]
+    assert not redis.exists(inflight_key("ghost")) and redis.hget(job_key(job.id), OWNER_FIELD) is None
+    redis.hset(worker_key("ghost"), "state", '"idle"')  # the heartbeat registered it again
+    assert claimer.claim(4) == [(job.id.encode(), QUEUE)]
+    assert redis.lrange(inflight_key("ghost"), 0, -1) == [job.id.encode()]

@@ -1,7 +1,12 @@
--- KEYS: inflight, owners set, queue1..queueN (priority order)
--- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, then optionally
--- per queue the most jobs the claim may hold once it took from that queue (worker/priority.py)
--- Returns: server time (ms), ids dropped, then id1, queue1, id2, queue2, ...
+-- KEYS: inflight, owners set, the worker's status key, queue1..queueN (priority order)
+-- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, '1' if the
+-- status key must exist, then optionally per queue the most jobs the claim may hold once it took
+-- from that queue (worker/priority.py)
+-- Returns: server time (ms), ids dropped (-1: refused, the status key is missing), then id1,
+-- queue1, id2, queue2, ...
+-- A worker whose status key expired is dead to the fleet: the reaper hands back whatever it holds.
+-- One that comes back from a Redis outage before its heartbeat re-registered it must not claim,
+-- or every job it claims is reaped again and loses an attempt (three in a row fail the job).
 -- Ownership is taken here, in the same script that moves the id, so two workers can never both
 -- start one id (issue 10, defect 3): an id whose job hash names a live holder (its owner's
 -- in-flight list has it) is a second copy and is dropped; so is a leftover copy of a job that
@@ -15,13 +20,17 @@
 local n, me, pick = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local t = redis.call('TIME')
 local out = {t[1] * 1000 + math.floor(t[2] / 1000), 0}
-local nq = #KEYS - 2
+if ARGV[7] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then
+  out[2] = -1
+  return out
+end
+local nq = #KEYS - 3
 local ended = {finished = true, failed = true, stopped = true, canceled = true}
 local function order(p)
   local first = 1
   if nq >= 2 and p % 8 == 3 then first = 2 elseif nq >= 3 and p % 8 == 7 then first = nq end
   local o = {}
-  for i = 0, nq - 1 do o[#o + 1] = 2 + ((first - 1 + i) % nq) + 1 end
+  for i = 0, nq - 1 do o[#o + 1] = 3 + ((first - 1 + i) % nq) + 1 end
   return o
 end
 local function pop(p, claimed)

@@ -27,6 +27,7 @@ from backends.contract.keys import (
     OWNERS_SET,
     inflight_key,
     queue_key,
+    worker_key,
 )
 from backends.contract.lua import lua_script
 
@@ -45,6 +46,10 @@ class Claimer:
         self.redis = redis
         self.name = worker_name
         self.inflight = inflight_key(worker_name)
+        # claim only while this worker's status key exists (a worker process with a heartbeat
+        # sets it: see the claim script's header); in-process test workers have no heartbeat
+        self.require_live = False
+        self.refused = 0  # claims refused because the status key was missing
         self.queue_keys = [queue_key(q) for q in queues]
         self._claim = redis.register_script(_CLAIM)
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
@@ -57,9 +62,16 @@ class Claimer:
         if n <= 0:
             return []
         args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD,
-                           *limits]
-        flat = self._claim(keys=[self.inflight, OWNERS_SET, *self.queue_keys], args=args)
+                           "1" if self.require_live else "0", *limits]
+        keys = [self.inflight, OWNERS_SET, worker_key(self.name), *self.queue_keys]
+        flat = self._claim(keys=keys, args=args)
         self.server_ms, dropped = int(flat[0]), int(flat[1])
+        if dropped < 0:
+            if self.refused % 40 == 0:  # every ~10 s of idle polling
+                log.warning("not claiming: this worker's status key is missing, so the fleet takes it "
+                            "for dead; waiting for the heartbeat to register it again")
+            self.refused += 1
+            return []
         if dropped:
             log.warning("claim: dropped %d queue entries of jobs already held or ended", dropped)
         pairs = [(bytes(flat[i]), flat[i + 1].decode()) for i in range(2, len(flat), 2)]

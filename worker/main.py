@@ -61,6 +61,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     hb = Heartbeat(fw, rq_worker, reaper, static)
     hb.beat()  # visible before the first job
     hb.start()
+    fw.claimer.require_live = True  # from now on a claim needs the status key the heartbeat keeps
     summary = None
     try:
         if burst:
