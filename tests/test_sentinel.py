@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from backends.contract.connect import redis_from_url
@@ -29,11 +30,14 @@ from tests.sentinel import SentinelCluster
 JOBS = 300
 
 
-def test_workers_and_producers_follow_a_failover(tmp_path: Path) -> None:
+def test_workers_and_producers_follow_a_failover(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     with SentinelCluster.start(tmp_path / "redis") as sc:
         watch = redis_from_url(sc.url, socket_timeout=5, socket_connect_timeout=2)
         logs = tmp_path / "logs"
-        workers = [start_worker_in(None, None, sc.url, name, logs, watch) for name in ("s1", "s2")]
+        workers = []
+        for name in ("s1", "s2"):
+            workers.append(start_worker_in(None, None, sc.url, name, logs, watch))
+            request.addfinalizer(workers[-1].kill)  # never left running after the test
         fleet = Fleet(sc.url, durability="replicated", retry_for=60)
         acked: list[tuple[FleetJob, float]] = []  # jobs whose submit returned, and when
         errors: list[BaseException] = []
