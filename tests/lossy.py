@@ -1,7 +1,6 @@
 """Test helpers for issue 10's defects: a TCP proxy in front of a real redis-server that loses the
 reply to a chosen command (the command reaches Redis and applies; the client's connection is cut
-before the reply) or holds every reply back a while (a slow link), and a driver for in-process
-workers (worker/inprocess.py) turn by turn."""
+before the reply), and a driver for in-process workers (worker/inprocess.py) turn by turn."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from worker.loop import FleetWorker
 
 
 class LossyProxy:
-    def __init__(self, upstream_port: int, reply_delay: float = 0.0) -> None:
-        self.reply_delay = reply_delay  # seconds each reply is held back (a slow network)
+    def __init__(self, upstream_port: int) -> None:
         self.upstream = ("127.0.0.1", upstream_port)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -73,8 +71,6 @@ class LossyProxy:
                     with self._lock:
                         self.lost += 1
                     break
-                if self.reply_delay:
-                    time.sleep(self.reply_delay)
                 client.sendall(data)
         except OSError:
             pass

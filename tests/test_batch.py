@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 from openai import OpenAI
@@ -19,8 +18,7 @@ from redis import Redis
 from backends.contract.keys import batch_key, queue_key
 from dispatcher.batch.record import read_state
 from tests.gateway_harness import Gateways, wait_until_healthy
-from tests.harness import ROOT, wait_for, worker_env
-from tests.lossy import LossyProxy
+from tests.harness import ROOT, default_sigint, wait_for, worker_env
 
 
 def write_batch(path: Path, n: int, max_tokens: int = 1, url: str = "/v1/completions") -> Path:
@@ -80,15 +78,12 @@ def test_1000_lines_two_workers_one_killed_and_the_submit_interrupted(redis: Red
     workers.start("batch-w2")
     path = write_batch(tmp_path / "in.jsonl", 1000)
     args = ("submit", str(path), "--id", "big", "--chunk-size", "1")
-    # the submitter reaches Redis over a slow link (5 ms a reply): enqueueing 1,000 lines one at a
-    # time takes over 5 s, so the Ctrl-C below lands mid-enqueue however loaded the machine is
-    slow = LossyProxy(int(urlsplit(redis_url).port or 6379), reply_delay=0.005)
-    submitter = subprocess.Popen(fleet(slow.url, *args), env=worker_env(slow.url, "cli"), cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    submitter = subprocess.Popen(fleet(redis_url, *args), env=worker_env(redis_url, "cli"), cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=default_sigint)
     wait_for(lambda: count(redis, "big", "enqueued") >= 50, 120, "50 lines enqueued", interval=0.01)
     submitter.send_signal(signal.SIGINT)  # Ctrl-C mid-enqueue
     submitter.communicate(timeout=60)
-    slow.close()
     assert submitter.returncode != 0
     interrupted_at = count(redis, "big", "enqueued")
     assert 50 <= interrupted_at < 1000

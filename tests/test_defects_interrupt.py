@@ -17,7 +17,7 @@ from redis import Redis
 from backends.contract.keys import job_key
 from backends.contract.replies import as_str
 from dispatcher import Fleet
-from tests.harness import ROOT
+from tests.harness import ROOT, default_sigint
 from tests.lossy import inproc_worker, long_prompt
 from worker.loop import FleetWorker
 
@@ -65,7 +65,7 @@ def test_ctrl_c_on_fleet_submit_stream_cancels_the_job(redis_url: str, redis: Re
     env = {**os.environ, "FLEET_REDIS_URL": redis_url, "FLEET_CONFIG": str(ROOT / "worker-config.json")}
     args = ["submit", "--stream", "--max-tokens", "8000", long_prompt(WORDS)]
     cli = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", *args], env=env, cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
     try:
         assert cli.stdout is not None and cli.stdout.read(20)  # tokens are arriving
         cli.send_signal(signal.SIGINT)
