@@ -152,6 +152,7 @@ class Reply:
         self.created = int(created if created is not None else time.time())
         self.include_usage = include_usage
         self.n = len(job_ids)
+        self._text_chunk_parts: dict[int, tuple[str, str]] = {}  # per choice: the event around a delta
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" + (".chunk" if chunk else "") if self.chat else "text_completion"
@@ -183,6 +184,20 @@ class Reply:
         return {"index": index, ("delta" if chunk else "message"): body, "logprobs": logprobs,
                 "finish_reason": finish}
 
+    def text_chunk(self, index: int, text: str) -> str:
+        """The SSE event of one text delta: the most frequent thing a gateway writes (a token per
+        event per user), so the event around the text is serialised once per choice, not per token
+        (the same bytes as `sse_data` of the chunk dict)."""
+        around = self._text_chunk_parts.get(index)
+        if around is None:
+            marker = "\u0000text\u0000"
+            choice = self._choice(index, marker, None, None, chunk=True)
+            usage = {"usage": None} if self.include_usage else {}
+            whole = sse_data({**self._envelope(chunk=True), "choices": [choice], **usage})
+            head, _, tail = whole.partition(json.dumps(marker))
+            around = self._text_chunk_parts[index] = (head, tail)
+        return around[0] + json.dumps(text) + around[1]
+
     @staticmethod
     def usage(results: list[dict[str, Any] | None]) -> dict[str, int]:
         used = [r.get("usage", {}) for r in results if r]
@@ -212,10 +227,11 @@ class Reply:
                 yield sse_data(error_body(ApiError(422, f"generation failed: {u.error}", code="job_failed")))
                 return
             results[u.index] = u.result
-            if u.delta or u.final:
-                choice = self._choice(u.index, u.delta, finish_reason(u.result) if u.final else None,
-                                      u.result, chunk=True)
+            if u.final:
+                choice = self._choice(u.index, u.delta, finish_reason(u.result), u.result, chunk=True)
                 yield sse_data({**self._envelope(chunk=True), "choices": [choice], **extra})
+            elif u.delta:
+                yield self.text_chunk(u.index, u.delta)
         if self.include_usage:
             yield sse_data({**self._envelope(chunk=True), "choices": [], "usage": self.usage(results)})
         yield "data: [DONE]\n\n"
