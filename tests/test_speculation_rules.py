@@ -114,3 +114,23 @@ def test_jobs_with_a_grammar_penalties_or_logprobs_never_draft() -> None:
             execute(s, s.plan_step())
         assert job.ngrams is None, fields
         assert not _decoders_call(s).drafts, fields
+
+
+def test_a_job_drafts_only_as_far_as_its_drafts_are_kept() -> None:
+    from backends.llamacpp.speculation import PROBE_EVERY
+
+    index = NgramIndex([1, 2, 3])
+    assert index.budget(6) == 6  # no record yet: a good drafter until shown otherwise
+    for _ in range(6):  # 2 of 6 kept each time: per token p ~ 2/3, worth p^k > ROW_COST for k <= 2
+        index.record(6, 2)
+    assert index.budget(6) == 2
+    for _ in range(6):  # a summary: 1 of 6 kept (p ~ 1/2): only the first draft token pays
+        index.record(6, 1)
+    assert index.budget(6) == 1
+    for _ in range(6):  # nothing kept
+        index.record(1, 0)
+    budgets = [index.budget(6) for _ in range(PROBE_EVERY)]
+    assert budgets == [0] * (PROBE_EVERY - 1) + [1]  # no drafts, but a probe now and then
+    for _ in range(8):  # copying: every draft kept
+        index.record(6, 6)
+    assert index.budget(6) == 6 and index.budget(2) == 2

@@ -182,6 +182,8 @@ class LlamaCppBackend:
         if draft:
             self.draft_tokens += len(draft)
             self.draft_accepted += kept
+            if job.ngrams is not None:
+                job.ngrams.record(len(draft), kept)
             if kept < len(draft):
                 self.kv.drop_tail(job)
                 self.executor.apply(self.kv.take_ops())

@@ -193,7 +193,7 @@ class Scheduler:
                     self.n_ctx_per_seq - job.n_past - 2)
             if job.ngrams is not None and k > 0:
                 job.ngrams.follow(job.output)
-                draft = job.ngrams.propose(k)
+                draft = job.ngrams.propose(job.ngrams.budget(k))
                 if draft:
                     drafts[job.seq_id] = draft
         if not drafts:

@@ -18,14 +18,26 @@ tiled kernel runs at every size, so the rule keeps the text unchanged there too.
 
 Only plain jobs draft (`Sampling.is_plain`): a grammar, the penalties' history and the logprobs
 advance with every token, so those jobs decode one token at a time (simple, and surely right).
+
+How many to draft is decided per job from its own record (`NgramIndex.budget`): a draft row is
+not free (on gemma-3-270m a 7-row step costs about three 1-row steps: every row with logits pays
+the 262k-word output layer), so the k-th draft token is worth proposing only while the chance
+that it is kept, p^k (p: the job's recent per-token acceptance), exceeds ROW_COST. A summary that
+rewrites its passage keeps ~40 % of its drafts and then drafts one token or none; a copy keeps
+~90 % and drafts the full k. A job that stopped drafting tries one token every PROBE_EVERY steps.
 """
 
 from __future__ import annotations
+
+import math
 
 from backends.llamacpp.invariance import TILED_MM_ROWS
 
 NGRAM_MAX = 4  # longest suffix looked up
 NGRAM_MIN = 2  # a single repeated token predicts too little to pay for its rows
+ROW_COST = 0.33  # a draft row's cost in 1-row steps (measured, docs/bench.md: 7 rows ~ 3 steps)
+DECAY = 0.8  # weight of the older drafted steps in a job's acceptance record, per drafted step
+PROBE_EVERY = 16  # steps without a draft before a job tries one token again
 
 
 class NgramIndex:
@@ -33,10 +45,12 @@ class NgramIndex:
     the position right after its latest and its first occurrence that has a follower. Appending a
     token and proposing a draft cost O(NGRAM_MAX) dictionary operations, whatever the length."""
 
-    __slots__ = ("_after", "_first", "_n_prompt", "tokens")
+    __slots__ = ("_after", "_first", "_hits", "_idle", "_misses", "_n_prompt", "tokens")
 
     def __init__(self, prompt: list[int]) -> None:
         self.tokens: list[int] = []
+        # acceptance record: tokens kept and drafts cut short (decayed); the prior is a good drafter
+        self._hits, self._misses, self._idle = 1.8, 0.2, 0
         self._after: dict[tuple[int, ...], int] = {}
         self._first: dict[tuple[int, ...], int] = {}
         for tok in prompt:
@@ -58,6 +72,23 @@ class NgramIndex:
             key = tuple(toks[end - n:end])
             self._after[key] = end
             self._first.setdefault(key, end)
+
+    def budget(self, k: int) -> int:
+        """How many of at most k draft tokens are worth their rows, from this job's record."""
+        p = self._hits / (self._hits + self._misses)
+        worth = k if p >= 1.0 else (0 if p <= ROW_COST else int(math.log(ROW_COST) / math.log(p)))
+        if min(k, worth) > 0:
+            return min(k, worth)
+        self._idle += 1
+        if self._idle >= PROBE_EVERY and k > 0:  # try again now and then: the text may change
+            self._idle = 0
+            return 1
+        return 0
+
+    def record(self, proposed: int, kept: int) -> None:
+        """A drafted step's outcome: `kept` of `proposed` draft tokens were kept."""
+        self._hits = self._hits * DECAY + kept
+        self._misses = self._misses * DECAY + (1 if kept < proposed else 0)
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix (or the
