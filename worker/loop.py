@@ -45,7 +45,6 @@ from worker.settings import FleetSettings
 log = logging.getLogger("fleet.worker")
 IDLE_WAIT = 0.25  # seconds an idle worker blocks on the wake list before polling the queues
 OUTAGE_BUFFER_ENTRIES = 16_384  # unwritten text deltas held through a Redis outage, all jobs
-RECONCILE_EVERY = 5.0  # seconds between checks that Redis and this loop agree on held jobs
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class FleetWorker:
         self.stopping = threading.Event()
         self.jobs_ended = threading.Event()  # tells the heartbeat to refresh the status now
         self._drain_deadline: float | None = None
-        self._reconcile_at = time.monotonic() + RECONCILE_EVERY
+        self._reconcile_at = time.monotonic() + self.settings.reconcile_interval
         self._engine_backoff = Backoff(1.0, 30.0)  # after an engine failure: pause claiming
         self._engine_hold_until = 0.0
 
@@ -419,7 +418,7 @@ class FleetWorker:
 
     def _reconcile(self) -> None:
         """Agree with Redis on what this worker holds (after an outage, and every few seconds)."""
-        self._reconcile_at = time.monotonic() + RECONCILE_EVERY
+        self._reconcile_at = time.monotonic() + self.settings.reconcile_interval
         held = Counter(self.claimer.held_raw())
         for job_id in list(self.inflight):
             if job_id.encode() not in held:

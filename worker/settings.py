@@ -37,6 +37,8 @@ class FleetSettings(ProducerSettings):
                                "jobs per interactive one (at least one): bounds what a batch adds to a "
                                "step, hence to interactive time to first token (worker/priority.py)")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
+    reconcile_interval: float = Field(5.0, gt=0, le=60, description="seconds between checks that Redis "
+                                      "and the loop agree on the jobs this worker holds")
     observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
                           "status hash is always written: it is the liveness signal)")
     health_file: Path | None = Field(None, description="worker: file refreshed every beat for `fleet health`")
