@@ -126,7 +126,8 @@ def test_an_id_in_the_inflight_list_that_never_started_is_run(redis_url: str, re
     """A claim whose reply was lost leaves the id in the worker's list unknown to the loop: the
     loop's periodic check with Redis starts it."""
     with fleet_workers(redis_url, tmp_path / "logs") as workers:
-        workers.start("o1", backend__type="fake")
+        # the check runs every reconcile_interval (5 s by default); 1 s finds it sooner
+        workers.start("o1", backend__type="fake", reconcile_interval=1)
         other = Queue("elsewhere", connection=redis, serializer=JSONSerializer)
         rq_job = other.enqueue(JOB_FUNCTION, {"prompt": "found again"})
         redis.lmove(queue_key("elsewhere"), inflight_key("o1"), "LEFT", "RIGHT")
