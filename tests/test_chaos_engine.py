@@ -21,8 +21,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_engine_killed_mid_run(redis_url: str, redis: Redis, tmp_path: Path) -> None:
     port = free_port()
-    # 2 threads: the worker in front of it barely uses a core, so with 1 the second one sat idle
-    engine = start_llama_server(tmp_path / "engine", parallel=4, ctx=4096, threads=2, port=port)
+    engine = start_llama_server(tmp_path / "engine", parallel=4, ctx=4096, threads=1, port=port)
     fleet = Fleet(redis_url)
     try:
         with fleet_workers(redis_url, tmp_path / "logs") as workers:
@@ -33,7 +32,7 @@ def test_engine_killed_mid_run(redis_url: str, redis: Redis, tmp_path: Path) -> 
             engine.kill()
             time.sleep(2)
             assert worker.alive() and redis.exists(worker_key("e1")), worker.output()
-            engine = start_llama_server(tmp_path / "engine", parallel=4, ctx=4096, threads=2, port=port)
+            engine = start_llama_server(tmp_path / "engine", parallel=4, ctx=4096, threads=1, port=port)
 
             outcomes: dict[str, dict | str] = {}
             for job in jobs:
