@@ -31,9 +31,7 @@ RECOVERY_LIMIT_S = 15.0
 def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, tmp_path: Path) -> None:
     fleet = Fleet(redis_url)
     with fleet_workers(redis_url, tmp_path / "logs") as workers:
-        # w1 decodes on both cores: once w2 is dead it runs the other ~180 jobs alone, and with one
-        # thread the second core sat idle for most of the test
-        workers.start("w1", backend__slots=16, backend__threads=2)
+        workers.start("w1", backend__slots=16, backend__threads=1)
         w2 = workers.start("w2", backend__slots=16, backend__threads=1)
         jobs = [fleet.submit(prompt=f"Story {i}: the", max_tokens=16, temperature=0.7, seed=i)
                 for i in range(200)]
