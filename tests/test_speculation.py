@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import pytest
+
 from backends.base import GenerateRequest, Token
 from backends.llamacpp import LlamaCppBackend
 from worker.settings import BackendSettings
@@ -36,11 +38,13 @@ def run(engine: LlamaCppBackend, ids: Iterable[int], tag: str) -> dict[int, str]
     return texts
 
 
-def test_greedy_text_is_the_same_with_and_without_speculation_alone_and_batched() -> None:
+@pytest.mark.parametrize("layout", ["unified", "per-slot"])
+def test_greedy_text_is_the_same_with_and_without_speculation_alone_and_batched(layout: str) -> None:
     results: dict[int, tuple[dict[int, str], dict[int, str], dict[str, object]]] = {}
+    kv = {"kv_unified": True} if layout == "unified" else {"kv_unified": False, "n_ctx_per_seq": 1024}
     # one thread: on a busy box ggml's spinning barrier makes two threads far slower
     for draft_max in (0, 6):
-        engine = LlamaCppBackend(BackendSettings(slots=16, draft_max=draft_max), threads=1)
+        engine = LlamaCppBackend(BackendSettings(slots=16, draft_max=draft_max, **kv), threads=1)
         try:
             alone: dict[int, str] = {}
             for i in range(16):

@@ -96,11 +96,38 @@ def test_no_draft_past_max_tokens_nor_without_a_match() -> None:
     assert not call.drafts and call.width == 1
 
 
-def test_speculation_off_by_setting_and_in_the_unified_pool() -> None:
-    for s in (engine(draft_max=0), engine(draft_max=6, per_slot=False)):
-        (job,) = _decoding(s, 1, SEVENS)
-        assert job.ngrams is None
-        assert all(not c.drafts for c in s.plan_step().calls)
+def test_speculation_off_by_setting() -> None:
+    s = engine(draft_max=0)
+    (job,) = _decoding(s, 1, SEVENS)
+    assert job.ngrams is None
+    assert all(not c.drafts for c in s.plan_step().calls)
+
+
+def test_in_the_unified_pool_drafts_stay_below_the_tiled_matmul_and_apart_from_prompts() -> None:
+    s = engine(draft_max=6, per_slot=False)
+    (job,) = _decoding(s, 1, SEVENS)
+    (call,) = s.plan_step().calls
+    assert call.drafts == {job.seq_id: [7] * 6} and call.span is None and call.n_rows() == 7
+    for n in (2, 3, 4):
+        s = engine(draft_max=6, per_slot=False)
+        _decoding(s, n, SEVENS)
+        (call,) = s.plan_step().calls
+        assert call.n_rows() < TILED_MM_ROWS and bool(call.drafts) == (n < 4), n
+    admit(s, "newcomer", prompt(5))  # a prompt chunk in the call: no drafts beside it
+    (call,) = s.plan_step().calls
+    assert call.prompts and not call.drafts and not call.pad
+
+
+def test_a_lone_undrafted_row_in_the_unified_pool_gets_a_throwaway_second_row() -> None:
+    for draft_max in (0, 6):  # the same kernels with speculation on or off
+        s = engine(draft_max=draft_max, per_slot=False)
+        _decoding(s, 1, prompt(20))  # distinct tokens: nothing to look up
+        (call,) = s.plan_step().calls
+        assert not call.drafts and call.pad and call.n_rows() == 2
+        admit(s, "second", prompt(20, 500), max_tokens=1000)
+        execute(s, s.plan_step())
+        (call,) = s.plan_step().calls
+        assert len(call.decoders) == 2 and not call.pad
 
 
 def test_jobs_with_a_grammar_penalties_or_logprobs_never_draft() -> None:

@@ -85,7 +85,13 @@ class Executor:
             n = self._put_decoder(n, job, call.drafts.get(job.seq_id, ()))
         for job, count in call.prompts:
             n = self._put_prompt(n, job, count)
-        return self._decode(n)
+        if not call.pad:
+            return self._decode(n)
+        job = call.decoders[0]  # a throw-away row after its own: causal attention ignores it
+        self._put(n, 0, job.n_past + 1, job.seq_id, False)
+        rc = self._decode(n + 1)
+        ll.llama_memory_seq_rm(self._memory, job.seq_id, job.n_past + 1, -1)
+        return rc
 
     def _run_equal(self, call: DecodeCall) -> int:
         assert call.span is not None
