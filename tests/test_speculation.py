@@ -68,3 +68,30 @@ def count(stats: dict[str, object], key: str) -> int:
     value = stats[key]
     assert isinstance(value, int)
     return value
+
+
+def test_greedy_text_is_the_same_with_and_without_speculation_past_512_cells() -> None:
+    """Passages of ~420 tokens (the bench's `grounded` requests 2 and 3, where a lone decoder
+    without the unified pool's throw-away row took ggml's split-KV attention and the text changed
+    within the first tokens, measured): the default engine gives the same text either way."""
+    from backends.model import default_model_path
+    from ecosystem.local.bench_workloads import Tokenizer, Workload
+
+    grounded = Workload("grounded", Tokenizer(default_model_path()), seed=1)
+    requests = [GenerateRequest(prompt=grounded.request(i).prompt, max_tokens=24, temperature=0.0)
+                for i in (2, 3)]
+    texts: dict[int, list[str]] = {}
+    for draft_max in (0, 6):
+        engine = LlamaCppBackend(BackendSettings(draft_max=draft_max), threads=1)
+        try:
+            texts[draft_max] = []
+            for i, req in enumerate(requests):
+                engine.admit(f"g{i}", req)
+                text = ""
+                while engine.stats()["active"] or engine.stats()["waiting"]:
+                    text += "".join(ev.text for ev in engine.step() if isinstance(ev, Token))
+                texts[draft_max].append(text)
+        finally:
+            engine.close()
+    assert all(len(t) > 40 for t in texts[0])
+    assert texts[6] == texts[0]

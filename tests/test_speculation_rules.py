@@ -143,21 +143,37 @@ def test_jobs_with_a_grammar_penalties_or_logprobs_never_draft() -> None:
         assert not _decoders_call(s).drafts, fields
 
 
-def test_a_job_drafts_only_as_far_as_its_drafts_are_kept() -> None:
+def test_a_job_drafts_as_far_as_its_acceptance_pays_for_the_rows() -> None:
     from backends.llamacpp.speculation import PROBE_EVERY
 
+    linear = [1 + 0.2 * j for j in range(7)]  # each draft row a fifth of a step
+    stairs = [1.0, 2.3, 2.5, 2.7, 4.3, 4.7, 5.2]  # ggml's kernels on one CPU (docs/bench.md)
     index = NgramIndex([1, 2, 3])
-    assert index.budget(6) == 6  # no record yet: a good drafter until shown otherwise
-    for _ in range(6):  # 2 of 6 kept each time: per token p ~ 2/3, worth p^k > ROW_COST for k <= 2
+    # no record yet: a good drafter (p = 0.9) until shown otherwise
+    assert index.budget(linear) == 6
+    assert index.budget(stairs) == 3  # 3.44 tokens for 2.7 steps beats 5.2 for 5.2
+    assert index.budget(linear[:3]) == 2  # never more than the costs allow
+    for _ in range(8):  # 2 of 6 kept each time: p ~ 2/3
         index.record(6, 2)
-    assert index.budget(6) == 2
-    for _ in range(6):  # a summary: 1 of 6 kept (p ~ 1/2): only the first draft token pays
-        index.record(6, 1)
-    assert index.budget(6) == 1
-    for _ in range(6):  # nothing kept
+    assert index.budget(linear) == 3 and index.budget(stairs) == 0
+    for _ in range(8):  # nothing kept
         index.record(1, 0)
-    budgets = [index.budget(6) for _ in range(PROBE_EVERY)]
-    assert budgets == [0] * (PROBE_EVERY - 1) + [1]  # no drafts, but a probe now and then
+    budgets = [index.budget(stairs) for _ in range(PROBE_EVERY)]
+    assert sorted(budgets) == [0] * (PROBE_EVERY - 1) + [1]  # no drafts, but a probe now and then
     for _ in range(8):  # copying: every draft kept
         index.record(6, 6)
-    assert index.budget(6) == 6 and index.budget(2) == 2
+    assert index.budget(linear) == 6 and index.budget(linear[:3]) == 2
+    assert index.budget(stairs) == 3  # 4 tokens for 2.7 steps beats 7 for 5.2
+
+
+def test_step_costs_are_learned_from_timings_and_trusted_after_a_few() -> None:
+    from backends.llamacpp.speculation import PRIOR_ROW_COST, TIMINGS_TRUSTED, StepCosts
+
+    costs = StepCosts()
+    assert costs.relative((4, 4), (1, 1)) == 1 + 3 * PRIOR_ROW_COST  # untimed: the prior
+    for _ in range(TIMINGS_TRUSTED):
+        costs.record(1, 1, 0.010)
+        costs.record(4, 4, 0.027)
+    costs.record(4, 4, 9.0)  # one step the box stalled: the median ignores it
+    assert abs(costs.relative((4, 4), (1, 1)) - 2.7) < 1e-9
+    assert costs.relative((2, 1), (1, 1)) == 1 + PRIOR_ROW_COST  # another shape: still the prior

@@ -40,6 +40,7 @@ class Executor:
         self._logits_row = [-1] * n_streams  # per sequence id: its logits' row in the last batch
         self.decode_calls = 0
         self.decode_seconds = 0.0
+        self.last_decode_seconds = 0.0
 
     # -- KV and sampler chains --------------------------------------------------------------------
 
@@ -152,7 +153,8 @@ class Executor:
         self._batch.n_tokens = n_rows
         t0 = time.perf_counter()
         rc = ll.llama_decode(self._ctx, self._batch)
-        self.decode_seconds += time.perf_counter() - t0
+        self.last_decode_seconds = time.perf_counter() - t0
+        self.decode_seconds += self.last_decode_seconds
         self.decode_calls += 1
         return int(rc)
 

@@ -26,13 +26,14 @@ slot back from a running job) is not done yet: it would be a decision made here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backends.base import JobRejected
 from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS
 from backends.llamacpp.kv import KvBookkeeper
-from backends.llamacpp.speculation import NgramIndex, draft_room
+from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
 from backends.llamacpp.state import ActiveJob, WaitingJob
 
 
@@ -77,6 +78,7 @@ class Scheduler:
         self.n_batch = n_batch
         self.n_ctx_per_seq = n_ctx_per_seq
         self.draft_max = draft_max
+        self.costs = StepCosts()  # the engine times every decoders-only call into it
         self.waiting: list[WaitingJob] = []
         self.active: dict[str, ActiveJob] = {}  # admission order = prefill order
         self.deferred_admissions = 0
@@ -157,7 +159,10 @@ class Scheduler:
             prompts.append((job, count))
             budget -= count
         # drafts only beside no prompt chunk: a chunk could move the call across TILED_MM_ROWS
-        drafts = {} if prompts else self._drafts(decoding, draft_room(len(decoding), self.draft_max))
+        n = len(decoding)
+        base = (2, 1) if n == 1 and self.kv.fits(1) else (n, n)  # (rows, rows with logits)
+        room = 0 if prompts else draft_room(n, self.draft_max)
+        drafts = self._drafts(decoding, room, base, lambda j: (n + j, n + j))
         # a lone row takes the split-KV attention past SPLIT_KV_CELLS, a drafted step never: give
         # it a second row (when the pool has a cell to spare), so its text is the same either way
         pad = not prompts and not drafts and len(decoding) == 1 and self.kv.fits(1)
@@ -195,22 +200,30 @@ class Scheduler:
         while the call stays in the per-row matmul regime (speculation.draft_room)."""
         lo = min(j.seq_id for j in decoding)
         hi = max(j.seq_id for j in decoding)
-        drafts = self._drafts(decoding, draft_room(hi - lo + 1, self.draft_max))
+        n, ids = len(decoding), hi - lo + 1
+        lo_base, hi_base = self._span(decoding, 1)
+        base = (hi_base - lo_base + 1, n)
+        drafts = self._drafts(decoding, draft_room(ids, self.draft_max), base,
+                              lambda j: (ids * (1 + j), n + j))
         if not drafts:
             return DecodeCall(decoders=decoding, span=self._span(decoding, 1), width=1)
         width = 1 + max(len(d) for d in drafts.values())
         return DecodeCall(decoders=decoding, span=(lo, hi), width=width, drafts=drafts)
 
-    def _drafts(self, decoding: list[ActiveJob], room: int) -> dict[int, list[int]]:
-        """Each decoder's proposal of at most `room` tokens (speculation.py), by sequence id."""
+    def _drafts(self, decoding: list[ActiveJob], room: int, base: tuple[int, int],
+                shape: Callable[[int], tuple[int, int]]) -> dict[int, list[int]]:
+        """Each decoder's proposal of at most `room` tokens (speculation.py), by sequence id.
+        `base` is the call's shape (rows, rows with logits) without drafts, shape(j) with j draft
+        tokens: their timings on this machine weigh how far a job drafts."""
         drafts: dict[int, list[int]] = {}
+        costs = [self.costs.relative(shape(j), base) if j else 1.0 for j in range(room + 1)]
         for job in decoding if room else ():
             # no draft past the job's end: max_tokens, or the last cell of its context
             k = min(room, job.sampling.max_tokens - job.generated - 1,
                     self.n_ctx_per_seq - job.n_past - 2)
             if job.ngrams is not None and k > 0:
                 job.ngrams.follow(job.output)
-                draft = job.ngrams.propose(job.ngrams.budget(k))
+                draft = job.ngrams.propose(job.ngrams.budget(costs[:k + 1]))
                 if draft:
                     drafts[job.seq_id] = draft
         return drafts
