@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -15,9 +16,12 @@ class LlamaCppSettings(EngineSettings):
         False, description="a job's greedy text is the same alone or in any batch: ggml's tiled "
         "matmul at every batch size (a lone decoder costs ~2x CPU per token); needs kv_unified=false")
     kv_unified: bool = Field(
-        False, description="one KV pool of n_ctx cells shared by all slots, a job reserves what it "
-        "needs (false: one KV stream of n_ctx_per_seq cells per slot and prefix entry)")
-    n_ctx: int = Field(8192, ge=256, description="KV cells shared by all slots (kv_unified=true)")
+        True, description="one KV pool of n_ctx cells shared by all slots, a job reserves what it "
+        "needs (false: one KV stream of n_ctx_per_seq cells per slot and prefix entry); default: "
+        "true unless batch_invariant")
+    n_ctx: int = Field(16384, ge=256, description="KV cells shared by all slots (kv_unified=true)")
+    n_ctx_per_seq: int = Field(4096, ge=64, description="max prompt + generated tokens of one job; with "
+                               "per-slot KV streams also the KV cells of each slot and prefix entry")
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
@@ -26,6 +30,15 @@ class LlamaCppSettings(EngineSettings):
     chat_template: str | None = Field(
         None, description="a llama.cpp built-in chat template name (e.g. gemma, chatml, llama3) for "
         "chat requests; None: the model's own template, else `gemma` for gemma-family models")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _streams_when_invariant(cls, data: Any) -> Any:
+        """batch_invariant alone picks per-slot streams (kv_unified's default follows it)."""
+        invariant = isinstance(data, dict) and str(data.get("batch_invariant")).lower() in ("true", "1")
+        if invariant and "kv_unified" not in data:
+            return {**data, "kv_unified": False}
+        return data
 
     @model_validator(mode="after")
     def _invariance_needs_streams(self) -> LlamaCppSettings:

@@ -41,9 +41,10 @@ MIB = 2**20
 LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
     "per-slot-1k": ({"kv_unified": False, "n_ctx_per_seq": 1024}, SLOTS * 1024),
     "per-slot-4k": ({"kv_unified": False, "n_ctx_per_seq": 4096}, SLOTS * 4096),
-    # the unified pool does not speculate yet: per-slot without drafts is its fair 1-user peer
     "per-slot-1k-nodraft": ({"kv_unified": False, "n_ctx_per_seq": 1024, "draft_max": 0}, SLOTS * 1024),
-    "unified-16k": ({"kv_unified": True, "n_ctx": 16384, "n_ctx_per_seq": 4096}, 16384),
+    "unified-16k": ({"kv_unified": True, "n_ctx": 16384, "n_ctx_per_seq": 4096}, 16384),  # the default
+    "unified-16k-nodraft": ({"kv_unified": True, "n_ctx": 16384, "n_ctx_per_seq": 4096, "draft_max": 0},
+                            16384),
     "unified-32k": ({"kv_unified": True, "n_ctx": 32768, "n_ctx_per_seq": 8192}, 32768),
 }
 PROMPTS = [f"Write a short story about {t}." for t in (

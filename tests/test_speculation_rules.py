@@ -96,11 +96,38 @@ def test_no_draft_past_max_tokens_nor_without_a_match() -> None:
     assert not call.drafts and call.width == 1
 
 
-def test_speculation_off_by_setting_and_in_the_unified_pool() -> None:
-    for s in (engine(draft_max=0), engine(draft_max=6, per_slot=False)):
-        (job,) = _decoding(s, 1, SEVENS)
-        assert job.ngrams is None
-        assert all(not c.drafts for c in s.plan_step().calls)
+def test_speculation_off_by_setting() -> None:
+    s = engine(draft_max=0)
+    (job,) = _decoding(s, 1, SEVENS)
+    assert job.ngrams is None
+    assert all(not c.drafts for c in s.plan_step().calls)
+
+
+def test_in_the_unified_pool_drafts_stay_below_the_tiled_matmul_and_apart_from_prompts() -> None:
+    s = engine(draft_max=6, per_slot=False)
+    (job,) = _decoding(s, 1, SEVENS)
+    (call,) = s.plan_step().calls
+    assert call.drafts == {job.seq_id: [7] * 6} and call.span is None and call.n_rows() == 7
+    for n in (2, 3, 4):
+        s = engine(draft_max=6, per_slot=False)
+        _decoding(s, n, SEVENS)
+        (call,) = s.plan_step().calls
+        assert call.n_rows() < TILED_MM_ROWS and bool(call.drafts) == (n < 4), n
+    admit(s, "newcomer", prompt(5))  # a prompt chunk in the call: no drafts beside it
+    (call,) = s.plan_step().calls
+    assert call.prompts and not call.drafts and not call.pad
+
+
+def test_a_lone_undrafted_row_in_the_unified_pool_gets_a_throwaway_second_row() -> None:
+    for draft_max in (0, 6):  # the same kernels with speculation on or off
+        s = engine(draft_max=draft_max, per_slot=False)
+        _decoding(s, 1, prompt(20))  # distinct tokens: nothing to look up
+        (call,) = s.plan_step().calls
+        assert not call.drafts and call.pad and call.n_rows() == 2
+        admit(s, "second", prompt(20, 500), max_tokens=1000)
+        execute(s, s.plan_step())
+        (call,) = s.plan_step().calls
+        assert len(call.decoders) == 2 and not call.pad
 
 
 def test_jobs_with_a_grammar_penalties_or_logprobs_never_draft() -> None:
@@ -116,21 +143,37 @@ def test_jobs_with_a_grammar_penalties_or_logprobs_never_draft() -> None:
         assert not _decoders_call(s).drafts, fields
 
 
-def test_a_job_drafts_only_as_far_as_its_drafts_are_kept() -> None:
+def test_a_job_drafts_as_far_as_its_acceptance_pays_for_the_rows() -> None:
     from backends.llamacpp.speculation import PROBE_EVERY
 
+    linear = [1 + 0.2 * j for j in range(7)]  # each draft row a fifth of a step
+    stairs = [1.0, 2.3, 2.5, 2.7, 4.3, 4.7, 5.2]  # ggml's kernels on one CPU (docs/bench.md)
     index = NgramIndex([1, 2, 3])
-    assert index.budget(6) == 6  # no record yet: a good drafter until shown otherwise
-    for _ in range(6):  # 2 of 6 kept each time: per token p ~ 2/3, worth p^k > ROW_COST for k <= 2
+    # no record yet: a good drafter (p = 0.9) until shown otherwise
+    assert index.budget(linear) == 6
+    assert index.budget(stairs) == 3  # 3.44 tokens for 2.7 steps beats 5.2 for 5.2
+    assert index.budget(linear[:3]) == 2  # never more than the costs allow
+    for _ in range(8):  # 2 of 6 kept each time: p ~ 2/3
         index.record(6, 2)
-    assert index.budget(6) == 2
-    for _ in range(6):  # a summary: 1 of 6 kept (p ~ 1/2): only the first draft token pays
-        index.record(6, 1)
-    assert index.budget(6) == 1
-    for _ in range(6):  # nothing kept
+    assert index.budget(linear) == 3 and index.budget(stairs) == 0
+    for _ in range(8):  # nothing kept
         index.record(1, 0)
-    budgets = [index.budget(6) for _ in range(PROBE_EVERY)]
-    assert budgets == [0] * (PROBE_EVERY - 1) + [1]  # no drafts, but a probe now and then
+    budgets = [index.budget(stairs) for _ in range(PROBE_EVERY)]
+    assert sorted(budgets) == [0] * (PROBE_EVERY - 1) + [1]  # no drafts, but a probe now and then
     for _ in range(8):  # copying: every draft kept
         index.record(6, 6)
-    assert index.budget(6) == 6 and index.budget(2) == 2
+    assert index.budget(linear) == 6 and index.budget(linear[:3]) == 2
+    assert index.budget(stairs) == 3  # 4 tokens for 2.7 steps beats 7 for 5.2
+
+
+def test_step_costs_are_learned_from_timings_and_trusted_after_a_few() -> None:
+    from backends.llamacpp.speculation import PRIOR_ROW_COST, TIMINGS_TRUSTED, StepCosts
+
+    costs = StepCosts()
+    assert costs.relative((4, 4), (1, 1)) == 1 + 3 * PRIOR_ROW_COST  # untimed: the prior
+    for _ in range(TIMINGS_TRUSTED):
+        costs.record(1, 1, 0.010)
+        costs.record(4, 4, 0.027)
+    costs.record(4, 4, 9.0)  # one step the box stalled: the median ignores it
+    assert abs(costs.relative((4, 4), (1, 1)) - 2.7) < 1e-9
+    assert costs.relative((2, 1), (1, 1)) == 1 + PRIOR_ROW_COST  # another shape: still the prior

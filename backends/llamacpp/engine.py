@@ -6,12 +6,13 @@
 turning sampled tokens into events and the finish rules, and the engine's counters.
 
 KV layout (backend.kv_unified):
-- false (default): every sequence id has its own KV stream of n_ctx_per_seq cells. A slot's
-  stream is its budget: admission only waits for a free slot. With backend.batch_invariant ggml
-  also runs batch-invariant kernels, so a job's greedy text is the same alone or in any batch.
-- true: all slots share one unified pool of n_ctx cells. A job reserves prompt + max_tokens
-  cells (capped by n_ctx_per_seq) when it starts; when the pool cannot hold it yet it waits
-  (admission deferred), it never evicts a running job.
+- true (default): all slots share one unified pool of n_ctx cells. A job reserves prompt +
+  max_tokens cells (capped by n_ctx_per_seq) when it starts; when the pool cannot hold it yet
+  it waits (admission deferred), it never evicts a running job.
+- false (the default with batch_invariant): every sequence id has its own KV stream of
+  n_ctx_per_seq cells. A slot's stream is its budget: admission only waits for a free slot.
+  With backend.batch_invariant ggml also runs batch-invariant kernels, so a job's greedy text is
+  the same alone or in any batch.
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ class LlamaCppBackend:
             if rc != 0:
                 self._fail(call, rc, events)
                 continue
+            if call.decoders and not call.prompts:  # what the draft budget weighs (speculation.py)
+                outputs = len(call.decoders) + sum(len(d) for d in call.drafts.values())
+                self.scheduler.costs.record(call.n_rows(), outputs, self.executor.last_decode_seconds)
             for job in call.decoders:
                 self._verify(job, call.drafts.get(job.seq_id, ()), events)
             for job, count in call.prompts:

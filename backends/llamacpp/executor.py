@@ -40,6 +40,7 @@ class Executor:
         self._logits_row = [-1] * n_streams  # per sequence id: its logits' row in the last batch
         self.decode_calls = 0
         self.decode_seconds = 0.0
+        self.last_decode_seconds = 0.0
 
     # -- KV and sampler chains --------------------------------------------------------------------
 
@@ -85,7 +86,13 @@ class Executor:
             n = self._put_decoder(n, job, call.drafts.get(job.seq_id, ()))
         for job, count in call.prompts:
             n = self._put_prompt(n, job, count)
-        return self._decode(n)
+        if not call.pad:
+            return self._decode(n)
+        job = call.decoders[0]  # a throw-away row after its own: causal attention ignores it
+        self._put(n, 0, job.n_past + 1, job.seq_id, False)
+        rc = self._decode(n + 1)
+        ll.llama_memory_seq_rm(self._memory, job.seq_id, job.n_past + 1, -1)
+        return rc
 
     def _run_equal(self, call: DecodeCall) -> int:
         assert call.span is not None
@@ -146,7 +153,8 @@ class Executor:
         self._batch.n_tokens = n_rows
         t0 = time.perf_counter()
         rc = ll.llama_decode(self._ctx, self._batch)
-        self.decode_seconds += time.perf_counter() - t0
+        self.last_decode_seconds = time.perf_counter() - t0
+        self.decode_seconds += self.last_decode_seconds
         self.decode_calls += 1
         return int(rc)
 

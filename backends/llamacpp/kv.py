@@ -1,9 +1,10 @@
 """The KV bookkeeper: who holds which sequence id and what each id's KV holds, without llama.cpp.
 
 Sequence ids 0..slots-1 are slots (one per running job), slots..slots+prefix_cache-1 hold
-shared prefixes in an LRU. With per-slot streams (kv_unified=false) a free slot keeps its last
-job's KV until the slot is reused, so the next turn of a chat prefills only what is new; in the
-unified pool (kv_unified=true) a job reserves its cells when it starts.
+shared prefixes in an LRU. A free slot keeps its last job's KV until the slot is reused, so the
+next turn of a chat prefills only what is new. In the unified pool (kv_unified=true) a job
+reserves its cells when it starts, and what free slots and prefix entries keep is given back
+(oldest first, slots' kept KV before shared prefixes) when a newcomer needs the cells.
 
 The bookkeeper decides; it never calls llama.cpp. What it wants done to the KV cache (drop a
 sequence's tail, copy a prefix) is queued as `KvOp`s that the executor applies, in order, before
@@ -72,7 +73,7 @@ class KvBookkeeper:
         self._free_seq_ids = list(range(slots))
         self._free_prefix_ids = list(range(slots, self.n_streams))
         self.prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
-        self.slot_kv: dict[int, PrefixEntry] = {}  # a free slot's kept KV (per-slot streams)
+        self.slot_kv: dict[int, PrefixEntry] = {}  # a free slot's kept KV, oldest first
         self.reserved = 0
         self.reused_tokens = 0
         self._ops: list[KvOp] = []
@@ -91,7 +92,7 @@ class KvBookkeeper:
         """A slot's sequence id with `need` KV cells reserved, evicting cached prefixes to make
         room; None when the unified pool cannot hold `need` cells yet (running jobs will free
         some: admission waits, it never evicts a running job)."""
-        while not self.fits(need) and self.evict_prefix():
+        while not self.fits(need) and (self.evict_kept() or self.evict_prefix()):
             pass
         if not self._free_seq_ids or not self.fits(need):
             return None
@@ -108,7 +109,17 @@ class KvBookkeeper:
         return self.reserved + need + self.prefix_cells() <= self.n_ctx
 
     def prefix_cells(self) -> int:
-        return sum(len(p.tokens) for p in self.prefixes.values())
+        """Cells held beyond the running jobs' reservations: prefix entries and free slots' kept KV."""
+        return (sum(len(p.tokens) for p in self.prefixes.values())
+                + sum(len(k.tokens) for k in self.slot_kv.values()))
+
+    def evict_kept(self) -> bool:
+        if not self.slot_kv:
+            return False
+        seq_id = next(iter(self.slot_kv))
+        del self.slot_kv[seq_id]
+        self._ops.append(Remove(seq_id))
+        return True
 
     def evict_prefix(self) -> bool:
         if not self.prefixes:
@@ -119,9 +130,9 @@ class KvBookkeeper:
         return True
 
     def release(self, job: ActiveJob, keep_kv: bool = True) -> None:
-        """Free a finished/cancelled/failed job's slot and reservation. A per-slot stream keeps
-        its KV for the slot's next job (see slot_kv) unless keep_kv is false."""
-        if self.per_slot and keep_kv:
+        """Free a finished/cancelled/failed job's slot and reservation. The slot keeps its KV for
+        a next job (see slot_kv) unless keep_kv is false."""
+        if keep_kv:
             self.slot_kv[job.seq_id] = PrefixEntry(job.seq_id, job.kv_tokens(), len(job.tokens))
         else:
             self._ops.append(Remove(job.seq_id))

@@ -5,9 +5,12 @@ token of every decoding job plus, within the token budget (n_batch), chunks of n
 prompts. So streams keep producing tokens while a long prompt prefills (chunked prefill), and
 new jobs join between steps.
 
-- Unified pool (kv_unified=true): one call per step, decoders first, then prompt chunks in
-  admission order until n_batch rows.
-- Per-slot streams (the default): the same work split so that each row meets the same ggml
+- Unified pool (kv_unified=true, the default): one call per step, decoders first, then prompt
+  chunks in admission order until n_batch rows. Decoders draft (speculation) only in a call with
+  no prompt chunk that stays under TILED_MM_ROWS rows, and a call of a single row gets a
+  throw-away second row: so every decoder row meets the same kernels with speculation on or off
+  (a lone row over SPLIT_KV_CELLS cells would take ggml's split-KV attention, see invariance.py).
+- Per-slot streams (kv_unified=false): the same work split so that each row meets the same ggml
   kernels as if its job ran alone (what batch_invariant relies on; docs/ARCHITECTURE.md,
   "Determinism"): one call for the decoders, one for the short
   prompts that fit (under FA_TILE_ROWS tokens: row-by-row attention however they are split), then
@@ -23,13 +26,14 @@ slot back from a running job) is not done yet: it would be a decision made here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backends.base import JobRejected
 from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS
 from backends.llamacpp.kv import KvBookkeeper
-from backends.llamacpp.speculation import NgramIndex, draft_room
+from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
 from backends.llamacpp.state import ActiveJob, WaitingJob
 
 
@@ -47,12 +51,14 @@ class DecodeCall:
     # speculation: draft tokens a decoder feeds after its next token (seq_id -> tokens), verified
     # by their logits in this same call
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # unified pool: a throw-away row after the lone decoder's own (its KV removed after the call)
+    pad: bool = False
 
     def n_rows(self) -> int:
         if self.span is not None:
             return (self.span[1] - self.span[0] + 1) * self.width
         return (len(self.decoders) + sum(len(d) for d in self.drafts.values())
-                + sum(count for _, count in self.prompts))
+                + sum(count for _, count in self.prompts) + self.pad)
 
     def members(self) -> list[ActiveJob]:
         return [*self.decoders, *(job for job, _ in self.prompts)]
@@ -71,7 +77,8 @@ class Scheduler:
         self.per_slot = kv.per_slot
         self.n_batch = n_batch
         self.n_ctx_per_seq = n_ctx_per_seq
-        self.draft_max = draft_max if self.per_slot else 0  # (the unified pool: no speculation yet)
+        self.draft_max = draft_max
+        self.costs = StepCosts()  # the engine times every decoders-only call into it
         self.waiting: list[WaitingJob] = []
         self.active: dict[str, ActiveJob] = {}  # admission order = prefill order
         self.deferred_admissions = 0
@@ -151,7 +158,15 @@ class Scheduler:
             count = min(budget, len(job.tokens) - job.n_past)
             prompts.append((job, count))
             budget -= count
-        return DecodeCall(decoding, prompts)
+        # drafts only beside no prompt chunk: a chunk could move the call across TILED_MM_ROWS
+        n = len(decoding)
+        base = (2, 1) if n == 1 and self.kv.fits(1) else (n, n)  # (rows, rows with logits)
+        room = 0 if prompts else draft_room(n, self.draft_max)
+        drafts = self._drafts(decoding, room, base, lambda j: (n + j, n + j))
+        # a lone row takes the split-KV attention past SPLIT_KV_CELLS, a drafted step never: give
+        # it a second row (when the pool has a cell to spare), so its text is the same either way
+        pad = not prompts and not drafts and len(decoding) == 1 and self.kv.fits(1)
+        return DecodeCall(decoding, prompts, drafts=drafts, pad=pad)
 
     def _invariant_calls(self, decoding: list[ActiveJob], prefilling: list[ActiveJob]) -> list[DecodeCall]:
         short, alone = self._pick_short(prefilling)
@@ -185,21 +200,33 @@ class Scheduler:
         while the call stays in the per-row matmul regime (speculation.draft_room)."""
         lo = min(j.seq_id for j in decoding)
         hi = max(j.seq_id for j in decoding)
-        room = draft_room(hi - lo + 1, self.draft_max)
-        drafts: dict[int, list[int]] = {}
-        for job in decoding if room else ():
-            # no draft past the job's end: max_tokens, or the last cell of its stream
-            k = min(room, job.sampling.max_tokens - job.generated - 1,
-                    self.n_ctx_per_seq - job.n_past - 2)
-            if job.ngrams is not None and k > 0:
-                job.ngrams.follow(job.output)
-                draft = job.ngrams.propose(job.ngrams.budget(k))
-                if draft:
-                    drafts[job.seq_id] = draft
+        n, ids = len(decoding), hi - lo + 1
+        lo_base, hi_base = self._span(decoding, 1)
+        base = (hi_base - lo_base + 1, n)
+        drafts = self._drafts(decoding, draft_room(ids, self.draft_max), base,
+                              lambda j: (ids * (1 + j), n + j))
         if not drafts:
             return DecodeCall(decoders=decoding, span=self._span(decoding, 1), width=1)
         width = 1 + max(len(d) for d in drafts.values())
         return DecodeCall(decoders=decoding, span=(lo, hi), width=width, drafts=drafts)
+
+    def _drafts(self, decoding: list[ActiveJob], room: int, base: tuple[int, int],
+                shape: Callable[[int], tuple[int, int]]) -> dict[int, list[int]]:
+        """Each decoder's proposal of at most `room` tokens (speculation.py), by sequence id.
+        `base` is the call's shape (rows, rows with logits) without drafts, shape(j) with j draft
+        tokens: their timings on this machine weigh how far a job drafts."""
+        drafts: dict[int, list[int]] = {}
+        costs = [self.costs.relative(shape(j), base) if j else 1.0 for j in range(room + 1)]
+        for job in decoding if room else ():
+            # no draft past the job's end: max_tokens, or the last cell of its context
+            k = min(room, job.sampling.max_tokens - job.generated - 1,
+                    self.n_ctx_per_seq - job.n_past - 2)
+            if job.ngrams is not None and k > 0:
+                job.ngrams.follow(job.output)
+                draft = job.ngrams.propose(job.ngrams.budget(costs[:k + 1]))
+                if draft:
+                    drafts[job.seq_id] = draft
+        return drafts
 
     def _pick_short(self, prefilling: list[ActiveJob]) -> tuple[list[ActiveJob], list[ActiveJob]]:
         """Short prompts that fit one equal-width ubatch; the rest run alone."""

@@ -19,25 +19,32 @@ tiled kernel runs at every size, so the rule keeps the text unchanged there too.
 Only plain jobs draft (`Sampling.is_plain`): a grammar, the penalties' history and the logprobs
 advance with every token, so those jobs decode one token at a time (simple, and surely right).
 
-How many to draft is decided per job from its own record (`NgramIndex.budget`): a draft row is
-not free (on gemma-3-270m a 7-row step costs about three 1-row steps: every row with logits pays
-the 262k-word output layer), so the k-th draft token is worth proposing only while the chance
-that it is kept, p^k (p: the job's recent per-token acceptance), exceeds ROW_COST. A summary that
-rewrites its passage keeps ~40 % of its drafts and then drafts one token or none; a copy keeps
-~90 % and drafts the full k. A job that stopped drafting tries one token every PROBE_EVERY steps.
+How many to draft is decided per step from two records: the job's own acceptance (p: the chance
+a draft token is kept, decayed over its recent drafted steps) and what decoders' calls of each
+shape cost on this machine (`StepCosts`, learned from the executor's timings). Draft rows are not
+free: every row with logits pays the output layer (262k words x 640 on gemma-3-270m), and ggml's
+kernels make the cost a staircase, not a line (measured on one CPU: 2, 4 and 7 rows with logits
+cost 2.3, 2.7 and 5.2 one-row steps). So the job drafts the j tokens (0 <= j <= k) that give the
+most expected tokens per unit of time, (1 + p + ... + p^j) / cost(j): a copy (p ~ 0.9) drafts
+to the cheap end of a stair, a summary (p ~ 0.4) not at all. A job that stopped drafting tries
+one token every PROBE_EVERY steps.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
 
 from backends.llamacpp.invariance import TILED_MM_ROWS
 
 NGRAM_MAX = 4  # longest suffix looked up
 NGRAM_MIN = 2  # a single repeated token predicts too little to pay for its rows
-ROW_COST = 0.33  # a draft row's cost in 1-row steps (measured, docs/bench.md: 7 rows ~ 3 steps)
 DECAY = 0.8  # weight of the older drafted steps in a job's acceptance record, per drafted step
 PROBE_EVERY = 16  # steps without a draft before a job tries one token again
+PRIOR_ROW_COST = 0.2  # a call shape not timed yet looks cheap (each extra row 0.2 steps): it gets tried
+TIMINGS_KEPT = 8  # per call shape: the median of the last few timings (one slow step is noise)
+TIMINGS_TRUSTED = 3  # timings of a shape before they replace the prior
 
 
 class NgramIndex:
@@ -73,14 +80,20 @@ class NgramIndex:
             self._after[key] = end
             self._first.setdefault(key, end)
 
-    def budget(self, k: int) -> int:
-        """How many of at most k draft tokens are worth their rows, from this job's record."""
+    def budget(self, costs: Sequence[float]) -> int:
+        """How many draft tokens to propose, given costs[j] = the call's cost with j draft tokens
+        (costs[0]: without; len(costs) - 1 is the most allowed): the j with the most expected
+        tokens per unit of cost, from this job's acceptance record."""
         p = self._hits / (self._hits + self._misses)
-        worth = k if p >= 1.0 else (0 if p <= ROW_COST else int(math.log(ROW_COST) / math.log(p)))
-        if min(k, worth) > 0:
-            return min(k, worth)
+        best, best_rate, expected = 0, 1.0 / costs[0], 1.0
+        for j in range(1, len(costs)):
+            expected += p ** j
+            if expected / costs[j] > best_rate:
+                best, best_rate = j, expected / costs[j]
+        if best > 0:
+            return best
         self._idle += 1
-        if self._idle >= PROBE_EVERY and k > 0:  # try again now and then: the text may change
+        if self._idle >= PROBE_EVERY and len(costs) > 1:  # try again now and then: the text may change
             self._idle = 0
             return 1
         return 0
@@ -115,3 +128,23 @@ def draft_room(n_ids: int, k_max: int) -> int:
         return 0
     width = (TILED_MM_ROWS - 1) // n_ids
     return max(0, min(k_max, width - 1))
+
+
+class StepCosts:
+    """Seconds a decoders-only call takes, by its shape (rows, rows with logits), from the
+    executor's timings on this machine: what the draft budget weighs (see the module doc).
+    A shape timed fewer than TIMINGS_TRUSTED times costs the optimistic prior, so it gets tried."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, int], deque[float]] = {}
+
+    def record(self, rows: int, outputs: int, seconds: float) -> None:
+        self._seconds.setdefault((rows, outputs), deque(maxlen=TIMINGS_KEPT)).append(seconds)
+
+    def relative(self, shape: tuple[int, int], base: tuple[int, int]) -> float:
+        """Cost of a call of `shape` in calls of `base`."""
+        timed, timed_base = self._seconds.get(shape), self._seconds.get(base)
+        if (timed is None or timed_base is None or len(timed) < TIMINGS_TRUSTED
+                or len(timed_base) < TIMINGS_TRUSTED):
+            return 1.0 + PRIOR_ROW_COST * (shape[0] - base[0])
+        return statistics.median(timed) / statistics.median(timed_base)
