@@ -116,7 +116,7 @@ def test_a_restart_marker_never_lowers_the_attempt(redis_url: str, redis: Redis)
     redis.hset(job_key(job.id), ATTEMPT_FIELD, 5)  # someone moved the job on to attempt 6
     claimed.attempt, claimed.attempt_dirty, claimed.unsent = 2, True, ["late"]
     with redis.pipeline(transaction=False) as pipe:
-        endings.write_text(claimed, pipe, fw.writes.text_script, "m1")
+        endings.write_text(claimed, pipe, "m1")
         pipe.execute()
     assert redis.hget(job_key(job.id), ATTEMPT_FIELD) == b"5"
 

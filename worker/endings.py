@@ -46,7 +46,7 @@ from backends.contract.keys import (
     started_registry_key,
     stream_key,
 )
-from backends.contract.lua import lua_script
+from backends.contract.lua import lua_script, queue_script
 from backends.contract.replies import as_str
 from backends.contract.schema import job_result
 from worker import batch_hook, facts, rqjobs
@@ -130,7 +130,6 @@ class AttemptWriter:
         self.result_ttl = result_ttl
         self.inflight = inflight_key(worker)
         self.requeue_script = redis.register_script(REQUEUE_LUA)
-        self.text_script = redis.register_script(_WRITE_TEXT)
 
     def start(self, job: ClaimedJob, ttl: int) -> bool:
         """RQ's started status and execution, and the history's new attempt; False if the job
@@ -143,7 +142,7 @@ class AttemptWriter:
 
     def queue_text(self, jobs: Sequence[ClaimedJob], pipe: Pipeline) -> list[int]:
         """Queue every job's unsent deltas on `pipe`; pass the counts to `text_sent` once it ran."""
-        return [write_text(job, pipe, self.text_script, self.worker) for job in jobs]
+        return [write_text(job, pipe, self.worker) for job in jobs]
 
     @staticmethod
     def text_sent(jobs: Sequence[ClaimedJob], counts: Sequence[int]) -> None:
@@ -203,7 +202,7 @@ def requeue_and_record(redis: Redis, script: Script, inflight: str, job_id: str,
     return attempt
 
 
-def write_text(job: ClaimedJob, pipe: Pipeline, script: Script, worker: str) -> int:
+def write_text(job: ClaimedJob, pipe: Pipeline, worker: str) -> int:
     """Queue the job's unsent deltas (numbered, so a re-send after a lost reply is recognised as
     a duplicate), written only while `worker` owns the job (_WRITE_TEXT; an engine restart's new
     attempt number goes first and never lowers the stored one). Returns how many; the caller
@@ -212,7 +211,7 @@ def write_text(job: ClaimedJob, pipe: Pipeline, script: Script, worker: str) -> 
         return 0
     args: list[Any] = [worker, OWNER_FIELD, ATTEMPT_FIELD, job.attempt, job.sent, stream.STREAM_MAXLEN,
                        *job.unsent]
-    script(keys=[job_key(job.id), stream_key(job.id)], args=args, client=pipe)
+    queue_script(pipe, _WRITE_TEXT, [job_key(job.id), stream_key(job.id)], args)
     if job.attempt_dirty:
         facts.record_restart(pipe, job.id, job.queue, job.attempt - 1, job.restart_reason, "engine")
     return len(job.unsent)

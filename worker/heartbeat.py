@@ -22,7 +22,7 @@ import psutil
 from redis import Redis
 
 from backends.contract.keys import WORKERS_SET, executions_key, worker_key
-from backends.contract.lua import lua_script
+from backends.contract.lua import lua_script, queue_script
 from backends.contract.redact import redact_url
 from backends.contract.replies import Fields
 from backends.contract.retry import OUTAGE_ERRORS
@@ -58,7 +58,6 @@ class Heartbeat(threading.Thread):
         self._halt = threading.Event()
         self.beats = 0
         self.reaping = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
-        self._refresh_execution = fleet_worker.redis.register_script(_REFRESH_EXECUTION)
         facts.enable(fleet_worker.settings.observe)
         self.facts = facts.LiveFacts(fleet_worker.settings.pool, fleet_worker.name)
 
@@ -152,7 +151,7 @@ class Heartbeat(threading.Thread):
                     execution = job.execution
                     keys = [execution.key, job.job.started_job_registry.key, executions_key(job.id)]
                     args = [time.time(), ttl, execution.composite_key, execution.id]
-                    self._refresh_execution(keys=keys, args=args, client=pipe)
+                    queue_script(pipe, _REFRESH_EXECUTION, keys, args)
             rq_registered = pipe.execute()[0]
         if not rq_registered:  # lost with a Redis that restarted empty, or reaped while we were cut off
             fw.redis.delete(self.rq_worker.key)

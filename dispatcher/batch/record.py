@@ -27,7 +27,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from backends.contract.keys import BATCH_JOB_PREFIX, batch_key, batch_lines_key
-from backends.contract.lua import lua_script
+from backends.contract.lua import lua_script, queue_script
 from backends.contract.replies import as_str
 
 BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # RQ job ids allow only [A-Za-z0-9_-]
@@ -109,9 +109,8 @@ def record_end(pipe: Pipeline | Redis, job_id: str, result: dict[str, Any] | Non
         return False
     batch_id, key = parsed
     state, payload, prompt, completion = compact_ending(result, error, now)
-    script = pipe.register_script(RECORD_END)
-    script(keys=[batch_key(batch_id), batch_lines_key(batch_id)],
-           args=[key, state, payload, prompt, completion, int(now)], client=pipe)
+    queue_script(pipe, RECORD_END, [batch_key(batch_id), batch_lines_key(batch_id)],
+                 [key, state, payload, prompt, completion, int(now)])
     return True
 
 
