@@ -187,6 +187,27 @@ def test_shared_prefix_in_one_kv_pool() -> None:
         pool.close()
 
 
+def test_a_pool_slot_that_kept_kv_takes_a_copied_prefix_cleanly() -> None:
+    """In the pool (the default layout) a free slot keeps its last job's cells. A newcomer given
+    that slot which copies a prefix from a running job must drop them first: a copy there only
+    tags the source's cells, and two cells per position fail the whole decode (rc -1)."""
+    pool = LlamaCppBackend(BackendSettings(slots=4, prefix_cache=2), threads=2)
+    try:
+        story = "Once upon a time a fisherman lived by the sea with his wife and three sons. " * 8
+        pool.admit("x", req("Fruit. " + story, 4, temperature=0.0))
+        pool.admit("y", req("City. " + story, 4, temperature=0.0))
+        run_all(pool)  # slots 0 and 1 keep x's and y's cells, longer than the prefix d will copy
+        system = "You are a terse assistant. Answer with one word only, please. " * 4
+        pool.admit("c", req(system + "Question: colour of the sky?", 8, temperature=0.0))
+        pool.step()  # c (slot 0) prefilled; d gets slot 1 and copies c's prefix
+        pool.admit("d", req(system + "Question: colour of grass?", 8, temperature=0.0))
+        _texts, ends = run_all(pool)
+        assert isinstance(ends["c"], Done) and isinstance(ends["d"], Done), ends
+        assert int(pool.stats()["prompt_tokens_reused"]) >= 40
+    finally:
+        pool.close()
+
+
 def test_next_turn_reuses_the_slot_kv_and_keeps_the_text(engine: LlamaCppBackend) -> None:
     """A finished job's KV stays in its slot: the next turn of the chat (prompt + answer + more)
     prefills only what is new, and its text is the one a fresh engine gives."""

@@ -102,15 +102,18 @@ def test_batch_invariance_limits_what_may_be_reused() -> None:
 
 
 def test_another_slots_kept_kv_is_copied() -> None:
-    kv = bookkeeper()
-    a, _ = start(kv, "a", prompt(20))
-    b, _ = start(kv, "b", prompt(20, 5000))
-    kv.release(prefilled(a))
-    kv.release(prefilled(b))
-    c, reuse = start(kv, "c", prompt(15, 5000) + prompt(5, 9000))  # gets slot 0, shares b's
-    assert c.seq_id == 0 and reuse == Reuse(15, "other slot", 1)
-    assert kv.take_ops() == [Copy(1, 0, 15)]
-    assert list(kv.slot_kv) == [1]  # slot 0's own kept KV is gone (the copy replaces it)
+    for per_slot in (True, False):
+        kv = bookkeeper(per_slot=per_slot)
+        a, _ = start(kv, "a", prompt(20))
+        b, _ = start(kv, "b", prompt(20, 5000))
+        kv.release(prefilled(a))
+        kv.release(prefilled(b))
+        c, reuse = start(kv, "c", prompt(15, 5000) + prompt(5, 9000))  # gets slot 0, shares b's
+        assert c.seq_id == 0 and reuse == Reuse(15, "other slot", 1)
+        # slot 0's own kept KV goes first: in a pool a copy only adds a tag to b's cells, and
+        # slot 0 holding a's cells too would give it two tokens per position (llama_decode: -1)
+        assert kv.take_ops() == [Remove(0), Copy(1, 0, 15)]
+        assert list(kv.slot_kv) == [1]
 
 
 def test_prefix_entries_are_an_lru() -> None:

@@ -159,6 +159,8 @@ class KvBookkeeper:
         if kind == "kept":
             self._ops.append(Remove(job.seq_id, n))
         else:
+            if kept is not None:  # the copy goes into an empty sequence (in a pool it only adds a tag)
+                self._ops.append(Remove(job.seq_id))
             self._ops.append(Copy(source.seq_id, job.seq_id, n))
         job.n_past = n
         self.reused_tokens += n
