@@ -187,16 +187,17 @@ def test_shared_prefix_in_one_kv_pool() -> None:
         pool.close()
 
 
-def test_a_pool_slot_that_kept_kv_takes_a_copied_prefix_cleanly() -> None:
-    """In the pool (the default layout) a free slot keeps its last job's cells. A newcomer given
-    that slot which copies a prefix from a running job must drop them first: a copy there only
-    tags the source's cells, and two cells per position fail the whole decode (rc -1)."""
+def test_a_pool_slot_takes_a_copied_prefix_cleanly_after_other_jobs() -> None:
+    """In the pool (the default layout) a copy only tags the source's cells: a newcomer whose
+    slot still held another job's cells would get two cells per position and fail the whole
+    decode (rc -1, seen when the pool kept finished jobs' KV). Slots are reused here, then a
+    newcomer copies a running job's prefix."""
     pool = LlamaCppBackend(BackendSettings(slots=4, prefix_cache=2), threads=2)
     try:
         story = "Once upon a time a fisherman lived by the sea with his wife and three sons. " * 8
         pool.admit("x", req("Fruit. " + story, 4, temperature=0.0))
         pool.admit("y", req("City. " + story, 4, temperature=0.0))
-        run_all(pool)  # slots 0 and 1 keep x's and y's cells, longer than the prefix d will copy
+        run_all(pool)  # slots 0 and 1 held x's and y's cells, longer than the prefix d will copy
         system = "You are a terse assistant. Answer with one word only, please. " * 4
         pool.admit("c", req(system + "Question: colour of the sky?", 8, temperature=0.0))
         pool.step()  # c (slot 0) prefilled; d gets slot 1 and copies c's prefix

@@ -102,18 +102,15 @@ def test_batch_invariance_limits_what_may_be_reused() -> None:
 
 
 def test_another_slots_kept_kv_is_copied() -> None:
-    for per_slot in (True, False):
-        kv = bookkeeper(per_slot=per_slot)
-        a, _ = start(kv, "a", prompt(20))
-        b, _ = start(kv, "b", prompt(20, 5000))
-        kv.release(prefilled(a))
-        kv.release(prefilled(b))
-        c, reuse = start(kv, "c", prompt(15, 5000) + prompt(5, 9000))  # gets slot 0, shares b's
-        assert c.seq_id == 0 and reuse == Reuse(15, "other slot", 1)
-        # slot 0's own kept KV goes first: in a pool a copy only adds a tag to b's cells, and
-        # slot 0 holding a's cells too would give it two tokens per position (llama_decode: -1)
-        assert kv.take_ops() == [Remove(0), Copy(1, 0, 15)]
-        assert list(kv.slot_kv) == [1]
+    kv = bookkeeper()
+    a, _ = start(kv, "a", prompt(20))
+    b, _ = start(kv, "b", prompt(20, 5000))
+    kv.release(prefilled(a))
+    kv.release(prefilled(b))
+    c, reuse = start(kv, "c", prompt(15, 5000) + prompt(5, 9000))  # gets slot 0, shares b's
+    assert c.seq_id == 0 and reuse == Reuse(15, "other slot", 1)
+    assert kv.take_ops() == [Remove(0), Copy(1, 0, 15)]  # slot 0's own kept KV goes first
+    assert list(kv.slot_kv) == [1]
 
 
 def test_prefix_entries_are_an_lru() -> None:
@@ -129,7 +126,7 @@ def test_prefix_entries_are_an_lru() -> None:
     assert kv.evict_prefix() and kv.take_ops() == [Remove(6)] and list(kv.prefixes) == [7]
 
 
-def test_unified_pool_reservations_evict_kept_kv_and_cached_prefixes_before_deferring() -> None:
+def test_unified_pool_reservations_evict_cached_prefixes_before_deferring() -> None:
     kv = bookkeeper(slots=4, n_ctx=256, per_slot=False)
     a = prefilled(start(kv, "a", prompt(60), need=100)[0])
     start(kv, "b", prompt(60), running=[a], need=100)  # caches a 59-token prefix entry
@@ -139,12 +136,9 @@ def test_unified_pool_reservations_evict_kept_kv_and_cached_prefixes_before_defe
     assert kv.allocate(40) is not None  # room made by evicting the prefix entry
     assert kv.take_ops() == [Remove(5)] and not kv.prefixes
     assert kv.allocate(40) is None  # nothing left to evict: the job waits, running jobs keep theirs
-    kv.release(a)  # its slot keeps its KV (a next chat turn) while the pool has room for it
-    kept = len(kv.slot_kv[a.seq_id].tokens)
-    assert kv.take_ops() == [] and kv.reserved == 140 and kv.prefix_cells() == kept > 0
-    assert kv.fits(256 - 140 - kept) and not kv.fits(256 - 140 - kept + 1)
-    assert kv.allocate(100) is not None  # needs the kept KV's cells: given back, not deferred
-    assert kv.take_ops() == [Remove(a.seq_id)] and not kv.slot_kv and kv.reserved == 240
+    kv.release(a)
+    assert kv.take_ops() == [Remove(a.seq_id)] and kv.reserved == 140
+    assert kv.allocate(40) is not None
 
 
 def test_a_failed_job_drops_its_kv_even_with_per_slot_streams() -> None:
