@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -31,17 +30,10 @@ class LlamaCppSettings(EngineSettings):
         None, description="a llama.cpp built-in chat template name (e.g. gemma, chatml, llama3) for "
         "chat requests; None: the model's own template, else `gemma` for gemma-family models")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _streams_when_invariant(cls, data: Any) -> Any:
-        """batch_invariant alone picks per-slot streams (kv_unified's default follows it)."""
-        invariant = isinstance(data, dict) and str(data.get("batch_invariant")).lower() in ("true", "1")
-        if invariant and "kv_unified" not in data:
-            return {**data, "kv_unified": False}
-        return data
-
     @model_validator(mode="after")
     def _invariance_needs_streams(self) -> LlamaCppSettings:
+        if self.batch_invariant and "kv_unified" not in self.model_fields_set:
+            self.kv_unified = False  # batch_invariant alone picks per-slot streams
         if self.batch_invariant and self.kv_unified:  # a job's cells at other offsets sum differently
             raise ValueError("batch_invariant needs kv_unified=false (one KV stream per slot)")
         return self

@@ -157,8 +157,8 @@ class LlamaCppBackend:
                 self._fail(call, rc, events)
                 continue
             if call.decoders and not call.prompts:  # what the draft budget weighs (speculation.py)
-                outputs = len(call.decoders) + sum(len(d) for d in call.drafts.values())
-                self.scheduler.costs.record(call.n_rows(), outputs, self.executor.last_decode_seconds)
+                self.scheduler.costs.record(call.n_rows(), call.decoder_rows(),
+                                            self.executor.last_decode_seconds)
             for job in call.decoders:
                 self._verify(job, call.drafts.get(job.seq_id, ()), events)
             for job, count in call.prompts:

@@ -57,8 +57,11 @@ class DecodeCall:
     def n_rows(self) -> int:
         if self.span is not None:
             return (self.span[1] - self.span[0] + 1) * self.width
-        return (len(self.decoders) + sum(len(d) for d in self.drafts.values())
-                + sum(count for _, count in self.prompts) + self.pad)
+        return self.decoder_rows() + sum(count for _, count in self.prompts) + self.pad
+
+    def decoder_rows(self) -> int:
+        """Rows with a decoder's logits: its next token and its draft tokens."""
+        return len(self.decoders) + sum(len(d) for d in self.drafts.values())
 
     def members(self) -> list[ActiveJob]:
         return [*self.decoders, *(job for job, _ in self.prompts)]
@@ -160,13 +163,14 @@ class Scheduler:
             budget -= count
         # drafts only beside no prompt chunk: a chunk could move the call across TILED_MM_ROWS
         n = len(decoding)
-        base = (2, 1) if n == 1 and self.kv.fits(1) else (n, n)  # (rows, rows with logits)
+        # a lone row takes the split-KV attention past SPLIT_KV_CELLS, a drafted step never: an
+        # undrafted lone decoder gets a second row (when the pool has a cell to spare), so its
+        # text is the same either way
+        lone = n == 1 and not prompts and self.kv.fits(1)
+        base = (2, 1) if lone else (n, n)  # (rows, rows with logits)
         room = 0 if prompts else draft_room(n, self.draft_max)
         drafts = self._drafts(decoding, room, base, lambda j: (n + j, n + j))
-        # a lone row takes the split-KV attention past SPLIT_KV_CELLS, a drafted step never: give
-        # it a second row (when the pool has a cell to spare), so its text is the same either way
-        pad = not prompts and not drafts and len(decoding) == 1 and self.kv.fits(1)
-        return DecodeCall(decoding, prompts, drafts=drafts, pad=pad)
+        return DecodeCall(decoding, prompts, drafts=drafts, pad=lone and not drafts)
 
     def _invariant_calls(self, decoding: list[ActiveJob], prefilling: list[ActiveJob]) -> list[DecodeCall]:
         short, alone = self._pick_short(prefilling)
@@ -201,12 +205,11 @@ class Scheduler:
         lo = min(j.seq_id for j in decoding)
         hi = max(j.seq_id for j in decoding)
         n, ids = len(decoding), hi - lo + 1
-        lo_base, hi_base = self._span(decoding, 1)
-        base = (hi_base - lo_base + 1, n)
-        drafts = self._drafts(decoding, draft_room(ids, self.draft_max), base,
-                              lambda j: (ids * (1 + j), n + j))
+        undrafted = self._span(decoding, 1)
+        drafts = self._drafts(decoding, draft_room(ids, self.draft_max),
+                              (undrafted[1] - undrafted[0] + 1, n), lambda j: (ids * (1 + j), n + j))
         if not drafts:
-            return DecodeCall(decoders=decoding, span=self._span(decoding, 1), width=1)
+            return DecodeCall(decoders=decoding, span=undrafted, width=1)
         width = 1 + max(len(d) for d in drafts.values())
         return DecodeCall(decoders=decoding, span=(lo, hi), width=width, drafts=drafts)
 
@@ -216,8 +219,10 @@ class Scheduler:
         `base` is the call's shape (rows, rows with logits) without drafts, shape(j) with j draft
         tokens: their timings on this machine weigh how far a job drafts."""
         drafts: dict[int, list[int]] = {}
+        if not room or all(job.ngrams is None for job in decoding):
+            return drafts
         costs = [self.costs.relative(shape(j), base) if j else 1.0 for j in range(room + 1)]
-        for job in decoding if room else ():
+        for job in decoding:
             # no draft past the job's end: max_tokens, or the last cell of its context
             k = min(room, job.sampling.max_tokens - job.generated - 1,
                     self.n_ctx_per_seq - job.n_past - 2)
