@@ -14,7 +14,7 @@ from typing import Any
 
 from redis import Redis
 
-from backends.contract.keys import worker_key
+from backends.contract.keys import history_key, inflight_key, job_key, queue_names, worker_key
 from dispatcher import Fleet, FleetJob
 from tests.harness import ROOT, WorkerProcess, wait_for, worker_env
 from tests.netns import NetLab
@@ -108,3 +108,20 @@ def results_by_worker(redis: Redis, job_ids: list[str]) -> dict[str, list[dict[s
             if ev.kind == "done" and ev.data:
                 out.setdefault(str(ev.data.get("worker")), []).append(ev.data)
     return out
+
+
+def whereabouts(redis: Redis, job_ids: list[str], workers: list[str], pool: str = "default") -> str:
+    """Where each job without a final entry is (queues, in-flight lists, its hash and history):
+    what a timeout in a multi-host test prints, so one failure is enough to see what went wrong."""
+    lists = {q: redis.lrange(f"rq:queue:{q}", 0, -1) for q in queue_names(pool)}
+    lists |= {f"in-flight {w}": redis.lrange(inflight_key(w), 0, -1) for w in workers}
+    lines = []
+    for job_id, n in final_counts(redis, job_ids).items():
+        if n:
+            continue
+        where = [name for name, ids in lists.items() if job_id.encode() in ids] or ["no list"]
+        fields = redis.hmget(job_key(job_id), ["status", "fleet_owner", "fleet_attempt", "fleet_final"])
+        kinds = [ev.kind for ev in stream_events(redis, job_id)]
+        history = {k.decode(): v.decode()[:200] for k, v in redis.hgetall(history_key(job_id)).items()}
+        lines.append(f"{job_id}: in {where}; hash {fields}; stream {kinds}; history {history}")
+    return "\n".join(lines)

@@ -23,7 +23,14 @@ import redis
 from backends.contract.connect import redis_from_url
 from backends.contract.keys import worker_key
 from dispatcher import Fleet, FleetJob
-from tests.multihost_checks import WORDS_PER_JOB, Timeline, final_counts, prompt, start_worker_in
+from tests.multihost_checks import (
+    WORDS_PER_JOB,
+    Timeline,
+    final_counts,
+    prompt,
+    start_worker_in,
+    whereabouts,
+)
 from tests.reliability_checks import stream_events
 from tests.sentinel import SentinelCluster
 
@@ -75,7 +82,12 @@ def test_workers_and_producers_follow_a_failover(tmp_path: Path, request: pytest
         tl.mark("all submitted")
         assert not errors, f"submit failed across the failover: {errors[0]!r}"
         ids = [j.id for j, _ in acked]
-        tl.when("all jobs ended", lambda: ended_count() == len(ids), 180)
+        try:
+            tl.when("all jobs ended", lambda: ended_count() == len(ids), 180)
+        except TimeoutError:
+            logs_tail = "\n".join(w.output()[-2000:] for w in workers)
+            raise AssertionError(f"jobs never ended:\n{whereabouts(watch, ids, ['s1', 's2'])}\n"
+                                 f"worker logs:\n{logs_tail}") from None
         counts = final_counts(watch, ids)
         results = {}
         for job_id in ids:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -151,6 +152,31 @@ def test_generation_goes_on_through_a_redis_outage(own_redis: RedisServer) -> No
         assert res["attempt"] == 1 and res["text"] == long_prompt(400)  # in its first attempt
         assert "".join(job.stream(timeout=5)) == res["text"]  # buffered deltas written in order
     assert_exactly_one_final(redis, [j.id for j in jobs])
+
+
+def test_an_ending_waiting_out_an_outage_does_not_spin_the_loop(own_redis: RedisServer) -> None:
+    """A job that finished while Redis is away waits for it without busy-looping: a spinning
+    loop starves the Redis servers and Sentinels that are failing over on the same host."""
+    fleet = Fleet(own_redis.url)
+    job = fleet.submit(prompt=long_prompt(40), max_tokens=40)
+    fw = fake_worker(own_redis.url, "o3", backend=PACED)
+    run_until([fw], lambda: job.id in fw.inflight, what="the job running")
+    steps = 0
+    engine_step = fw.backend.step
+
+    def counted(timeout: float) -> list[Any]:
+        nonlocal steps
+        steps += 1
+        return engine_step(timeout)
+
+    fw.backend.step = counted  # type: ignore[method-assign]
+    _outage(own_redis, [fw], 1.5)
+    assert fw.inflight[job.id].ending is not None, "the job should have finished during the outage"
+    # ~40 steps generating and ~20 at 50 ms each waiting; a spin makes tens of thousands
+    assert steps < 400, f"{steps} loop steps in a 1.5 s outage: the loop spins"
+    fw.backend.step = engine_step  # type: ignore[method-assign]
+    assert fw.run_until_idle(timeout=30).ended == {"finished": 1}
+    assert job.result(timeout=5)["text"] == long_prompt(40)
 
 
 def test_an_outage_longer_than_the_buffer_hands_jobs_back(own_redis: RedisServer,

@@ -284,10 +284,10 @@ class FleetWorker:
     # -- one step ---------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        # wait for events only while the engine holds work; endings still to flush (a refused or
-        # finished job) go out at once
+        # wait for events while the engine holds work, or while Redis is away (no spinning through
+        # an outage); endings still to flush (a refused or finished job) go out at once
         busy = self.backend.free_slots() < self.backend.slots
-        events = self.backend.step(0.05 if busy else 0.0)
+        events = self.backend.step(0.05 if busy or not self.link.ready() else 0.0)
         now = time.monotonic()  # deadlines and durations: this host's clock, never the wall (defect 9)
         n_tokens = self._apply(events, now)
         self.counters.record_step(n_tokens)
