@@ -50,7 +50,30 @@ def settings_and_redis(config: str | None, **overrides: Any) -> tuple[FleetSetti
     return s, redis
 
 
-@click.group()
+class FleetGroup(click.Group):
+    """The core commands (worker, submit) are defined here; the rest register on first use, so
+    `fleet worker` does not import the gateway, batch, bench and Kubernetes code at every start."""
+
+    _extensions_loaded = False
+
+    def _load_extensions(self) -> None:
+        if not self._extensions_loaded:
+            self._extensions_loaded = True
+            _register_extensions(self)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None:
+            self._load_extensions()
+            command = super().get_command(ctx, cmd_name)
+        return command
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self._load_extensions()
+        return super().list_commands(ctx)
+
+
+@click.group(cls=FleetGroup)
 def cli() -> None:
     """llama-fleet: batched llama.cpp workers serving generation jobs from Redis."""
 
@@ -134,7 +157,7 @@ def submit(prompt: str, config: str | None, max_tokens: int | None, temperature:
                    f"{t['tokens_per_s']} tok/s]", err=True)
 
 
-def _register_extensions() -> None:
+def _register_extensions(group: click.Group) -> None:
     from dispatcher.batch import cli as batch_cli
     from dispatcher.gateway.serve import serve
     from dispatcher.observe import cli as observe_cli
@@ -142,15 +165,12 @@ def _register_extensions() -> None:
     from ecosystem.local import bench
     from worker import health
 
-    register(cli)
-    bench.register(cli)
-    batch_cli.register(cli)
-    observe_cli.register(cli)
-    health.register(cli)
-    cli.add_command(serve)
-
-
-_register_extensions()
+    register(group)
+    bench.register(group)
+    batch_cli.register(group)
+    observe_cli.register(group)
+    health.register(group)
+    group.add_command(serve)
 
 
 def main() -> None:

@@ -6,6 +6,9 @@ processes (signals, kill -9, the model)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +21,7 @@ from rq.serializers import JSONSerializer
 
 from backends.contract.keys import inflight_key, queue_key
 from dispatcher import Fleet, JobFailed
-from tests.harness import RedisServer
+from tests.harness import RedisServer, wait_for
 from tests.lossy import long_prompt, run_until
 from tests.reliability_checks import assert_exactly_one_final, final_entries, stream_events
 from worker import loop
@@ -232,3 +235,30 @@ def test_fleet_worker_burst_cli_exits_when_idle_and_prints_what_ended(redis_url:
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["idle"] is True and summary["ended"] == {"finished": 3}, summary
     assert [job.result(timeout=1)["text"] for job in jobs] == [f"burst {i}" for i in range(3)]
+
+
+def test_a_stop_signal_cuts_the_idle_wait_short(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the worker blocks on its wake list stops it at once, not when the wait ends
+    (the wait is made 30 s long here, so a worker that waits it out fails the test)."""
+    monkeypatch.setattr(loop, "IDLE_WAIT", 30.0)
+    fw = fake_worker(redis_url, "sig1")
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    fw.install_signal_handlers()
+
+    def send_sigterm() -> None:
+        wait_for(lambda: fw._waiting_idle, 20, "the worker waiting on its wake list", interval=0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=send_sigterm, daemon=True)
+    try:
+        sender.start()
+        t0 = time.monotonic()
+        fw.run()
+        stopped_after = time.monotonic() - t0
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    sender.join(5)
+    assert fw.stopping.is_set()
+    assert stopped_after < 10, f"the worker waited out its idle wait ({stopped_after:.1f}s)"
+    fw.redis.ping()  # the connection the signal interrupted was dropped, a new one works

@@ -61,6 +61,10 @@ class BurstSummary:
         return sum(self.ended.values())
 
 
+class _WokenBySignal(Exception):
+    """Raised by the signal handler into an idle wait on the wake list: a stop is immediate."""
+
+
 class FleetWorker:
     def __init__(self, settings: FleetSettings, backend: Backend, redis: Redis, name: str,
                  link: RedisLink | None = None) -> None:
@@ -87,6 +91,7 @@ class FleetWorker:
         self._reconcile_at = time.monotonic() + self.settings.reconcile_interval
         self._engine_backoff = Backoff(1.0, 30.0)  # after an engine failure: pause claiming
         self._engine_hold_until = 0.0
+        self._waiting_idle = False  # in the blocking wait on the wake list (the signal handler looks)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -102,6 +107,9 @@ class FleetWorker:
         log.info("signal %s: draining %d jobs (grace %.0fs)", signum, len(self.inflight),
                  self.settings.drain_grace)
         self.stop()
+        if self._waiting_idle:  # cut the wait short (redis-py drops a connection a raise interrupts)
+            self._waiting_idle = False
+            raise _WokenBySignal
 
     def stop(self) -> None:
         self._drain_deadline = time.monotonic() + self.settings.drain_grace
@@ -203,10 +211,23 @@ class FleetWorker:
         claimed = self.claimer.claim(free, limits)
         if not claimed and not self.inflight and not self.to_requeue:
             # idle: sleep on the wake list, then look again (plain-RQ producers never push it)
-            self.redis.blpop([wake_key(self.settings.pool)], timeout=IDLE_WAIT)
+            if not self._wait_for_wake():
+                return
             claimed = self.claimer.claim(free, limits)
         self.unstarted.extend((raw, queue, self.claimer.server_ms) for raw, queue in claimed)
         self._start_unstarted()
+
+    def _wait_for_wake(self) -> bool:
+        """Block up to IDLE_WAIT on the wake list; False when a stop signal cut the wait short."""
+        try:
+            try:
+                self._waiting_idle = True
+                self.redis.blpop([wake_key(self.settings.pool)], timeout=IDLE_WAIT)
+            finally:
+                self._waiting_idle = False
+        except _WokenBySignal:  # also when it lands in the finally above
+            return False
+        return True
 
     def _start_unstarted(self) -> None:
         while self.unstarted:
