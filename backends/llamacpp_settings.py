@@ -15,9 +15,9 @@ class LlamaCppSettings(EngineSettings):
         False, description="a job's greedy text is the same alone or in any batch: ggml's tiled "
         "matmul at every batch size (a lone decoder costs ~2x CPU per token); needs kv_unified=false")
     kv_unified: bool = Field(
-        True, description="one KV pool of n_ctx cells shared by all slots, a job reserves what it "
-        "needs (false: one KV stream of n_ctx_per_seq cells per slot and prefix entry); default: "
-        "true unless batch_invariant")
+        False, description="one KV pool of n_ctx cells shared by all slots, a job reserves what it "
+        "needs; false (default): one KV stream of n_ctx_per_seq cells per slot and prefix entry, "
+        "sliding-window layers keeping only their window (as llama-server)")
     n_ctx: int = Field(16384, ge=256, description="KV cells shared by all slots (kv_unified=true)")
     n_ctx_per_seq: int = Field(4096, ge=64, description="max prompt + generated tokens of one job; with "
                                "per-slot KV streams also the KV cells of each slot and prefix entry")
@@ -32,8 +32,6 @@ class LlamaCppSettings(EngineSettings):
 
     @model_validator(mode="after")
     def _invariance_needs_streams(self) -> LlamaCppSettings:
-        if self.batch_invariant and "kv_unified" not in self.model_fields_set:
-            self.kv_unified = False  # batch_invariant alone picks per-slot streams
         if self.batch_invariant and self.kv_unified:  # a job's cells at other offsets sum differently
             raise ValueError("batch_invariant needs kv_unified=false (one KV stream per slot)")
         return self

@@ -5,9 +5,10 @@ Memory (docs/placement.md, measured with scripts/measure-memory on the embedded 
 Q4_K_M): a worker's resident size is the model mapping (235 MiB) + its KV cache + ~129 MiB
 (interpreter and imports, the 262k-token vocabulary, compute and logit buffers). In a container
 the mapped model counts against the memory limit (page cache is charged to the cgroup), so it
-is included. KV per cell is 18 KiB for that model (18 layers x (256 K + 256 V) f16); for another
-model the estimate scales the mapping by its file size and keeps the per-cell figure, so pass
-`--memory-mib` when you have measured yours.
+is included. KV per cell is 18 KiB for that model (18 layers x (256 K + 256 V) f16); 15 of the 18
+layers attend to a sliding window of 512 positions, and per-slot streams keep only that window
+(plus one n_batch of new cells) in them. For another model the estimate scales the mapping by its
+file size and keeps these per-cell figures, so pass `--memory-mib` when you have measured yours.
 
 Throughput (docs/bench.md): one worker decoding 16 sequences on 2 cores made 190-250 tok/s;
 MEASURED_TOK_S_PER_CORE is the low end per core.
@@ -29,15 +30,22 @@ from backends.registry import BackendSettings
 
 MODEL_MAPPING_MIB = 235.0  # embedded model file, mapped read-only (measured)
 WORKER_OVERHEAD_MIB = 129.0  # everything but weights and KV (measured: extra worker = KV + ~129 MiB)
-KV_KIB_PER_CELL = 18.0  # gemma-3-270m, f16 K and V, swa_full
+KV_KIB_PER_CELL = 18.0  # gemma-3-270m, f16 K and V, every layer
+WINDOW_KIB_PER_CELL = 15.0  # ... of which its sliding-window layers
+WINDOW_POSITIONS = 512  # gemma-3-270m's sliding window
 HEADROOM = 1.10  # on top of the estimate: the limit is a hard OOM kill
 MEASURED_TOK_S_PER_CORE = 95.0  # 190 tok/s at 16 slots on 2 cores (docs/bench.md, low end)
 
 
-def kv_cells(backend: BackendSettings) -> int:
-    if not backend.kv_unified:
-        return (backend.slots + backend.prefix_cache) * backend.n_ctx_per_seq
-    return backend.n_ctx
+def kv_kib(backend: BackendSettings) -> float:
+    """The KV cache of one in-process engine (backends/llamacpp/engine.py: the KV layouts)."""
+    if backend.kv_unified:
+        return backend.n_ctx * KV_KIB_PER_CELL
+    per_stream = backend.n_ctx_per_seq * KV_KIB_PER_CELL
+    if not backend.batch_invariant:  # windowed layers keep the window + a batch, rounded to 256
+        window = min(backend.n_ctx_per_seq, -(-(WINDOW_POSITIONS + backend.n_batch) // 256) * 256)
+        per_stream -= (backend.n_ctx_per_seq - window) * WINDOW_KIB_PER_CELL
+    return (backend.slots + backend.prefix_cache) * per_stream
 
 
 def worker_memory_mib(backend: BackendSettings) -> int:
@@ -48,7 +56,7 @@ def worker_memory_mib(backend: BackendSettings) -> int:
     else:
         if backend.model_path is not None and Path(backend.model_path).exists():
             mapping = Path(backend.model_path).stat().st_size / 2**20
-        kv = kv_cells(backend) * KV_KIB_PER_CELL / 1024
+        kv = kv_kib(backend) / 1024
     total = (mapping + kv + WORKER_OVERHEAD_MIB) * HEADROOM
     return int(math.ceil(total / 16) * 16)
 

@@ -188,11 +188,11 @@ def test_shared_prefix_in_one_kv_pool() -> None:
 
 
 def test_a_pool_slot_takes_a_copied_prefix_cleanly_after_other_jobs() -> None:
-    """In the pool (the default layout) a copy only tags the source's cells: a newcomer whose
-    slot still held another job's cells would get two cells per position and fail the whole
-    decode (rc -1, seen when the pool kept finished jobs' KV). Slots are reused here, then a
-    newcomer copies a running job's prefix."""
-    pool = LlamaCppBackend(BackendSettings(slots=4, prefix_cache=2), threads=2)
+    """In the pool a copy only tags the source's cells: a newcomer whose slot still held
+    another job's cells would get two cells per position and fail the whole decode (rc -1, seen
+    when the pool kept finished jobs' KV). Slots are reused here, then a newcomer copies a
+    running job's prefix."""
+    pool = LlamaCppBackend(BackendSettings(slots=4, prefix_cache=2, kv_unified=True), threads=2)
     try:
         story = "Once upon a time a fisherman lived by the sea with his wife and three sons. " * 8
         pool.admit("x", req("Fruit. " + story, 4, temperature=0.0))

@@ -56,7 +56,9 @@ def test_core_objects_validate_and_carry_the_plan(tmp_path: Path) -> None:
     assert container["resources"]["requests"] == container["resources"]["limits"]
     assert container["resources"]["requests"]["cpu"] == "2"
     memory = int(container["resources"]["requests"]["memory"].removesuffix("Mi"))
-    assert 700 <= memory <= 900  # measured 710 MiB RSS for the default config (docs/placement.md)
+    # measured 874 MiB RSS for the default config (docs/placement.md): the request holds it,
+    # with the render's 10 % headroom and no more than ~20 %
+    assert 874 <= memory <= 1050
     assert worker["terminationGracePeriodSeconds"] > 20  # > drain_grace
     assert container["livenessProbe"]["exec"]["command"] == ["fleet", "health"]
     assert container["readinessProbe"]["exec"]["command"] == ["fleet", "health", "--ready"]

@@ -9,9 +9,9 @@ from tests.engine_state import prompt, sampling
 
 
 def bookkeeper(*, slots: int = 4, prefix_cache: int = 2, n_ctx: int = 4096,
-               per_slot: bool = True) -> KvBookkeeper:
+               per_slot: bool = True, invariant: bool = False) -> KvBookkeeper:
     return KvBookkeeper(slots=slots, prefix_cache=prefix_cache, n_ctx=n_ctx, n_batch=512,
-                        per_slot=per_slot)
+                        per_slot=per_slot, invariant=invariant)
 
 
 def start(kv: KvBookkeeper, job_id: str, tokens: list[int], running: list[ActiveJob] | None = None,
@@ -95,7 +95,7 @@ def test_the_last_prompt_token_always_runs() -> None:
 def test_batch_invariance_limits_what_may_be_reused() -> None:
     """The source prefilled 40 tokens row by row; a 300-token prompt alone tiles them."""
     for invariant, expected in [(True, None), (False, 30)]:
-        kv = bookkeeper(per_slot=invariant)
+        kv = bookkeeper(invariant=invariant)
         a = prefilled(start(kv, "a", prompt(40))[0])
         _, reuse = start(kv, "b", prompt(30) + prompt(270, 5000), running=[a])
         assert (reuse.n_tokens if reuse else None) == expected, invariant
@@ -146,3 +146,52 @@ def test_a_failed_job_drops_its_kv_even_with_per_slot_streams() -> None:
     a, _ = start(kv, "a", prompt(20))
     kv.release(prefilled(a), keep_kv=False)
     assert kv.take_ops() == [Remove(0)] and not kv.slot_kv and kv.reserved == 0
+
+
+def windowed(oldest: dict[int, int] | None = None) -> KvBookkeeper:
+    """Per-slot streams whose sliding-window layers keep 512 positions; oldest[seq_id] is the
+    first position a sequence still holds (what llama_memory_seq_pos_min reports); None: no
+    window (every position kept)."""
+    if oldest is None:
+        return bookkeeper()
+    held = oldest
+    return KvBookkeeper(slots=4, prefix_cache=2, n_ctx=4096, n_batch=512, per_slot=True,
+                        window=512, pos_min=lambda seq_id: held.get(seq_id, 0))
+
+
+def next_turn(kv: KvBookkeeper, first: int, shared: int) -> Reuse | None:
+    """A job of `first` prompt tokens (and 40 out) ends on slot 0; the next one shares `shared`."""
+    job, _ = start(kv, "a", prompt(first))
+    kv.release(prefilled(job, output=tuple(range(40))))
+    kv.take_ops()
+    return start(kv, "b", [*prompt(shared), *prompt(20, 9000)])[1]
+
+
+def test_a_prefix_inside_the_window_is_reused() -> None:
+    assert next_turn(windowed({0: 0}), 300, 300) == next_turn(windowed(), 300, 300) is not None
+
+
+def test_a_prefix_whose_window_was_recycled_is_prefilled_again() -> None:
+    # the slot's last job ran to position 1,339: its windowed layers hold 800.. only, so the
+    # 700 tokens a newcomer shares with it lack positions 188..799 of their window
+    assert next_turn(windowed(), 1300, 700) is not None
+    kv = windowed({0: 800})
+    assert next_turn(kv, 1300, 700) is None and kv.take_ops() == [Remove(0)]
+
+
+def test_a_long_shared_prefix_needs_only_the_window_before_its_end() -> None:
+    reuse = next_turn(windowed({0: 700}), 1300, 1300)
+    assert reuse == next_turn(windowed(), 1300, 1300) and reuse is not None
+    assert reuse.n_tokens - 512 >= 700  # the window before the reuse's end is held
+
+
+def test_a_sequence_with_queued_changes_is_not_a_source_while_windowed() -> None:
+    # b copies a's prefix into slot 1 (queued, not applied yet): llama.cpp cannot say yet what
+    # slot 1 will hold, so c does not take the prefix from b in the same round
+    kv = windowed({})
+    a, _ = start(kv, "a", prompt(100))
+    a = prefilled(a)
+    b, reuse_b = start(kv, "b", [*prompt(100), 1], [a])
+    assert reuse_b is not None and reuse_b.from_seq_id == a.seq_id
+    _, reuse_c = start(kv, "c", [*prompt(100), 2], [b])
+    assert reuse_c is None

@@ -6,13 +6,20 @@
 turning sampled tokens into events and the finish rules, and the engine's counters.
 
 KV layout (backend.kv_unified):
-- true (default): all slots share one unified pool of n_ctx cells. A job reserves prompt +
-  max_tokens cells (capped by n_ctx_per_seq) when it starts; when the pool cannot hold it yet
-  it waits (admission deferred), it never evicts a running job.
-- false (the default with batch_invariant): every sequence id has its own KV stream of
-  n_ctx_per_seq cells. A slot's stream is its budget: admission only waits for a free slot.
-  With backend.batch_invariant ggml also runs batch-invariant kernels, so a job's greedy text is
-  the same alone or in any batch.
+- false (default): every sequence id has its own KV stream of n_ctx_per_seq cells. A slot's
+  stream is its budget: admission only waits for a free slot. With backend.batch_invariant ggml
+  also runs batch-invariant kernels, so a job's greedy text is the same alone or in any batch.
+- true: all slots share one unified pool of n_ctx cells. A job reserves prompt + max_tokens
+  cells (capped by n_ctx_per_seq) when it starts; when the pool cannot hold it yet it waits
+  (admission deferred), it never evicts a running job.
+
+Sliding-window layers (gemma 3: 5 of every 6) need only the last n_swa positions. Per-slot streams
+keep just that window in those layers, as llama-server does (a 4,096-token slot then costs about
+llama-server's memory, not twice it), and the bookkeeper reuses a prefix only while the window
+before it is still held. The unified pool keeps them whole: there a prefix copy shares cells
+between sequences, and llama.cpp never recycles a shared cell, so windowed layers could fill up.
+Batch invariance keeps them whole too (a window recycles cells in an order that depends on the
+batch, and the attention sums cells in cell order).
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ from backends.llamacpp.sampling import check_format
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, check_n_batch
 from backends.llamacpp.state import ActiveJob
 from backends.llamacpp_settings import LlamaCppSettings
+
+
+def keeps_whole_window(settings: LlamaCppSettings) -> bool:
+    """swa_full: keep sliding-window layers whole (see the module docstring)."""
+    return settings.kv_unified or settings.batch_invariant
 
 
 class LlamaCppBackend:
@@ -51,11 +63,14 @@ class LlamaCppBackend:
             threads=threads,
             batch_invariant=settings.batch_invariant,
             kv_unified=settings.kv_unified,
+            swa_full=keeps_whole_window(settings),
         )
         self.n_ctx = ll.llama_n_ctx(self.model.ctx)  # llama.cpp rounds streams up to 256 cells
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self.kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
-                               n_batch=self.n_batch, per_slot=self.per_slot)
+                               n_batch=self.n_batch, per_slot=self.per_slot,
+                               invariant=settings.batch_invariant, window=self.model.n_swa,
+                               pos_min=self._oldest_position)
         self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
                                    draft_max=settings.draft_max)
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
@@ -66,6 +81,10 @@ class LlamaCppBackend:
         self.draft_tokens = 0  # proposed by prompt lookup (speculation.py) ...
         self.draft_accepted = 0  # ... and kept
         self.grammar_rejections = 0
+
+    def _oldest_position(self, seq_id: int) -> int:
+        """The oldest position a sequence's sliding-window layers still hold (-1: none)."""
+        return int(ll.llama_memory_seq_pos_min(self.model.memory, seq_id))
 
     # -- protocol -----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ the next decode (`take_ops`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,13 +64,20 @@ class Reuse:
 
 
 class KvBookkeeper:
-    def __init__(self, *, slots: int, prefix_cache: int, n_ctx: int, n_batch: int,
-                 per_slot: bool) -> None:
+    def __init__(self, *, slots: int, prefix_cache: int, n_ctx: int, n_batch: int, per_slot: bool,
+                 invariant: bool = False, window: int = 0,
+                 pos_min: Callable[[int], int] | None = None) -> None:
         self.slots = slots
         self.n_streams = slots + prefix_cache
         self.n_ctx = n_ctx  # cells of the unified pool (checked by fits() only when not invariant)
         self.n_batch = n_batch
         self.per_slot = per_slot
+        self.invariant = invariant  # batch_invariant: reuse only KV computed as if alone (invariance.py)
+        # sliding-window layers that keep only their window (0: none, or kept whole): reused KV
+        # needs the `window` positions before the reuse's end, and pos_min(seq_id) says how far
+        # back a sequence's KV still reaches (llama_memory_seq_pos_min)
+        self.window = window
+        self._pos_min = pos_min
         self._free_seq_ids = list(range(slots))
         self._free_prefix_ids = list(range(slots, self.n_streams))
         self.prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
@@ -78,11 +85,17 @@ class KvBookkeeper:
         self.reserved = 0
         self.reused_tokens = 0
         self._ops: list[KvOp] = []
+        self._changing: set[int] = set()  # sequence ids that queued ops will change
 
     def take_ops(self) -> list[KvOp]:
         """The KV operations decided since the last call, in order; the executor applies them."""
         ops, self._ops = self._ops, []
+        self._changing.clear()
         return ops
+
+    def _queue(self, op: KvOp) -> None:
+        self._ops.append(op)
+        self._changing.add(op.seq_id if isinstance(op, Remove) else op.dst)
 
     # -- sequence ids and reservations ------------------------------------------------------------
 
@@ -116,7 +129,7 @@ class KvBookkeeper:
         if not self.prefixes:
             return False
         seq_id, _ = self.prefixes.popitem(last=False)
-        self._ops.append(Remove(seq_id))
+        self._queue(Remove(seq_id))
         self._free_prefix_ids.append(seq_id)
         return True
 
@@ -126,13 +139,13 @@ class KvBookkeeper:
         if self.per_slot and keep_kv:
             self.slot_kv[job.seq_id] = PrefixEntry(job.seq_id, job.kv_tokens(), len(job.tokens))
         else:
-            self._ops.append(Remove(job.seq_id))
+            self._queue(Remove(job.seq_id))
         self._free_seq_ids.append(job.seq_id)
         self.reserved -= job.reserved
 
     def drop_tail(self, job: ActiveJob) -> None:
         """Remove a job's KV past n_past: the rows of draft tokens that were not kept."""
-        self._ops.append(Remove(job.seq_id, job.n_past))
+        self._queue(Remove(job.seq_id, job.n_past))
 
     # -- prefix reuse -----------------------------------------------------------------------------
 
@@ -144,15 +157,15 @@ class KvBookkeeper:
         best = self._choose_source(job, kept, running)
         if best is None:
             if kept is not None:
-                self._ops.append(Remove(job.seq_id))
+                self._queue(Remove(job.seq_id))
             return None
         n, source, kind = best
         if kind == "kept":
-            self._ops.append(Remove(job.seq_id, n))
+            self._queue(Remove(job.seq_id, n))
         else:
             if kept is not None:  # the copy goes into an empty sequence
-                self._ops.append(Remove(job.seq_id))
-            self._ops.append(Copy(source.seq_id, job.seq_id, n))
+                self._queue(Remove(job.seq_id))
+            self._queue(Copy(source.seq_id, job.seq_id, n))
         job.n_past = n
         self.reused_tokens += n
         if kind == "entry":
@@ -160,7 +173,7 @@ class KvBookkeeper:
         elif kind == "running" and (self._free_prefix_ids or self.evict_prefix()):
             # a prefix two live jobs share is likely shared by the next one too: keep it
             entry_id = self._free_prefix_ids.pop()
-            self._ops.append(Copy(source.seq_id, entry_id, n))
+            self._queue(Copy(source.seq_id, entry_id, n))
             self.prefixes[entry_id] = PrefixEntry(entry_id, job.tokens[:n], source.n_prompt)
         return Reuse(n, kind, source.seq_id)
 
@@ -176,12 +189,22 @@ class KvBookkeeper:
         for source, kind in sources:
             # the last prompt token must run, for the first logits
             n = min(common_prefix(source.tokens, job.tokens), len(job.tokens) - 1)
-            if self.per_slot:
+            if self.invariant:
                 n = reusable_prefix(n, source.n_prompt, len(job.tokens), self.n_batch)
             worth = 1 if kind == "kept" else MIN_SHARED_PREFIX  # in place any token pays
-            if n >= worth and n > (best[0] if best else 0):
+            if n >= worth and n > (best[0] if best else 0) and self._window_held(source.seq_id, n):
                 best = (n, source, kind)
         return best
+
+
+    def _window_held(self, seq_id: int, n: int) -> bool:
+        """Does `seq_id` still hold the window the token at position n attends to? (Windowed
+        layers recycle a sequence's cells once its own tokens have moved past them.)"""
+        if not self.window or self._pos_min is None:
+            return True
+        if seq_id in self._changing:  # llama.cpp cannot tell yet what it will hold
+            return False
+        return self._pos_min(seq_id) <= max(0, n - self.window)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -42,7 +42,8 @@ def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 class LoadedModel:
     def __init__(
         self, path: Path | None, *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int | None,
-        batch_invariant: bool = False, kv_unified: bool = False, chat_template: str | None = None,
+        batch_invariant: bool = False, kv_unified: bool = False, swa_full: bool = True,
+        chat_template: str | None = None,
     ) -> None:
         path = Path(path) if path else default_model_path()
         if not path.exists():
@@ -75,7 +76,9 @@ class LoadedModel:
         # unified: one cell pool for all slots (flexible lengths, seq_cp of a prefix is free); else
         # one KV stream per sequence, so a job's cells and attention sums are laid out as if alone
         cparams.kv_unified = kv_unified
-        cparams.swa_full = True  # keep sliding-window layers whole, so a copied prefix is complete
+        # swa_full: sliding-window layers keep every position, not just their window (see
+        # LlamaCppBackend: what each KV layout needs)
+        cparams.swa_full = swa_full
         cparams.no_perf = True
         ctx = ll.llama_init_from_model(model, cparams)
         if not ctx:
@@ -85,6 +88,8 @@ class LoadedModel:
         self.vocab = ll.llama_model_get_vocab(model)
         self.memory = ll.llama_get_memory(ctx)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+        # sliding-window layers attend to the last n_swa positions; 0: no such layers, or kept whole
+        self.n_swa = 0 if swa_full else max(0, ll.llama_model_n_swa(model))
         self._piece_buf = ctypes.create_string_buffer(256)
         self.chat_template = choose_chat_template(self, chat_template)
         eos = ll.llama_vocab_eos(self.vocab)

@@ -5,12 +5,12 @@ token of every decoding job plus, within the token budget (n_batch), chunks of n
 prompts. So streams keep producing tokens while a long prompt prefills (chunked prefill), and
 new jobs join between steps.
 
-- Unified pool (kv_unified=true, the default): one call per step, decoders first, then prompt
+- Unified pool (kv_unified=true): one call per step, decoders first, then prompt
   chunks in admission order until n_batch rows. Decoders draft (speculation) only in a call with
   no prompt chunk that stays under TILED_MM_ROWS rows, and a call of a single row gets a
   throw-away second row: so every decoder row meets the same kernels with speculation on or off
   (a lone row over SPLIT_KV_CELLS cells would take ggml's split-KV attention, see invariance.py).
-- Per-slot streams (kv_unified=false): the same work split so that each row meets the same ggml
+- Per-slot streams (kv_unified=false, the default): the same work split so that each row meets the same ggml
   kernels as if its job ran alone (what batch_invariant relies on; docs/ARCHITECTURE.md,
   "Determinism"): one call for the decoders, one for the short
   prompts that fit (under FA_TILE_ROWS tokens: row-by-row attention however they are split), then
