@@ -26,6 +26,9 @@ class LlamaCppSettings(EngineSettings):
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
     draft_max: int = Field(6, ge=0, le=16, description="speculation by prompt lookup: draft tokens a "
                            "decoder may verify per step, used only while 1-3 slots decode (0: off)")
+    overlap: bool = Field(False, description="decode the next step on a helper thread while the worker "
+                          "writes the last step's tokens to Redis; no gain measured on 2 cores that "
+                          "all decode (docs/bench.md, 'Overlapping Redis with llama_decode')")
     chat_template: str | None = Field(
         None, description="a llama.cpp built-in chat template name (e.g. gemma, chatml, llama3) for "
         "chat requests; None: the model's own template, else `gemma` for gemma-family models")

@@ -35,7 +35,12 @@ def make_backend(settings: BackendSettings, threads: int | None = None) -> Backe
     if settings.type == "llama-cpp":
         from backends.llamacpp import LlamaCppBackend
 
-        return LlamaCppBackend(settings, threads=settings.threads or threads)
+        engine = LlamaCppBackend(settings, threads=settings.threads or threads)
+        if settings.overlap:
+            from backends.overlap import OverlappedBackend
+
+            return OverlappedBackend(engine)
+        return engine
     if settings.type == "llama-server":
         from backends.llama_server import LlamaServerBackend
 
