@@ -93,7 +93,7 @@ class FleetWorker:
         self._engine_backoff = Backoff(1.0, 30.0)  # after an engine failure: pause claiming
         self._engine_hold_until = 0.0
         self._waiting_idle = False  # in the blocking wait on the wake list (the signal handler looks)
-        self._cancel_check_at = 0.0
+        self._cancel_check_at = 0.0  # next look at the running jobs' cancel flags (monotonic)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -370,19 +370,20 @@ class FleetWorker:
         """Everything Redis has not seen yet, in order: deltas, then endings, then hand-backs."""
         jobs = list(self.inflight.values())
         # a fast engine steps every few ms: checking cancels each step would outnumber the writes
-        running: list[ClaimedJob] = []
-        if time.monotonic() >= self._cancel_check_at:
-            running = [j for j in jobs if j.ending is None]
-            self._cancel_check_at = time.monotonic() + CANCEL_CHECK_INTERVAL
+        checked: list[ClaimedJob] = []
+        now = time.monotonic()
+        if now >= self._cancel_check_at:
+            checked = [j for j in jobs if j.ending is None]
+            self._cancel_check_at = now + CANCEL_CHECK_INTERVAL
         with self.redis.pipeline(transaction=False) as pipe:
             counts = self.writes.queue_text(jobs, pipe)
-            for job in running:  # a producer's cancel, or RQ's own job.cancel()
+            for job in checked:  # a producer's cancel, or RQ's own job.cancel()
                 pipe.exists(cancel_key(job.id))
                 pipe.hget(job_key(job.id), "status")
             replies = pipe.execute(raise_on_error=False)
         self.writes.text_sent(jobs, counts)
-        checks = replies[len(replies) - 2 * len(running):]
-        for job, cancelled, status in zip(running, checks[::2], checks[1::2], strict=True):
+        checks = replies[len(replies) - 2 * len(checked):]
+        for job, cancelled, status in zip(checked, checks[::2], checks[1::2], strict=True):
             if cancelled is True or cancelled == 1 or status == b"canceled":
                 self.backend.cancel(job.id)
         self._write_endings()
