@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 
 from backends.base import Done, GenerateRequest, JobRejected
@@ -17,7 +18,7 @@ from backends.llamacpp import LlamaCppBackend, sampling
 from backends.llamacpp.model import check_builtin_template
 from backends.llamacpp.schema_grammar import integer_range
 from backends.registry import BackendSettings
-from tests.test_batched_engine import run_all
+from tests.test_batched_engine import TOPICS, run_all
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 16},
@@ -149,6 +150,53 @@ def test_shortlist_resampling_picks_what_the_full_filter_picks(engine: LlamaCppB
     assert rejections(engine) > rejections0
     monkeypatch.setattr(sampling, "chain_keeps", lambda s: None)  # always filter the whole vocabulary
     assert both() == shortlisted
+
+
+def test_top_k_candidates_pick_what_the_whole_vocabulary_picks(engine: LlamaCppBackend,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chains that start with top-k (the default sampling, and greedy with penalties) sample from the
+    tokens near the best logit (sampling.TopCandidates); the text must be the one
+    llama_sampler_sample gives from the whole vocabulary: seeded, batched, with penalties, top_k 1000."""
+    def texts() -> dict[str, str]:
+        for i in range(16):
+            fields: dict[str, Any] = {"temperature": 0.9, "seed": 40 + i}
+            if i % 4 == 1:
+                fields["top_k"] = 1000
+            elif i % 4 == 2:
+                fields.update(presence_penalty=0.8, frequency_penalty=0.5)
+            elif i % 4 == 3:
+                fields = {"temperature": 0.0, "repeat_penalty": 1.3}
+            request = GenerateRequest(prompt=f"Tell me about {TOPICS[i]}.", max_tokens=32, **fields)
+            engine.admit(f"t{i}", request)
+        got, _ = run_all(engine)
+        return got
+
+    fill = sampling.TopCandidates.fill
+    used = []
+
+    def counted(self: sampling.TopCandidates, logits: Any, k: int) -> Any:
+        cur = fill(self, logits, k)
+        used.append(cur is not None)
+        return cur
+
+    monkeypatch.setattr(sampling.TopCandidates, "fill", counted)
+    near_best = texts()
+    assert sum(used) > 0.9 * len(used) > 16 * 16, (sum(used), len(used))  # the fast path, nearly always
+    monkeypatch.setattr(sampling.TopCandidates, "fill", lambda self, logits, k: None)  # all in C
+    assert texts() == near_best
+
+
+def test_top_k_candidates_hold_the_k_best_or_step_aside() -> None:
+    top = sampling.TopCandidates(capacity=64)
+    rng = np.random.default_rng(0)
+    row = rng.normal(0, 4, 262_144).astype(np.float32)
+    cur = top.fill(row, 40)
+    assert cur is not None and 40 <= cur.size <= 64
+    ids = {int(top._view["id"][i]) for i in range(cur.size)}
+    assert set(np.argsort(-row)[:40].tolist()) <= ids
+    assert top.fill(np.zeros(1000, dtype=np.float32), 40) is None  # flat: more than capacity tie
+    assert top.fill(np.full(1000, -np.inf, dtype=np.float32), 40) is None
+    assert top.fill(np.arange(10, dtype=np.float32), 40) is None  # fewer tokens than k
 
 
 @pytest.mark.parametrize(("lo", "hi"),

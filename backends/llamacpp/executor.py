@@ -16,7 +16,7 @@ import llama_cpp as ll
 
 from backends.llamacpp.kv import KvOp, Remove
 from backends.llamacpp.model import LoadedModel
-from backends.llamacpp.sampling import Candidates, SequenceSampler
+from backends.llamacpp.sampling import Candidates, SequenceSampler, TopCandidates
 from backends.llamacpp.scheduler import DecodeCall
 from backends.llamacpp.state import ActiveJob
 
@@ -37,6 +37,7 @@ class Executor:
             self._batch.n_seq_id[i] = 1
         self._samplers: list[SequenceSampler | None] = [None] * n_streams
         self._candidates: Candidates | None = None  # made for the first job with a grammar
+        self._top = TopCandidates()  # sampling is one sequence at a time: one array serves all
         self._logits_row = [-1] * n_streams  # per sequence id: its logits' row in the last batch
         self.decode_calls = 0
         self.decode_seconds = 0.0
@@ -57,7 +58,8 @@ class Executor:
     def open(self, job: ActiveJob) -> None:
         if job.sampling.format is not None and self._candidates is None:
             self._candidates = Candidates(self.model.n_vocab)
-        self._samplers[job.seq_id] = SequenceSampler(self.model, job.sampling, job.tokens, self._candidates)
+        self._samplers[job.seq_id] = SequenceSampler(self.model, job.sampling, job.tokens, self._candidates,
+                                                     self._top)
 
     def close_sequence(self, seq_id: int) -> None:
         sampler = self._samplers[seq_id]
