@@ -5,7 +5,7 @@ output) and optional log-probabilities.
 - Other jobs without a grammar whose chain starts with top-k (the default sampling) hand the chain
   only the tokens near the best logit (`TopCandidates`: numpy reads the row in place, enough tokens
   that top-k keeps exactly what it keeps from the whole vocabulary); the rest take
-  `llama_sampler_sample`, which copies all 262k logits into candidate structs first (~0.6 ms a row).
+  `llama_sampler_sample`, which copies all 262k logits into candidate structs first (0.2-0.6 ms a row).
 - Logprobs: a numpy log-softmax over the sequence's logits row, only for jobs that ask.
 - Grammar: what llama-server does (`common_sampler_sample` with grammar_first=false). Filtering
   every candidate of a 262k vocabulary through the grammar each step is slow, so the chain samples
@@ -155,8 +155,8 @@ class TopCandidates:
     that at least k and at most `capacity` tokens pass. The k best are then all in the array, so
     the chain's top-k keeps exactly the tokens, in the same order, that it keeps from the whole
     vocabulary, and its seeded draw is the same. llama_sampler_sample copies every logit into a
-    candidate struct first (~0.6 ms a row on a 262k vocabulary: per sequence, per step); this costs
-    two or three passes of numpy over the row."""
+    candidate struct first (0.2-0.6 ms a row on a 262k vocabulary: per sequence, per step); this
+    costs a few passes of numpy over the row (0.08 ms)."""
 
     def __init__(self, capacity: int = TOP_CAPACITY) -> None:
         self.capacity = capacity
@@ -237,13 +237,15 @@ class SequenceSampler:
 
     def _sample_top(self, ctx: ll.llama_context_p, row: int) -> int:
         """What llama_sampler_sample picks, from the tokens near the best logit (TopCandidates)."""
-        cur = None if self.top is None else self.top.fill(self._logits(ctx, row), self.keeps or 0)
-        if cur is None:
-            return int(ll.llama_sampler_sample(self.chain, ctx, row))
-        ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
-        tok = self.top.selected()  # type: ignore[union-attr]
-        ll.llama_sampler_accept(self.chain, tok)  # as llama_sampler_sample does (penalties remember it)
-        return tok
+        top = self.top
+        if top is not None and self.keeps is not None:
+            cur = top.fill(self._logits(ctx, row), self.keeps)
+            if cur is not None:
+                ll.llama_sampler_apply(self.chain, ctypes.byref(cur))
+                tok = top.selected()
+                ll.llama_sampler_accept(self.chain, tok)  # as llama_sampler_sample does (penalties)
+                return tok
+        return int(ll.llama_sampler_sample(self.chain, ctx, row))
 
     def _sample_constrained(self, ctx: ll.llama_context_p, row: int) -> int:
         assert self.grammar is not None and self.candidates is not None
