@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from dispatcher.batch import control, record
-from dispatcher.batch.lines import scan
+from dispatcher.batch.lines import file_lines, scan
 from dispatcher.batch.submit import (
     CHUNK,
     DEFAULT_RETENTION,
@@ -54,7 +54,7 @@ def settings_and_redis(config: str | None) -> Any:
 
 def parse_duration(text: str) -> int:
     """'24h', '30m', '7d', '90s' or plain seconds."""
-    m = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]{1,9})\s*([smhd]?)\s*", text)  # ASCII digits: int() takes others too
     if not m or int(m.group(1)) <= 0:
         raise click.BadParameter(f"{text!r} is not a duration like 24h, 30m, 7d or 3600")
     return int(m.group(1)) * UNITS[m.group(2) or "s"]
@@ -85,7 +85,7 @@ def submit(file: Path, config: str | None, batch_id: str | None, priority: str, 
     window, keep = parse_duration(completion_window), parse_duration(retention)
 
     def open_lines() -> Any:
-        return file.open(encoding="utf-8", errors="replace")
+        return file_lines(file)
 
     found = scan(open_lines())
     for err in found.errors:

@@ -15,6 +15,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dispatcher.batch.record import Kind, line_key
@@ -26,6 +27,7 @@ URLS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "tex
 LINE_FIELDS = ("custom_id", "method", "url", "body")
 MAX_CUSTOM_ID = 512
 MAX_REPORTED = 100  # line errors kept in a scan (all are counted)
+MAX_DEPTH = 64  # nesting of a line's JSON: deeper values would exhaust recursion somewhere later
 
 
 @dataclass
@@ -38,11 +40,45 @@ class BatchLine:
     request: dict[str, Any]  # the fleet request (GenerateRequest fields)
 
 
+def safe_text(text: str) -> str:
+    """`text` as valid Unicode: a lone surrogate (JSON allows "\\ud800") becomes an escape, so an
+    echo of it can be encoded to UTF-8 (a JSON response, a Redis argument)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def split_lines(text: str) -> list[str]:
+    """A JSONL text's lines, split on "\\n" only (a "\\r" before it is dropped): str.splitlines
+    also splits on U+2028, U+0085 and others, which may sit inside a JSON string."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
+def file_lines(path: Path) -> Iterator[str]:
+    """A JSONL file's lines, split as split_lines does, read lazily (bad UTF-8 replaced)."""
+    with path.open(encoding="utf-8", errors="replace", newline="\n") as f:
+        for line in f:
+            yield line.removesuffix("\n").removesuffix("\r")
+
+
+def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `obj` nests lists/objects more than `limit` deep (checked without recursion)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
 @dataclass
 class LineError:
     number: int
     field: str
     message: str
+
+    def __post_init__(self) -> None:
+        self.field, self.message = safe_text(self.field), safe_text(self.message)
 
     def __str__(self) -> str:
         return f"line {self.number}: {self.field}: {self.message}"
@@ -65,6 +101,15 @@ def parse_line(number: int, text: str) -> BatchLine:
         obj = json.loads(text)
     except ValueError as e:
         raise LineProblem("(line)", f"not JSON: {e}") from None
+    except RecursionError:
+        raise LineProblem("(line)", f"nested deeper than {MAX_DEPTH} levels") from None
+    if too_deep(obj):
+        raise LineProblem("(line)", f"nested deeper than {MAX_DEPTH} levels")
+    try:  # JSON may escape half a surrogate pair: no valid text, and unencodable further on
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise LineProblem("(line)", "holds an unpaired surrogate escape (\\ud800-\\udfff): not valid "
+                          "Unicode text") from None
     if not isinstance(obj, dict):
         raise LineProblem("(line)", "must be a JSON object with custom_id, method, url and body")
     for name in obj:

@@ -48,6 +48,12 @@ START = lua_script("dispatcher.batch", "settle_function.lua", "start.lua")
 RECORD_END = lua_script("dispatcher.batch", "settle_function.lua", "record_end.lua")
 
 
+def open_key(pool: str) -> str:
+    """Hash: the pool's open batches (id -> created_at), whose lines count against a cap on queued
+    batch lines (create.lua); ended ones leave it at the next creation. TTL: the longest batch's."""
+    return f"fleet:batches:open:{pool}"
+
+
 def line_key(custom_id: str) -> str:
     return hashlib.sha256(custom_id.encode()).hexdigest()[:KEY_CHARS]
 
@@ -125,7 +131,10 @@ INT_FIELDS = ("total", "enqueued", "completed", "failed", "cancelled", "invalid"
 
 
 def read_state(redis: Redis, batch_id: str) -> dict[str, Any] | None:
-    """The batch's state hash, decoded (numbers as ints, `metadata`/`errors` as JSON); None if unknown."""
+    """The batch's state hash, decoded (numbers as ints, `metadata`/`errors` as JSON); None if unknown
+    or not a batch id (so no other key, like a batch's lines hash, is ever read as a batch)."""
+    if not BATCH_ID_PATTERN.fullmatch(batch_id):
+        return None
     raw = redis.hgetall(batch_key(batch_id))
     if not raw:
         return None

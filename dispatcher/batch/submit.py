@@ -18,19 +18,23 @@ from itertools import islice
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import WatchError
+from rq import Queue
 
 from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, batch_lock_key
 from backends.contract.lua import RELEASE_LOCK, lua_script
 from backends.contract.replies import as_str
 from dispatcher.batch import record
 from dispatcher.batch.lines import BatchLine, Scan, scan, valid_lines
-from dispatcher.client import Fleet
+from dispatcher.client import Fleet, rq_queues
 from dispatcher.durability import push_wake
 
 CHUNK = 500  # lines per MULTI
 LOCK_MS = 20_000
 DEFAULT_RETENTION = 7 * 86400  # results kept after the batch ends (and after its window)
 BATCH_JOB_RESULT_TTL = 600  # a line's own RQ result: the batch record keeps the result longer
+MAX_WINDOW = 30 * 86400  # bounds keep every TTL (window + retention) well inside Redis' range
+MAX_RETENTION = 365 * 86400
 
 # KEYS, ARGV and replies: each script's header.
 _CREATE = lua_script("dispatcher.batch", "create.lua")  # the batch record, unless it exists
@@ -45,6 +49,16 @@ class BatchRefused(Exception):
         self.scan = scan
 
 
+class BatchQueueFull(BatchRefused):
+    """The pool's open batches already hold so many lines that this batch would pass the cap."""
+
+    def __init__(self, open_lines: int, lines: int, spec: BatchSpec) -> None:
+        super().__init__(f"pool '{spec.pool}' has {open_lines} batch lines not ended yet; this batch's "
+                         f"{lines} more would pass the limit of {spec.max_open_lines}; retry later or "
+                         f"submit fewer lines")
+        self.open_lines = open_lines
+
+
 @dataclass
 class BatchSpec:
     batch_id: str
@@ -57,6 +71,7 @@ class BatchSpec:
     input_name: str = ""
     metadata: dict[str, str] | None = None
     extra: dict[str, str] = field(default_factory=dict)  # more state fields (the gateway's file ids)
+    max_open_lines: int | None = None  # cap on the pool's batch lines not ended yet (None: no cap)
 
 
 @dataclass
@@ -86,6 +101,9 @@ def submit_batch(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterabl
     by another input. `progress(done, total)` after each chunk."""
     if not record.BATCH_ID_PATTERN.fullmatch(spec.batch_id):
         raise BatchRefused(f"batch id {spec.batch_id!r} must be 1-64 characters from A-Z a-z 0-9 _ -")
+    if not (0 < spec.window <= MAX_WINDOW and 0 < spec.retention <= MAX_RETENTION):
+        raise BatchRefused(f"the completion window must be 1 s to {MAX_WINDOW // 86400} days and the "
+                           f"retention 1 s to {MAX_RETENTION // 86400} days")
     found = checked or scan(open_lines())
     if found.invalid and not skip_invalid:
         raise BatchRefused(f"{found.invalid} bad line(s); nothing was enqueued", found)
@@ -121,13 +139,17 @@ def _create(redis: Redis, spec: BatchSpec, found: Scan, now: float, deadline: in
         "created_at": int(now), "expires_at": int(now) + spec.window,
         "metadata": json.dumps(spec.metadata or {}), **spec.extra,
     }
-    args: list[Any] = [spec.batch_id, found.fingerprint, deadline, int(now)]
+    cap = -1 if spec.max_open_lines is None else spec.max_open_lines
+    args: list[Any] = [spec.batch_id, found.fingerprint, deadline, int(now), cap, found.valid, batch_key("")]
     for name, value in fields.items():
         args += [name, value]
-    existing = redis.register_script(_CREATE)(keys=[batch_key(spec.batch_id), BATCHES_INDEX], args=args)
-    if existing is None:
+    reply = [as_str(x) or "" for x in redis.register_script(_CREATE)(
+        keys=[batch_key(spec.batch_id), BATCHES_INDEX, record.open_key(spec.pool)], args=args)]
+    if reply[0] == "created":
         return True
-    if as_str(existing[0]) != found.fingerprint:
+    if reply[0] == "full":
+        raise BatchQueueFull(int(reply[1]), found.valid, spec)
+    if reply[1] != found.fingerprint:
         raise BatchRefused(f"batch {spec.batch_id} already exists with other lines; choose another --id")
     return False
 
@@ -138,25 +160,24 @@ def _enqueue(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterable[st
     meta, lines_key = batch_key(spec.batch_id), batch_lines_key(spec.batch_id)
     created_at = int(as_str(redis.hget(meta, "created_at")) or time.time())
     fleet = Fleet(redis=redis, pool=spec.pool, result_ttl=BATCH_JOB_RESULT_TTL, job_timeout=spec.job_timeout)
-    queue = fleet._queues[spec.priority]
+    queue = _recording_queue(redis, spec)
     enqueued = seen = 0
     lines = valid_lines(open_lines())
     while batch := list(islice(lines, chunk)):
         if not still_ours():
             raise BatchRefused(f"lost the submit lock of batch {spec.batch_id} (another submitter?)")
-        if as_str(redis.hget(meta, "state")) != "validating":
-            break  # cancelled meanwhile: enqueue nothing more
         present = redis.hmget(lines_key, [line.key for line in batch])
         missing = [line for line, value in zip(batch, present, strict=True) if value is None]
         # lines may wait in the queue until the completion window ends, not longer
         queue_ttl = max(1, created_at + spec.window - int(time.time()))
-        with redis.pipeline(transaction=True) as pipe:
-            for line in missing:
-                _prepared(fleet, spec, line, queue_ttl).enqueue(queue, pipe)
-                pipe.hset(lines_key, line.key, record.queued_value(line.kind, line.custom_id))
-            pipe.hincrby(meta, "enqueued", len(missing))
-            pipe.expireat(lines_key, deadline)
-            pipe.execute()
+        recorded = queue.connection.pipeline(transaction=True)
+        for line in missing:
+            _prepared(fleet, spec, line, queue_ttl).enqueue(queue, recorded)
+            recorded.hset(lines_key, line.key, record.queued_value(line.kind, line.custom_id))
+        recorded.hincrby(meta, "enqueued", len(missing))
+        recorded.expireat(lines_key, deadline)
+        if not _apply_while_validating(redis, meta, recorded.command_stack):
+            break  # cancelled meanwhile: enqueue nothing more
         if missing:
             push_wake(redis, spec.pool)
         enqueued += len(missing)
@@ -164,6 +185,36 @@ def _enqueue(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterable[st
         if progress is not None:
             progress(seen, total)
     return enqueued
+
+
+def _recording_queue(redis: Redis, spec: BatchSpec) -> Queue:
+    """The batch's RQ queue on a client that never connects (a path that cannot exist, so any
+    unexpected I/O fails loudly): RQ's enqueue writes are recorded, then replayed in a MULTI that
+    runs only while the batch is still validating."""
+    recorder = Redis(unix_socket_path="/nonexistent/llama-fleet-rq-recorder")
+    queue = rq_queues(spec.pool, recorder)[spec.priority]
+    version = [int(p) for p in [*str(redis.info("server")["redis_version"]).split("."), "0", "0"][:3]]
+    queue.redis_server_version = (version[0], version[1], version[2])
+    return queue
+
+
+def _apply_while_validating(redis: Redis, meta: str, commands: list[Any]) -> bool:
+    """Run the recorded commands in one MULTI, only while the batch is `validating`: WATCH makes a
+    cancel between the check and EXEC abort the MULTI (then the state is read again). Other writes
+    to the state hash (a worker counting an ended line) abort it too: it is then retried."""
+    while True:
+        with redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(meta)
+                if as_str(pipe.hget(meta, "state")) != "validating":
+                    return False
+                pipe.multi()
+                for args, options in commands:
+                    pipe.execute_command(*args, **options)
+                pipe.execute()
+                return True
+            except WatchError:
+                continue
 
 
 def _prepared(fleet: Fleet, spec: BatchSpec, line: BatchLine, queue_ttl: int) -> Any:
