@@ -11,15 +11,13 @@ from typing import Any, TextIO
 from redis import Redis
 
 from backends.contract.keys import (
-    BATCH_JOB_PREFIX,
     BATCHES_INDEX,
+    OWNER_FIELD,
     batch_key,
     batch_lines_key,
     cancel_key,
     inflight_key,
     job_key,
-    queue_key,
-    queue_names,
 )
 from backends.contract.lua import lua_script
 from backends.contract.replies import as_str
@@ -28,23 +26,21 @@ from dispatcher.gateway.core import JobUpdate
 from dispatcher.gateway.openai_bodies import Reply
 
 SCAN_COUNT = 1000
+CANCEL_CHUNK = 500  # line keys per cancel script: Redis is never held longer than this many lines
 
 # KEYS, ARGV and replies: each script's header.
-_TAKE_PREFIXED = lua_script("dispatcher.batch", "take_prefixed.lua")  # ids with a prefix out of queues
+_CANCEL_LINES = lua_script("dispatcher.batch", "cancel_lines.lua")  # one chunk of queued lines
 _MARK_CANCELLING = lua_script("dispatcher.batch", "mark_cancelling.lua")  # -> cancelling
-CANCELLED_RESULT = {"finish_reason": "cancelled", "text": "", "usage": {}}
-
-
-def job_prefix(batch_id: str) -> str:
-    return f"{BATCH_JOB_PREFIX}{batch_id}-"
 
 
 def running(redis: Redis, batch_id: str) -> int:
-    """Lines of the batch that workers hold right now (in-flight lists are small: one per worker)."""
-    prefix = job_prefix(batch_id)
+    """Lines of the batch that workers hold right now (in-flight lists are small: one per worker).
+    A job id names its batch exactly (parse_job_id), so batch `a` never counts lines of `a-2`."""
     n = 0
     for key in redis.scan_iter(inflight_key("*"), count=500):
-        n += sum(1 for job_id in redis.lrange(key, 0, -1) if (as_str(job_id) or "").startswith(prefix))
+        for job_id in redis.lrange(key, 0, -1):
+            parsed = record.parse_job_id(as_str(job_id) or "")
+            n += parsed is not None and parsed[0] == batch_id
     return n
 
 
@@ -55,60 +51,46 @@ def status(redis: Redis, batch_id: str, *, with_running: bool = True) -> dict[st
     return state
 
 
-def list_batches(redis: Redis, limit: int = 100) -> list[dict[str, Any]]:
-    """Newest first; ids whose record expired leave the index."""
+def list_batches(redis: Redis, limit: int = 100, owner: str | None = None) -> list[dict[str, Any]]:
+    """Newest first (only `owner`'s when given); ids whose record expired leave the index."""
     out: list[dict[str, Any]] = []
     for raw in redis.zrevrange(BATCHES_INDEX, 0, -1):
         batch_id = as_str(raw) or ""
         state = record.read_state(redis, batch_id)
         if state is None:
             redis.zrem(BATCHES_INDEX, batch_id)
-        elif len(out) < limit:
+        elif len(out) < limit and (owner is None or state.get("owner") == owner):
             out.append(state)
     return out
 
 
-def cancel(redis: Redis, batch_id: str, job_timeout: int = 600) -> str:
-    """Queued lines leave the queues at once and count as cancelled; running ones get the cancel
-    signal of any fleet job (they stop at their next step and are recorded as cancelled). Returns
-    the batch state after."""
-    meta = batch_key(batch_id)
+def cancel(redis: Redis, batch_id: str, job_timeout: int = 600, chunk: int = CANCEL_CHUNK) -> str:
+    """Queued lines count as cancelled at once (their queue entries stay behind as tombstones the
+    claim script drops); running ones get the cancel signal of any fleet job (they stop at their
+    next step and are recorded as cancelled). Only this batch's own lines are touched, read from
+    its lines hash in chunks of `chunk`, so no queue is scanned. Returns the batch state after."""
+    if not record.BATCH_ID_PATTERN.fullmatch(batch_id):
+        raise KeyError(batch_id)
+    meta, lines = batch_key(batch_id), batch_lines_key(batch_id)
     before = as_str(redis.register_script(_MARK_CANCELLING)(keys=[meta], args=[int(time.time())]))
     if before is None:
         raise KeyError(batch_id)
     if before in record.FINAL_STATES:
         return before
-    pool = as_str(redis.hget(meta, "pool")) or "llm"
-    taken = [as_str(t) or "" for t in redis.register_script(_TAKE_PREFIXED)(
-        keys=[queue_key(q) for q in queue_names(pool)], args=[job_prefix(batch_id)])]
-    for start in range(0, len(taken), SCAN_COUNT):
-        _end_cancelled(redis, taken[start:start + SCAN_COUNT])
-    # what is still queued in the record is running (or in transit between lists): signal it
-    queued = [key for key, line in _lines(redis, batch_id) if line.state == "q"]
-    for start in range(0, len(queued), SCAN_COUNT):
-        ids = [record.line_job_id(batch_id, key) for key in queued[start:start + SCAN_COUNT]]
-        with redis.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.exists(job_key(job_id))
-            exist = pipe.execute()
-        with redis.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.set(cancel_key(job_id), 1, ex=job_timeout + 60)
-            pipe.execute()
-        _end_cancelled(redis, [j for j, e in zip(ids, exist, strict=True) if not e])  # job gone
+    script = redis.register_script(_CANCEL_LINES)
+    fixed: list[Any] = [int(time.time()), job_timeout + 60, record.line_job_id(batch_id, ""), job_key(""),
+                        inflight_key(""), cancel_key(""), OWNER_FIELD]
+    cursor = 0
+    while True:
+        cursor, fields = redis.hscan(lines, cursor, count=chunk)
+        assert isinstance(fields, dict)
+        queued = [as_str(k) or "" for k, v in fields.items() if (as_str(v) or "")[:1] == "q"]
+        for start in range(0, len(queued), chunk):  # HSCAN's count is a hint
+            script(keys=[meta, lines], args=[*fixed, *queued[start:start + chunk]])
+        if cursor == 0:
+            break
     record.settle(redis, batch_id, time.time())
     return as_str(redis.hget(meta, "state")) or "?"
-
-
-def _end_cancelled(redis: Redis, job_ids: list[str]) -> None:
-    """Lines that will never run: recorded as cancelled; their RQ jobs are deleted (the batch
-    record is what anyone reads about them)."""
-    now = time.time()
-    with redis.pipeline(transaction=True) as pipe:
-        for job_id in job_ids:
-            pipe.delete(job_key(job_id))
-            record.record_end(pipe, job_id, CANCELLED_RESULT, None, now)
-        pipe.execute()
 
 
 def _lines(redis: Redis, batch_id: str) -> Iterator[tuple[str, record.LineState]]:
