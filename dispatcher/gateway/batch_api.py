@@ -1,11 +1,16 @@
 """OpenAI's Files and Batch APIs over fleet batches (docs/batch.md):
 
-    POST /v1/files (purpose=batch)   GET /v1/files/{id}   GET /v1/files/{id}/content
+    POST /v1/files (purpose=batch)   GET /v1/files/{id}   GET /v1/files/{id}/content   DELETE /v1/files/{id}
     POST /v1/batches   GET /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
 
-An uploaded file lives in Redis (fleet:file:<id>, FILE_TTL, at most MAX_FILE_BYTES). A batch is
-an ordinary fleet batch (dispatcher/batch); its output and error files are not stored again but
-streamed from the batch record on request, under the ids file-out-<batch> / file-err-<batch>.
+An uploaded file lives in Redis (dispatcher/batch/files.py: fleet:file:<id>, gateway.file_ttl,
+bounded per file and per creator). A batch is an ordinary fleet batch (dispatcher/batch); its
+output and error files are not stored again but streamed from the batch record on request, under
+the ids file-out-<batch> / file-err-<batch>.
+
+Every file and batch records its creator (a hash of the caller's API key, `anonymous` without
+keys); a caller sees, reads and cancels only what it created: anything else is 404, as an unknown
+id. An id is checked against the pattern this gateway makes before any Redis key is built from it.
 Batch work runs on a synchronous Redis client in a thread, so the event loop never waits on it.
 """
 
@@ -13,27 +18,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from redis import Redis
-from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from backends.contract.connect import redis_from_url
-from backends.contract.keys import batch_key, file_key
-from backends.contract.replies import Fields, as_str
-from dispatcher.batch import control, record
-from dispatcher.batch.lines import URLS, scan
-from dispatcher.batch.submit import BatchRefused, BatchSpec, new_batch_id, submit_batch
-from dispatcher.gateway.core import ApiError, Gateway
+from backends.contract.keys import BATCHES_INDEX, batch_key
+from backends.contract.replies import as_str
+from dispatcher.batch import control, files, record
+from dispatcher.batch.lines import URLS, safe_text, scan, split_lines
+from dispatcher.batch.multipart import UploadRefused, read_upload
+from dispatcher.batch.submit import BatchQueueFull, BatchRefused, BatchSpec, new_batch_id, submit_batch
+from dispatcher.gateway.core import ApiError, Gateway, read_json_object
 
-MAX_FILE_BYTES = 64 * 1024 * 1024
-FILE_TTL = 7 * 86400
+BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")  # what new_batch_id and default_batch_id make
+RESULT_FILE_ID = re.compile(r"file-(out|err)-(batch_[0-9a-f]{24})")
+WINDOW = re.compile(r"([0-9]{1,3})h")  # ASCII digits only: int() takes other scripts' digits too
+MAX_WINDOW_HOURS = 168
+MAX_METADATA = 16
 OUT, ERR = "file-out-", "file-err-"
 
 
@@ -46,76 +54,111 @@ def _redis(request: Request) -> Redis:
     return client
 
 
+def _creator(request: Request) -> str:
+    """The caller's identity (the guard already checked its key)."""
+    gw: Gateway = request.app.state.gateway
+    if not gw.settings.gateway.api_keys:
+        return files.ANONYMOUS
+    _, _, token = (request.headers.get("authorization") or "").partition(" ")
+    return files.creator_of(token.strip())
+
+
+def _shown(value: object) -> str:
+    return safe_text(str(value))[:100]
+
+
+def _no_file(file_id: object, param: str = "file_id") -> ApiError:
+    return ApiError(404, f"No such file: '{_shown(file_id)}'", param=param, code="file_not_found")
+
+
+def _no_batch(batch_id: object) -> ApiError:
+    return ApiError(404, f"No such batch: '{_shown(batch_id)}'", param="batch_id", code="batch_not_found")
+
+
 # -- files ------------------------------------------------------------------------------------------
 
 
 async def create_file(request: Request) -> Response:
-    async with request.form(max_files=1, max_fields=8, max_part_size=MAX_FILE_BYTES) as form:
-        purpose, upload = form.get("purpose"), form.get("file")
-        if purpose != "batch":
-            raise ApiError(400, "purpose must be 'batch' (the only file purpose this gateway keeps)",
-                           param="purpose", code="invalid_value")
-        if not isinstance(upload, UploadFile):
-            raise ApiError(400, "a 'file' part is required", param="file", code="invalid_value")
-        content = await upload.read(MAX_FILE_BYTES + 1)
-        filename = upload.filename or "upload.jsonl"
-    if len(content) > MAX_FILE_BYTES:
-        raise ApiError(413, f"the file is larger than {MAX_FILE_BYTES} bytes", param="file",
-                       code="file_too_large")
-    file_id = "file-" + secrets.token_hex(12)
-    meta: Fields = {"filename": filename, "purpose": purpose, "bytes": len(content),
-                                  "created_at": int(time.time())}
-
-    def store() -> None:
-        redis = _redis(request)
-        with redis.pipeline(transaction=True) as pipe:
-            pipe.hset(file_key(file_id), mapping={**meta, "content": content})
-            pipe.expire(file_key(file_id), FILE_TTL)
-            pipe.execute()
-
-    await asyncio.to_thread(store)
-    return JSONResponse(_file_object(file_id, meta))
+    gw: Gateway = request.app.state.gateway
+    limits = gw.settings.gateway
+    try:
+        upload = await read_upload(request.headers.get("content-type", ""), request.stream(),
+                                   max_file_bytes=limits.max_file_bytes)
+    except UploadRefused as e:
+        raise ApiError(e.status, e.message, param=e.param,
+                       code="file_too_large" if e.status == 413 else "invalid_value") from None
+    purpose = upload.fields.get("purpose")
+    if purpose != "batch":
+        raise ApiError(400, "purpose must be 'batch' (the only file purpose this gateway keeps)",
+                       param="purpose", code="invalid_value")
+    if upload.content is None or upload.file_field != "file":
+        raise ApiError(400, "a 'file' part is required", param="file", code="invalid_value")
+    file_id = files.new_file_id()
+    keep = files.FileLimits(limits.file_ttl, limits.max_files, limits.max_file_storage)
+    try:
+        meta = await asyncio.to_thread(files.store, _redis(request), file_id, _creator(request),
+                                       upload.filename or "upload.jsonl", upload.content, keep)
+    except files.FileLimitReached as e:
+        raise ApiError(e.status, e.message, param="file", code="file_limit_reached") from None
+    return JSONResponse(_file_object(file_id, meta, limits.file_ttl))
 
 
-def _file_object(file_id: str, meta: Any) -> dict[str, Any]:
+def _file_object(file_id: str, meta: dict[str, Any], ttl: int) -> dict[str, Any]:
     created = int(meta.get("created_at") or 0)
     return {"id": file_id, "object": "file", "bytes": int(meta.get("bytes") or 0), "created_at": created,
             "filename": meta.get("filename"), "purpose": meta.get("purpose"), "status": "processed",
-            "expires_at": created + FILE_TTL if meta.get("purpose") == "batch" else None,
+            "expires_at": created + ttl if meta.get("purpose") == "batch" else None,
             "status_details": None}
 
 
-def _read_file_meta(redis: Redis, file_id: str) -> dict[str, Any]:
-    if file_id.startswith((OUT, ERR)):
-        batch_id = file_id[len(OUT):]
-        state = record.read_state(redis, batch_id)
+def _owned_batch(redis: Redis, batch_id: str, creator: str) -> dict[str, Any] | None:
+    """The batch's state if `creator` made it through this API; None for anyone else."""
+    if not BATCH_ID.fullmatch(batch_id):
+        return None
+    state = control.status(redis, batch_id, with_running=False)
+    return state if state is not None and state.get("owner") == creator else None
+
+
+def _read_file_meta(redis: Redis, file_id: str, creator: str) -> dict[str, Any]:
+    result = RESULT_FILE_ID.fullmatch(file_id)
+    if result:
+        state = _owned_batch(redis, result.group(2), creator)
         if state is None:
-            raise ApiError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
-        return {"filename": f"{batch_id}_{'output' if file_id.startswith(OUT) else 'error'}.jsonl",
-                "purpose": "batch_output", "bytes": 0, "created_at": state.get("completed_at") or 0}
-    raw = redis.hmget(file_key(file_id), ["filename", "purpose", "bytes", "created_at"])
-    if raw[0] is None:
-        raise ApiError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
-    return dict(zip(("filename", "purpose", "bytes", "created_at"), (as_str(v) for v in raw), strict=True))
+            raise _no_file(file_id)
+        name = "output" if result.group(1) == "out" else "error"
+        return {"filename": f"{result.group(2)}_{name}.jsonl", "purpose": "batch_output", "bytes": 0,
+                "created_at": state.get("completed_at") or 0}
+    meta = files.read_meta(redis, file_id, creator)
+    if meta is None:
+        raise _no_file(file_id)
+    return meta
 
 
 async def get_file(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
     file_id = request.path_params["file_id"]
-    meta = await asyncio.to_thread(_read_file_meta, _redis(request), file_id)
-    return JSONResponse(_file_object(file_id, meta))
+    meta = await asyncio.to_thread(_read_file_meta, _redis(request), file_id, _creator(request))
+    return JSONResponse(_file_object(file_id, meta, gw.settings.gateway.file_ttl))
 
 
 async def file_content(request: Request) -> Response:
-    file_id = request.path_params["file_id"]
-    redis = _redis(request)
-    if file_id.startswith((OUT, ERR)):
-        await asyncio.to_thread(_read_file_meta, redis, file_id)  # 404 for an unknown batch
-        lines = _result_file(redis, file_id[len(OUT):], errors=file_id.startswith(ERR))
+    file_id, creator, redis = request.path_params["file_id"], _creator(request), _redis(request)
+    result = RESULT_FILE_ID.fullmatch(file_id)
+    if result:
+        await asyncio.to_thread(_read_file_meta, redis, file_id, creator)  # 404 unless the caller's batch
+        lines = _result_file(redis, result.group(2), errors=result.group(1) == "err")
         return StreamingResponse(lines, media_type="application/jsonl")  # iterated in a thread
-    content = await asyncio.to_thread(redis.hget, file_key(file_id), "content")
+    content = await asyncio.to_thread(files.read_content, redis, file_id, creator)
     if content is None:
-        raise ApiError(404, f"No such file: {file_id}", param="file_id", code="file_not_found")
+        raise _no_file(file_id)
     return Response(content, media_type="application/jsonl")
+
+
+async def delete_file(request: Request) -> Response:
+    file_id = request.path_params["file_id"]
+    if not await asyncio.to_thread(files.delete, _redis(request), file_id, _creator(request)):
+        raise _no_file(file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
 def _result_file(redis: Redis, batch_id: str, errors: bool) -> Iterator[bytes]:
@@ -130,7 +173,8 @@ def _result_file(redis: Redis, batch_id: str, errors: bool) -> Iterator[bytes]:
 
 def batch_object(state: dict[str, Any]) -> dict[str, Any]:
     """A fleet batch as OpenAI's Batch object."""
-    ended = state["state"] in record.FINAL_STATES
+    status = state.get("state") or "failed"
+    ended = status in record.FINAL_STATES
     bad = (state.get("failed") or 0) + (state.get("cancelled") or 0)
     errors = state.get("errors")
     return {
@@ -138,7 +182,7 @@ def batch_object(state: dict[str, Any]) -> dict[str, Any]:
         "errors": {"object": "list", "data": errors} if errors else None,
         "input_file_id": state.get("input_file_id") or state.get("input") or "",
         "completion_window": f"{(state.get('window') or 86400) // 3600}h",
-        "status": state["state"],
+        "status": status,
         "output_file_id": OUT + state["id"] if ended and state.get("completed") else None,
         "error_file_id": ERR + state["id"] if ended and bad else None,
         "created_at": state.get("created_at") or 0, "in_progress_at": state.get("in_progress_at"),
@@ -151,43 +195,64 @@ def batch_object(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def window_seconds(window: object) -> int:
+    """OpenAI's completion_window ("24h"): whole hours, 1h to MAX_WINDOW_HOURS; 400 otherwise."""
+    m = WINDOW.fullmatch(window) if isinstance(window, str) else None
+    if m is None or not 1 <= int(m.group(1)) <= MAX_WINDOW_HOURS:
+        raise ApiError(400, f"completion_window must be whole hours from 1h to {MAX_WINDOW_HOURS}h, like "
+                       f"'24h'; got '{_shown(window)}'", param="completion_window", code="invalid_value")
+    return int(m.group(1)) * 3600
+
+
+def checked_metadata(metadata: object) -> dict[str, str]:
+    """OpenAI's bounds: at most 16 pairs, keys up to 64 and values up to 512 characters, text."""
+    metadata = metadata or {}
+    ok = isinstance(metadata, dict) and len(metadata) <= MAX_METADATA and all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+        and safe_text(k) == k and safe_text(v) == v for k, v in metadata.items())
+    if not ok:
+        raise ApiError(400, f"metadata must be an object of at most {MAX_METADATA} string pairs (keys up "
+                       "to 64 characters, values up to 512)", param="metadata", code="invalid_value")
+    assert isinstance(metadata, dict)
+    return dict(metadata)
+
+
 async def create_batch(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise ApiError(400, "the body is not JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    body = await read_json_object(request, limit=gw.settings.gateway.max_body_bytes,
+                                  max_depth=gw.settings.gateway.max_json_depth)
     endpoint, file_id = body.get("endpoint"), body.get("input_file_id")
     if endpoint not in URLS:
         raise ApiError(400, f"endpoint must be one of {', '.join(URLS)}", param="endpoint",
                        code="invalid_value")
-    window = body.get("completion_window", "24h")
-    if not isinstance(window, str) or not window.endswith("h") or not window[:-1].isdigit() or window == "0h":
-        raise ApiError(400, "completion_window must be hours, like '24h'", param="completion_window",
-                       code="invalid_value")
-    metadata = body.get("metadata") or {}
-    if not isinstance(metadata, dict) or len(metadata) > 16:
-        raise ApiError(400, "metadata must be an object of at most 16 strings", param="metadata",
-                       code="invalid_value")
-    redis = _redis(request)
-    content = await asyncio.to_thread(redis.hget, file_key(str(file_id)), "content")
+    window = window_seconds(body.get("completion_window", "24h"))
+    metadata = checked_metadata(body.get("metadata"))
+    redis, creator, limits = _redis(request), _creator(request), gw.settings.gateway
+    content = None
+    if isinstance(file_id, str):
+        content = await asyncio.to_thread(files.read_content, redis, file_id, creator)
     if content is None:
-        raise ApiError(404, f"No such file: {file_id}", param="input_file_id", code="file_not_found")
-    text = content.decode("utf-8", "replace") if isinstance(content, bytes) else str(content)
-    found = await asyncio.to_thread(scan, text.splitlines())
+        raise _no_file(file_id, param="input_file_id")
+    lines = split_lines(content.decode("utf-8", "replace"))
+    found = await asyncio.to_thread(scan, lines)
+    if found.valid > limits.max_batch_lines:
+        raise ApiError(400, f"the file has {found.valid:,} requests; a batch may have at most "
+                       f"{limits.max_batch_lines:,} (gateway.max_batch_lines)", param="input_file_id",
+                       code="too_many_requests_in_batch")
     model = next(iter(found.models), "")
     pool = gw.pool_for(model) if model else gw.settings.pool
-    spec = BatchSpec(new_batch_id(), pool, "low", int(window[:-1]) * 3600,
-                     job_timeout=gw.settings.job_timeout, endpoint=endpoint, input_name=str(file_id),
-                     metadata={str(k): str(v) for k, v in metadata.items()},
-                     extra={"input_file_id": str(file_id)})
-    mismatched = found.kinds - {URLS[endpoint]}
+    spec = BatchSpec(new_batch_id(), pool, "low", window, job_timeout=gw.settings.job_timeout,
+                     endpoint=str(endpoint), input_name=str(file_id), metadata=metadata,
+                     extra={"input_file_id": str(file_id), "owner": creator},
+                     max_open_lines=limits.max_batch_queue)
+    mismatched = found.kinds - {URLS[str(endpoint)]}
     try:
         if mismatched or found.invalid or not found.valid:
             raise BatchRefused("bad lines", found)
-        await asyncio.to_thread(submit_batch, redis, spec, text.splitlines, checked=found)
+        await asyncio.to_thread(submit_batch, redis, spec, lambda: lines, checked=found)
+    except BatchQueueFull as e:
+        raise ApiError(429, f"{e} (gateway.max_batch_queue)", code="batch_queue_full",
+                       headers={"Retry-After": str(max(60, limits.retry_after))}) from None
     except BatchRefused as e:
         errors = [err.openai() for err in (e.scan.errors if e.scan else [])]
         if mismatched:
@@ -209,25 +274,31 @@ def _record_failed(redis: Redis, spec: BatchSpec, errors: list[dict[str, Any]]) 
         pipe.hset(key, mapping={"state": "failed", "failed_at": now, "created_at": now,
                                 "endpoint": spec.endpoint, "window": spec.window,
                                 "input_file_id": spec.extra.get("input_file_id", ""),
+                                "owner": spec.extra.get("owner", ""),
                                 "errors": json.dumps(errors), "metadata": json.dumps(spec.metadata or {})})
         pipe.expire(key, spec.retention)
+        pipe.zadd(BATCHES_INDEX, {spec.batch_id: now})
+        pipe.expire(BATCHES_INDEX, spec.retention, gt=True)
         pipe.execute()
 
 
 async def get_batch(request: Request) -> Response:
-    state = await asyncio.to_thread(control.status, _redis(request), request.path_params["batch_id"])
+    batch_id = request.path_params["batch_id"]
+    state = await asyncio.to_thread(_owned_batch, _redis(request), batch_id, _creator(request))
     if state is None:
-        raise ApiError(404, f"No such batch: {request.path_params['batch_id']}", code="batch_not_found")
+        raise _no_batch(batch_id)
     return JSONResponse(batch_object(state))
 
 
 async def cancel_batch(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     batch_id, redis = request.path_params["batch_id"], _redis(request)
+    if await asyncio.to_thread(_owned_batch, redis, batch_id, _creator(request)) is None:
+        raise _no_batch(batch_id)
     try:
         await asyncio.to_thread(control.cancel, redis, batch_id, gw.settings.job_timeout)
     except KeyError:
-        raise ApiError(404, f"No such batch: {batch_id}", code="batch_not_found") from None
+        raise _no_batch(batch_id) from None
     return await get_batch(request)
 
 
@@ -237,7 +308,7 @@ async def list_batches(request: Request) -> Response:
     except ValueError:
         raise ApiError(400, "limit must be an integer", param="limit", code="invalid_value") from None
     after = request.query_params.get("after")
-    states = await asyncio.to_thread(control.list_batches, _redis(request), 1000)
+    states = await asyncio.to_thread(control.list_batches, _redis(request), 1000, _creator(request))
     if after:
         ids = [s["id"] for s in states]
         states = states[ids.index(after) + 1:] if after in ids else []
@@ -250,6 +321,7 @@ def routes(guarded: Any) -> list[Route]:
     return [
         Route("/v1/files", guarded(create_file), methods=["POST"]),
         Route("/v1/files/{file_id}", guarded(get_file)),
+        Route("/v1/files/{file_id}", guarded(delete_file), methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", guarded(file_content)),
         Route("/v1/batches", guarded(create_batch), methods=["POST"]),
         Route("/v1/batches", guarded(list_batches)),

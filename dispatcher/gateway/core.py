@@ -158,12 +158,13 @@ class Gateway:
                 raise ApiError(503, f"no live worker serves pool '{pool}'", code="no_workers")
         fleet = self.fleet_for(pool)
         try:
-            depth = await self.queue_depth(pool)
+            depth = await self.queue_depth(pool, priority)
         except OUTAGE_ERRORS:
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
         limit = self.settings.gateway.max_queue
         if depth + len(requests) > limit:
-            raise ApiError(429, f"pool '{pool}' has {depth} jobs waiting (limit {limit}); retry later",
+            raise ApiError(429, f"pool '{pool}' has {depth} jobs waiting at priority {priority} or above "
+                           f"(limit {limit}); retry later",
                            code="queue_full", headers={"Retry-After": str(self.settings.gateway.retry_after)})
         jobs: list[AsyncFleetJob] = []
         try:
@@ -177,9 +178,11 @@ class Gateway:
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
         return jobs
 
-    async def queue_depth(self, pool: str) -> int:
+    async def queue_depth(self, pool: str, priority: str = PRIORITIES[-1]) -> int:
+        """Jobs waiting that a job at `priority` competes with: its own queue and the higher ones
+        (claimed first). Lower ones (a batch's lines) never delay it, so they do not count."""
         async with self.fleet.redis.pipeline(transaction=False) as pipe:
-            for name in queue_names(pool):
+            for name in queue_names(pool)[:PRIORITIES.index(priority) + 1]:
                 pipe.llen(queue_key(name))
             return sum(int(n) for n in await pipe.execute())
 

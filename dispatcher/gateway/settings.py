@@ -32,6 +32,18 @@ class GatewaySettings(BaseModel):
                                    description="model name -> pool; empty: the fleet's pool, by its name")
     request_timeout: float = Field(900.0, gt=0, description="seconds a request waits for its jobs")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds open requests get at shutdown")
+    # batches and files (docs/batch.md): a batch or an uploader cannot take the fleet's room
+    max_batch_queue: int = Field(50_000, ge=0, description="batch lines not ended yet that a pool's open "
+                                 "batches may hold; a batch that would pass it gets 429")
+    max_batch_lines: int = Field(50_000, ge=1, description="lines one batch may have; 400 beyond")
+    file_ttl: int = Field(86400, ge=60, le=30 * 86400, description="seconds an uploaded file is kept")
+    max_file_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest uploaded file; 413 beyond")
+    max_files: int = Field(100, ge=1, description="files one caller (API key) may keep at once; 429 beyond")
+    max_file_storage: int = Field(256 * 1024 * 1024, ge=1024,
+                                  description="bytes of files one caller may keep at once; 413 beyond")
+    dashboard_prompts: bool = Field(False, description="the gateway's /dashboard shows prompts and job "
+                                    "details to anyone who can reach it (with api_keys set, to key holders "
+                                    "anyway); off: they are redacted")
 
     @field_validator("models")
     @classmethod
