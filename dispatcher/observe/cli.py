@@ -131,16 +131,25 @@ def metrics(config: str | None, host: str, port: int) -> None:
 @config_option
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=9401, show_default=True)
+@click.option("--show-prompts", is_flag=True, help="show prompts and request text to anyone who can reach "
+              "the page (default: redacted, unless gateway.dashboard_prompts or gateway.api_keys is set)")
 @friendly
-def dashboard(config: str | None, host: str, port: int) -> None:
-    """Serve the web dashboard (workers, queues, live charts, jobs) at http://HOST:PORT/."""
+def dashboard(config: str | None, host: str, port: int, show_prompts: bool) -> None:
+    """Serve the web dashboard (workers, queues, live charts, jobs) at http://HOST:PORT/. With
+    gateway.api_keys in the config, its JSON API needs one of those keys, as the gateway's does."""
     import uvicorn
 
-    from dispatcher.observe.dashboard import dashboard_app
+    from dispatcher.gateway.settings import load_serve_settings
+    from dispatcher.observe.dashboard import bearer_check, dashboard_app
 
     s, redis = connect(config)
+    gateway = load_serve_settings(config).gateway
+    keys = [k.get_secret_value() for k in gateway.api_keys]
+    app = dashboard_app(redis, s.pool, with_metrics=True,
+                        show_prompts=show_prompts or gateway.dashboard_prompts,
+                        authorize=bearer_check(keys) if keys else None)
     click.echo(f"dashboard on http://{host}:{port}/ (pool {s.pool})", err=True)
-    uvicorn.run(dashboard_app(redis, s.pool, with_metrics=True), host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def register(cli: click.Group) -> None:

@@ -1,12 +1,20 @@
 """The web dashboard: a Starlette app with one page and a small JSON API the page polls.
 
-Mount it in the gateway with `Mount("/dashboard", app=dashboard_app(redis, pool))`, or run it
+Mount it in the gateway with `Mount("/dashboard", app=dashboard_app(redis, pool, ...))`, or run it
 alone with `fleet dashboard`. No build step, no CDN: the page, its CSS and its JS (hand-written
 SVG charts) are package data in dispatcher/observe/static/.
+
+Who sees what (docs/observability.md): with `authorize` (the gateway's API keys) the JSON API
+needs a key (the page sends the one typed into it as `Authorization: Bearer`), and a key holder
+sees prompts; without it, prompts and other request text are redacted unless `show_prompts`.
+The page and its static files hold no data and stay open, so a browser can load the page first.
 """
 
 from __future__ import annotations
 
+import hmac
+import re
+from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
@@ -22,20 +30,63 @@ from dispatcher.observe import history, snapshot
 
 STATIC = files("dispatcher.observe") / "static"
 JOBS_LIMIT = 200
+JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # RQ's job id characters; nothing else names a key
+HIDDEN = "(hidden)"
+Authorize = Callable[[str | None], bool]  # the Authorization header -> a valid key?
 
 
-def dashboard_app(redis: Redis, pool: str, *, with_metrics: bool = False) -> Starlette:
+def bearer_check(keys: list[str]) -> Authorize:
+    """`Authorization: Bearer <key>` with one of `keys`, compared in constant time."""
+    encoded = [k.encode() for k in keys]
+
+    def check(authorization: str | None) -> bool:
+        scheme, _, given = (authorization or "").partition(" ")
+        token = given.strip().encode()
+        return scheme.lower() == "bearer" and bool(token) and any(
+            [hmac.compare_digest(token, key) for key in encoded])
+
+    return check
+
+
+def redacted(record: dict[str, Any]) -> dict[str, Any]:
+    """A job record without request text: numbers and flags of its params stay (max_tokens,
+    temperature, the number of messages), every string, list or object becomes HIDDEN."""
+    params = record.get("params")
+    if not isinstance(params, dict):
+        return record
+    shown = {k: (v if isinstance(v, int | float | bool) or v is None else HIDDEN) for k, v in params.items()}
+    return {**record, "params": shown, "redacted": True}
+
+
+def dashboard_app(redis: Redis, pool: str, *, with_metrics: bool = False, show_prompts: bool = False,
+                  authorize: Authorize | None = None) -> Starlette:
     """The dashboard as an ASGI app; its links are relative, so any mount path works."""
     page = (STATIC / "index.html").read_text(encoding="utf-8")
+
+    def refused(request: Request) -> Response | None:
+        """401 for the JSON API without a valid key (when keys are on)."""
+        if authorize is None or authorize(request.headers.get("authorization")):
+            return None
+        return JSONResponse({"error": "Incorrect or missing API key: type one into the dashboard's key "
+                             "field (sent as 'Authorization: Bearer <key>')"}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+
+    def visible(record: dict[str, Any]) -> dict[str, Any]:
+        # a key holder (keys on) is an operator; without keys only the setting shows prompts
+        return record if show_prompts or authorize is not None else redacted(record)
 
     async def index(request: Request) -> Response:
         base = request.scope.get("root_path", "").rstrip("/") + "/"
         return HTMLResponse(page.replace("{{base}}", base).replace("{{pool}}", pool))
 
-    async def api_status(_request: Request) -> Response:
+    async def api_status(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
         return JSONResponse(await run_in_threadpool(snapshot.snapshot, redis, pool))
 
     async def api_jobs(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
         kind = request.query_params.get("kind", "recent")
         if kind not in history.KINDS:
             return JSONResponse({"error": f"kind must be one of {', '.join(history.KINDS)}"}, status_code=400)
@@ -44,14 +95,19 @@ def dashboard_app(redis: Redis, pool: str, *, with_metrics: bool = False) -> Sta
         except ValueError:
             return JSONResponse({"error": "limit must be a number"}, status_code=400)
         limit = max(1, min(limit, JOBS_LIMIT))
-        return JSONResponse(await run_in_threadpool(history.listing, redis, pool, kind, limit))
+        records = await run_in_threadpool(history.listing, redis, pool, kind, limit)
+        return JSONResponse([visible(r) for r in records])
 
     async def api_job(request: Request) -> Response:
+        if (no := refused(request)) is not None:
+            return no
         job_id = request.path_params["job_id"]
-        record: dict[str, Any] | None = await run_in_threadpool(history.get, redis, job_id)
+        record: dict[str, Any] | None = None
+        if JOB_ID.fullmatch(job_id):
+            record = await run_in_threadpool(history.get, redis, job_id)
         if record is None:
             return JSONResponse({"error": "no such job (unknown, or its history expired)"}, status_code=404)
-        return JSONResponse(record)
+        return JSONResponse(visible(record))
 
     routes: list[Any] = [
         Route("/", index),

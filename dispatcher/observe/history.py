@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ResponseError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -73,7 +74,10 @@ def _float(raw: Any) -> float | None:
 
 def get(redis: Redis, job_id: str) -> dict[str, Any] | None:
     """One job: its history, or (queued, or written by a worker with `observe` off) what RQ knows."""
-    raw = redis.hgetall(history_key(job_id))
+    try:
+        raw = redis.hgetall(history_key(job_id))
+    except ResponseError:  # not a job's hash (an index shares the prefix): no such job
+        return None
     if raw:
         return decode(job_id, raw)
     return from_rq(redis, job_id)
@@ -89,8 +93,12 @@ def resolve(redis: Redis, prefix: str) -> str:
 
 
 def from_rq(redis: Redis, job_id: str) -> dict[str, Any] | None:
-    if not redis.exists(job_key(job_id)):
+    try:
+        fields, status = redis.hlen(job_key(job_id)), as_str(redis.hget(job_key(job_id), "status"))
+    except ResponseError:  # not a hash
         return None
+    if fields == 0 or (fields == 1 and status == "canceled"):
+        return None  # unknown, or a cancelled batch line's tombstone (the batch records the line)
     try:
         job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except Exception as e:  # unreadable: still say what is there

@@ -133,8 +133,25 @@ function renderDetail(r) {
   box.hidden = false;
 }
 
+// The gateway's API key, if it has keys: typed in once per tab, kept in sessionStorage (gone with
+// the tab) and sent on every request of the page.
+const KEY_ITEM = "llama-fleet-dashboard-key";
+function authHeaders() {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? {Authorization: "Bearer " + key} : {};
+}
+$("#key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const key = $("#key").value.trim();
+  if (key) sessionStorage.setItem(KEY_ITEM, key); else sessionStorage.removeItem(KEY_ITEM);
+  $("#key").value = "";
+  $("#key").placeholder = key ? "API key set for this tab" : "API key (if the gateway has keys)";
+});
+if (sessionStorage.getItem(KEY_ITEM)) $("#key").placeholder = "API key set for this tab";
+
 async function getJSON(path) {
-  const res = await fetch(path, {cache: "no-store"});
+  const res = await fetch(path, {cache: "no-store", headers: authHeaders()});
+  if (res.status === 401) throw new Error("this gateway needs an API key: type it in above");
   if (!res.ok) throw new Error(`${path}: HTTP ${res.status}`);
   return res.json();
 }
