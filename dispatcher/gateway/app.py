@@ -4,24 +4,35 @@
 
 GET /health is open (Redis reachable and at least one live worker); every other route needs a
 bearer key when `gateway.api_keys` is set. Keys are compared in constant time and never logged.
+
+Every request passes `RequestGuard` first: cross-site browser requests may not POST or DELETE
+(keys are off by default, so any web page the operator opens could otherwise run jobs), and a
+body is bounded in size and in time while it is read (docs/gateway.md, "What the gateway refuses").
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dispatcher.gateway import batch_api, ollama_api, openai_api
-from dispatcher.gateway.core import ApiError, Gateway
-from dispatcher.gateway.settings import ServeSettings, load_serve_settings
+from dispatcher.gateway.core import ApiError, Gateway, shown
+from dispatcher.gateway.responses import AsciiJSONResponse
+from dispatcher.gateway.settings import GatewaySettings, ServeSettings, load_serve_settings
 
 log = logging.getLogger("fleet.gateway")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -41,12 +52,155 @@ def guarded(handler: Handler) -> Handler:
     return check
 
 
+def error_response(path: str, exc: ApiError) -> Response:
+    """An ApiError in the shape of the API that was called, in ASCII JSON (it may echo any text)."""
+    body = ollama_api.error_body(exc) if path.startswith("/api/") else openai_api.error_body(exc)
+    return AsciiJSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
 async def render_error(request: Request, exc: Exception) -> Response:
-    """An ApiError in the shape of the API that was called."""
     assert isinstance(exc, ApiError)
-    ollama = request.url.path.startswith("/api/")
-    body = ollama_api.error_body(exc) if ollama else openai_api.error_body(exc)
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+    return error_response(request.url.path, exc)
+
+
+# -- the guard in front of every route --------------------------------------------------------------
+
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+UPLOAD_ROUTE = "/v1/files"  # POST: multipart, with its own (larger) body limit
+BODY_GRACE = 5.0  # seconds a body may take before gateway.body_min_rate applies
+CLOSE = {"Connection": "close"}  # the rest of a refused body is not read: the connection ends
+
+
+class RequestGuard:
+    """ASGI middleware: refuses cross-site browser requests on mutating routes (403), bodies over
+    the route's size limit (413: at once when Content-Length says so, else as soon as the bytes
+    read pass it, chunked or not) and bodies that arrive too slowly (408)."""
+
+    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+        self.app = app
+        self.settings = settings
+        self.trusted = {o.rstrip("/").lower() for o in settings.trusted_origins}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        upload = scope["method"] == "POST" and scope["path"] == UPLOAD_ROUTE
+        limit = self.settings.max_upload_bytes if upload else self.settings.max_body_bytes
+        try:
+            if scope["method"] in MUTATING:
+                self.refuse_cross_site(scope, headers)
+            if upload:
+                refuse_non_multipart(headers)
+            announced = headers.get("content-length", "")
+            if announced.isdigit() and int(announced) > limit:
+                raise too_large(limit, upload)
+        except ApiError as refused:
+            await error_response(scope["path"], refused)(scope, receive, send)
+            return
+        meter = BodyMeter(receive, limit, upload, self.settings)
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, meter.receive, sending)
+        except ApiError as refused:  # raised by the meter where no route handler caught it
+            if started:
+                raise
+            await error_response(scope["path"], refused)(scope, receive, send)
+
+    def refuse_cross_site(self, scope: Scope, headers: Headers) -> None:
+        """403 for a browser request from another site: browsers send Sec-Fetch-Site and Origin,
+        and a page cannot forge either; SDKs and curl send neither and pass."""
+        origin = headers.get("origin")
+        if origin is not None and origin.rstrip("/").lower() in self.trusted:
+            return
+        site = headers.get("sec-fetch-site")
+        if site is not None and site.lower() not in ("same-origin", "none"):
+            raise ApiError(403, f"cross-site request refused (Sec-Fetch-Site: {shown(site)}): a web page "
+                           "from another site may not send requests that run or change work here "
+                           "(gateway.trusted_origins lists origins that may)", code="cross_site_request")
+        if origin is not None and not same_origin(origin, headers.get("host"), scope.get("scheme", "http")):
+            raise ApiError(403, f"cross-origin request refused: Origin '{shown(origin)}' is not this gateway "
+                           f"(Host '{shown(headers.get('host') or '')}'); gateway.trusted_origins lists "
+                           "origins that may send requests", code="cross_site_request")
+
+
+def same_origin(origin: str, host: str | None, scheme: str) -> bool:
+    """Whether `origin` (scheme://host[:port]) names the host:port the request was sent to. A Host
+    without a port counts as the origin's default port, so a TLS proxy in front changes nothing."""
+    if not host or origin == "null":
+        return False
+    try:
+        theirs, ours = urlsplit(origin), urlsplit(f"//{host}")
+        default = {"http": 80, "https": 443}.get(theirs.scheme or scheme, 80)
+        return ((theirs.hostname or "") == (ours.hostname or "")
+                and (theirs.port or default) == (ours.port or default))
+    except ValueError:  # a port that is not a number
+        return False
+
+
+def refuse_non_multipart(headers: Headers) -> None:
+    ctype = headers.get("content-type", "")
+    if ctype.partition(";")[0].strip().lower() != "multipart/form-data":
+        got = f"'{shown(ctype)}'" if ctype else "none"
+        raise ApiError(415, f"POST {UPLOAD_ROUTE} takes Content-Type multipart/form-data; got {got}",
+                       code="unsupported_media_type")
+
+
+def too_large(limit: int, upload: bool) -> ApiError:
+    setting = "gateway.max_upload_bytes" if upload else "gateway.max_body_bytes"
+    return ApiError(413, f"the request body is larger than {limit:,} bytes ({setting})",
+                    code="body_too_large", headers=CLOSE)
+
+
+class BodyMeter:
+    """The `receive` a route reads its body through: counts bytes against the limit and bounds
+    the time the body takes (uvicorn has no body timeout). Once the body is in, it only passes
+    messages on (the disconnect watchers wait on it for as long as a response lasts)."""
+
+    def __init__(self, receive: Receive, limit: int, upload: bool, settings: GatewaySettings) -> None:
+        self._receive = receive
+        self.limit = limit
+        self.upload = upload
+        self.timeout = settings.body_timeout
+        self.min_rate = settings.body_min_rate
+        self.started = time.monotonic()
+        self.received = 0
+        self.done = False
+
+    def deadline(self) -> float:
+        """When the body must be further along: gateway.body_timeout after the head, and never
+        slower on average than gateway.body_min_rate once BODY_GRACE has passed."""
+        end = self.started + self.timeout
+        if self.min_rate:
+            end = min(end, self.started + max(BODY_GRACE, self.received / self.min_rate))
+        return end
+
+    async def receive(self) -> Message:
+        if self.done:
+            return await self._receive()
+        try:
+            async with asyncio.timeout(self.deadline() - time.monotonic()):
+                message = await self._receive()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive in time ({self.received:,} bytes after "
+                           f"{time.monotonic() - self.started:.1f}s; gateway.body_timeout is "
+                           f"{self.timeout:g}s, gateway.body_min_rate {self.min_rate} bytes/s)",
+                           code="body_timeout", headers=CLOSE) from None
+        if message["type"] != "http.request":
+            self.done = True
+            return message
+        self.received += len(message.get("body", b""))
+        if self.received > self.limit:
+            raise too_large(self.limit, self.upload)
+        self.done = not message.get("more_body", False)
+        return message
 
 
 async def health(request: Request) -> Response:
@@ -83,7 +237,8 @@ def create_app(settings: ServeSettings) -> Starlette:
         *batch_api.routes(guarded),
         *observability_routes(settings),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error},
+                     middleware=[Middleware(RequestGuard, settings=settings.gateway)])
 
 
 def observability_routes(settings: ServeSettings) -> list[Route | Mount]:

@@ -12,9 +12,11 @@ import contextlib
 import hmac
 import json
 import logging
+import math
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.contract.keys import WORKERS_SET, queue_key, queue_names, worker_key
 from backends.contract.replies import as_str
@@ -23,6 +25,9 @@ from backends.contract.schema import PRIORITIES
 from dispatcher.aio import AsyncFleet, AsyncFleetJob
 from dispatcher.gateway.settings import ServeSettings
 from dispatcher.stream import JobFailed, JobRestarted, TextDeltas
+
+if TYPE_CHECKING:  # Starlette stays out of producer-only hosts (openai_bodies imports this module)
+    from starlette.requests import Request
 
 log = logging.getLogger("fleet.gateway")
 REFRESH_INTERVAL = 1.0  # seconds between reads of the workers' status hashes
@@ -42,9 +47,124 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def shown(value: object, limit: int = 100) -> str:
+    """A client's value as it may appear in an error message: unprintable characters (lone
+    surrogates, controls) escaped, so any JSON encoder can write it, and at most `limit` long."""
+    text = str(value)
+    cut = text[:limit]
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in cut)
+    return out + ("..." if len(text) > limit else "")
+
+
 def unsupported(field: str, api: str) -> ApiError:
-    return ApiError(400, f"'{field}' is not supported by this {api} gateway (llama-fleet)",
-                    param=field, code="unsupported_field")
+    return ApiError(400, f"'{shown(field)}' is not supported by this {api} gateway (llama-fleet)",
+                    param=shown(field), code="unsupported_field")
+
+
+# -- reading a JSON body ----------------------------------------------------------------------------
+
+LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # a pair is fine; checked below
+
+
+async def read_json_object(request: Request, *, limit: int, max_depth: int = 64) -> dict[str, Any]:
+    """The body of a JSON route as a dict, or an ApiError that names what is wrong with it:
+    415 unless Content-Type is application/json (so a browser's plain form post runs nothing),
+    413 past `limit` bytes (announced or streamed), 400 for invalid UTF-8, non-JSON, nesting
+    deeper than `max_depth`, lone surrogates or a non-object."""
+    ctype = request.headers.get("content-type", "")
+    media, _, params = ctype.partition(";")
+    charset = params.strip().lower().removeprefix("charset=").strip('"') if params.strip() else "utf-8"
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        got = f"'{shown(ctype)}'" if ctype else "none"
+        raise ApiError(415, f"Content-Type must be application/json (UTF-8); got {got}",
+                       code="unsupported_media_type")
+    announced = request.headers.get("content-length", "")
+    if announced.isdigit() and int(announced) > limit:
+        raise body_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not valid UTF-8 (at byte {e.start})", code="invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:  # the C scanner recurses per level; not a ValueError
+        raise too_deep(max_depth) from None
+    except ValueError as e:
+        raise ApiError(400, f"the body is not JSON: {e}", code="invalid_json") from None
+    if text.count("[") + text.count("{") > max_depth and _deeper_than(body, max_depth):
+        raise too_deep(max_depth)
+    if LONE_SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the body holds a lone surrogate escape (\\ud800-\\udfff without its pair): "
+                           "not text", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit:,} bytes (gateway.max_body_bytes)",
+                    code="body_too_large", headers={"Connection": "close"})
+
+
+def too_deep(limit: int) -> ApiError:
+    return ApiError(400, f"the JSON body nests deeper than {limit} levels (gateway.max_json_depth)",
+                    code="invalid_json")
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e999: no response or job could carry it back as JSON
+        raise ValueError(f"the number {shown(text, 30)} is out of range")
+    return value
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether `value` nests deeper than `limit`, without recursion (the caller's stack must not
+    be what a client's body measures)."""
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+# -- what a client is told about a failed job -------------------------------------------------------
+
+# A Python exception's type, with its module path (`ValueError: `, `httpx.ReadTimeout: `)
+PYTHON_TYPE = re.compile(r"\b(?:[a-z_][a-z0-9_]*\.)*[A-Z][A-Za-z0-9]*"
+                         r"(?:Error|Exception|Warning|Exit|Interrupt|Timeout|Rejected|Refused|Failed|Unavailable)"
+                         r"\b(?::\s*)?")
+SOURCE_LINE = re.compile(r'File "[^"]*", line \d+(?:, in \S+)?')
+INTERNAL = "internal error"
+
+
+def public_reason(error: str, limit: int = 500) -> str:
+    """A worker's failure reason as a client may read it: no traceback, no Python type names or
+    source paths (the gateway's log keeps the worker's own words)."""
+    reason = error.split("Traceback (most recent call last)", 1)[0]
+    if reason.lower().startswith(INTERNAL):
+        head = reason.split(":", 1)[0].strip()
+        return f"{head} (the worker's log has the details)"
+    reason = SOURCE_LINE.sub("", PYTHON_TYPE.sub("", reason))
+    reason = re.sub(r"\s+", " ", reason).strip(" :;,") or "the job failed on its worker"
+    return reason if len(reason) <= limit else reason[:limit] + "..."
 
 
 @dataclass
@@ -55,6 +175,7 @@ class JobUpdate:
     delta: str = ""
     result: dict[str, Any] | None = None
     error: str | None = None
+    timed_out: bool = False  # gateway.request_timeout passed; the request's jobs are cancelled
 
     @property
     def final(self) -> bool:
@@ -140,7 +261,7 @@ class Gateway:
                            param="model", code="missing_model")
         pool = self.models.get(model)
         if pool is None:
-            raise ApiError(404, f"The model '{model}' does not exist (this gateway serves: "
+            raise ApiError(404, f"The model '{shown(model)}' does not exist (this gateway serves: "
                            f"{', '.join(sorted(self.models))})", param="model", code="model_not_found")
         return pool
 
@@ -149,7 +270,7 @@ class Gateway:
         pool, 429 when more than `max_queue` jobs wait in it, 400 for a bad field."""
         if priority not in PRIORITIES:
             raise ApiError(400, f"X-Fleet-Priority must be one of {', '.join(PRIORITIES)}, not "
-                           f"{priority!r}", param="X-Fleet-Priority", code="invalid_priority")
+                           f"'{shown(priority)}'", param="X-Fleet-Priority", code="invalid_priority")
         if not self.live_workers.get(pool):
             await self.refresh()  # a worker may have come up since the last look
             if not self.redis_up:
@@ -213,18 +334,24 @@ async def job_updates(index: int, job: AsyncFleetJob, timeout: float) -> AsyncIt
                 return
             if delta:
                 yield JobUpdate(index, delta)
-        yield JobUpdate(index, error=f"job {job.id} did not finish within {timeout:.0f}s")
+        yield JobUpdate(index, error=f"job {job.id} did not finish within {timeout:g}s "
+                        "(gateway.request_timeout); the request's jobs are cancelled", timed_out=True)
     except JobFailed as e:
-        yield JobUpdate(index, error=e.error)
+        log.info("job %s failed: %s", job.id, e.error)
+        yield JobUpdate(index, error=public_reason(e.error))
     except JobRestarted:
         yield JobUpdate(index, error=f"job {job.id} restarted after its worker died, and its new text "
                         "differs from the text already sent; retry the request")
 
 
 async def follow(jobs: list[AsyncFleetJob], timeout: float) -> AsyncIterator[JobUpdate]:
-    """Updates of all of a request's jobs as they come; ends when every job has ended."""
+    """Updates of all of a request's jobs as they come; ends when every job has ended. When the
+    request's time is up, its jobs are cancelled (as when the client leaves) before the update
+    saying so is yielded: nobody would read what they still generate."""
     if len(jobs) == 1:
         async for update in job_updates(0, jobs[0], timeout):
+            if update.timed_out:
+                await asyncio.shield(cancel_all(jobs))
             yield update
         return
     queue: asyncio.Queue[JobUpdate] = asyncio.Queue()
@@ -239,6 +366,8 @@ async def follow(jobs: list[AsyncFleetJob], timeout: float) -> AsyncIterator[Job
         while left:
             update = await queue.get()
             left -= update.final
+            if update.timed_out:
+                await asyncio.shield(cancel_all(jobs))
             yield update
     finally:
         for task in tasks:

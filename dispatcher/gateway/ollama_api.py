@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from dispatcher.gateway.core import ApiError, Gateway, JobUpdate, cancel_all, collect, follow, unsupported
-from dispatcher.gateway.openai_api import read_body
+from dispatcher.gateway.openai_api import check_limits, read_body, timed_out
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
 VERSION = "0.1.0"  # llama-fleet's version; Ollama clients only show it
@@ -147,6 +147,7 @@ async def _run(request: Request, chat: bool) -> Response:
     reply = OllamaReply(str(model), chat, started)
     if fields is None:  # Ollama loads the model and answers at once
         return JSONResponse(reply.final(None, "", done_reason="load"))
+    check_limits(gw, [fields], 1, tokens_field="options.num_predict")
     jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"))
     headers = {"X-Fleet-Job-Id": jobs[0].id}
     timeout = gw.settings.gateway.request_timeout
@@ -156,8 +157,10 @@ async def _run(request: Request, chat: bool) -> Response:
     finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
     if finals is None:
         return Response(status_code=499)
-    if finals[0].error is not None:
-        raise ApiError(500, finals[0].error)
+    if late := timed_out(finals, headers):
+        raise late
+    if finals[0].error is not None:  # as on the OpenAI paths: not 5xx, which clients would retry
+        raise ApiError(422, f"generation failed: {finals[0].error}", code="job_failed", headers=headers)
     result = finals[0].result or {}
     return JSONResponse(reply.final(result, result.get("text", "")), headers=headers)
 

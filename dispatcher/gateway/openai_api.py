@@ -10,14 +10,22 @@ Logprobs come from the job's result, so a streamed choice carries them on its la
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from dispatcher.gateway.core import ApiError, Gateway, cancel_all, collect, follow, unsupported
-from dispatcher.gateway.openai_bodies import MAX_CHOICES, Reply, error_body, job_fields, per_choice
+from dispatcher.gateway.core import (
+    ApiError,
+    Gateway,
+    JobUpdate,
+    cancel_all,
+    collect,
+    follow,
+    read_json_object,
+    unsupported,
+)
+from dispatcher.gateway.openai_bodies import Reply, error_body, job_fields, per_choice
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
 __all__ = ["error_body", "job_fields"]  # request/response bodies live in openai_bodies.py
@@ -51,13 +59,35 @@ async def completions(request: Request) -> Response:
 
 
 async def read_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except ValueError as e:
-        raise ApiError(400, f"the body is not JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    """The JSON object of a request, null fields dropped (null counts as absent)."""
+    gw: Gateway = request.app.state.gateway
+    body = await read_json_object(request, limit=gw.settings.gateway.max_body_bytes,
+                                  max_depth=gw.settings.gateway.max_json_depth)
     return {k: v for k, v in body.items() if v is not None}
+
+
+def check_limits(gw: Gateway, requests: list[dict[str, Any]], n: int, *,
+                 tokens_field: str = "max_tokens") -> None:
+    """The gateway's own bounds on what one request may cost (gateway.max_n, gateway.max_tokens);
+    400 naming the limit."""
+    limits = gw.settings.gateway
+    if len(requests) * n > limits.max_n:
+        raise ApiError(400, f"at most {limits.max_n} choices per request (prompts x n; gateway.max_n)",
+                       param="n", code="invalid_value")
+    for fields in requests:
+        asked = fields.get("max_tokens")
+        if isinstance(asked, int) and asked > limits.max_tokens:
+            raise ApiError(400, f"{tokens_field} may be at most {limits.max_tokens} on this gateway "
+                           "(gateway.max_tokens)", param=tokens_field, code="invalid_value")
+
+
+def timed_out(finals: list[JobUpdate], headers: dict[str, str]) -> ApiError | None:
+    """504 when gateway.request_timeout ended the wait (the jobs were cancelled; a retry starts
+    afresh), naming the jobs like every answer."""
+    late = next((u for u in finals if u.timed_out), None)
+    if late is None:
+        return None
+    return ApiError(504, late.error or "timed out", code="timeout", headers=headers)
 
 
 async def _complete(request: Request, chat: bool) -> Response:
@@ -65,9 +95,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     body = await read_body(request)
     pool = gw.pool_for(body.get("model"))
     requests, n = job_fields(body, chat)
-    if len(requests) * n > MAX_CHOICES:
-        raise ApiError(400, f"at most {MAX_CHOICES} choices per request (prompts x n)", param="n",
-                       code="invalid_value")
+    check_limits(gw, requests, n)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
         raise unsupported("stream_options", "OpenAI")
@@ -83,6 +111,11 @@ async def _complete(request: Request, chat: bool) -> Response:
     finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
     if finals is None:
         return Response(status_code=499)  # the client left; nobody reads this
-    return JSONResponse(reply.whole(finals), headers=headers)
-
-
+    if late := timed_out(finals, headers):
+        raise late
+    try:
+        whole = reply.whole(finals)
+    except ApiError as e:  # a failed job: 422, still naming the jobs
+        e.headers.update(headers)
+        raise
+    return JSONResponse(whole, headers=headers)

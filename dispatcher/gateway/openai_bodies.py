@@ -223,8 +223,10 @@ class Reply:
                 yield sse_data({**self._envelope(chunk=True), "choices": [first], **extra})
         results: list[dict[str, Any] | None] = [None] * self.n
         async for u in updates:
-            if u.error is not None:
-                yield sse_data(error_body(ApiError(422, f"generation failed: {u.error}", code="job_failed")))
+            if u.error is not None:  # the status is sent already: the error travels as a chunk
+                failure = (ApiError(504, u.error, code="timeout") if u.timed_out
+                           else ApiError(422, f"generation failed: {u.error}", code="job_failed"))
+                yield sse_data(error_body(failure))
                 return
             results[u.index] = u.result
             if u.final:

@@ -1,4 +1,5 @@
-"""Responses that notice the client leaving, so its jobs are cancelled and their slots freed.
+"""Responses that notice the client leaving, so its jobs are cancelled and their slots freed;
+and the ASCII JSON response every error is written with.
 
 Only a client that really left (an `http.disconnect`, or a send that fails) cancels. A request
 cut short by the gateway's own shutdown keeps its jobs: they finish in the fleet and their
@@ -9,16 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 OnDisconnect = Callable[[], Awaitable[None]]
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON written as ASCII (\\u escapes): an error that echoes a client's text can always be
+    encoded, whatever characters (even lone surrogates) that text holds."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 class JobStreamResponse(StreamingResponse):

@@ -13,9 +13,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from backends.contract.schema import MAX_TOKENS_LIMIT
 from backends.contract.settings import ProducerSettings, load
 
 POOL_PATTERN = r"^[A-Za-z0-9_.-]+$"
+MIB = 1024 * 1024
 
 
 class GatewaySettings(BaseModel):
@@ -32,6 +34,27 @@ class GatewaySettings(BaseModel):
                                    description="model name -> pool; empty: the fleet's pool, by its name")
     request_timeout: float = Field(900.0, gt=0, description="seconds a request waits for its jobs")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds open requests get at shutdown")
+    # what the gateway refuses (docs/gateway.md): bounds an unauthenticated client cannot exceed
+    max_body_bytes: int = Field(8 * MIB, ge=1024, description="largest request body (JSON routes); 413")
+    max_upload_bytes: int = Field(65 * MIB, ge=1024, description="largest request body of POST /v1/files "
+                                  "(multipart, the whole body); 413")
+    max_json_depth: int = Field(64, ge=2, le=500, description="deepest nesting of a JSON body; 400")
+    body_timeout: float = Field(60.0, gt=0, description="seconds a request body may take to arrive; 408")
+    body_min_rate: int = Field(1024, ge=0, description="bytes/s a body must average after its first 5 s "
+                               "(a trickling client holds a connection for nothing); 408; 0: no floor")
+    header_timeout: float = Field(10.0, gt=0, description="seconds a request head (request line and "
+                                  "headers) may take to arrive; the connection closes")
+    max_header_bytes: int = Field(64 * 1024, ge=4096, description="largest request head; 431 and the "
+                                  "connection closes")
+    max_connections: int = Field(2048, ge=1, description="open connections and requests (uvicorn "
+                                 "limit_concurrency); 503 beyond")
+    keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle kept-alive connection stays")
+    max_n: int = Field(8, ge=1, le=16, description="jobs one request may start (n x prompts); 400")
+    max_tokens: int = Field(4096, ge=1, le=MAX_TOKENS_LIMIT,
+                            description="largest max_tokens / num_predict a request may ask; 400 "
+                            "(default: the in-process engine's n_ctx_per_seq)")
+    trusted_origins: list[str] = Field(default_factory=list, description="browser origins "
+                                       "(scheme://host:port) that may POST/DELETE besides the gateway's own")
     # batches and files (docs/batch.md): a batch or an uploader cannot take the fleet's room
     max_batch_queue: int = Field(50_000, ge=0, description="batch lines not ended yet that a pool's open "
                                  "batches may hold; a batch that would pass it gets 429")
