@@ -27,7 +27,12 @@ from redis import Redis as SyncRedis
 from redis.asyncio import BlockingConnectionPool, Redis
 from rq import Queue
 
-from backends.contract.connect import async_redis_from_url, is_sentinel_url
+from backends.contract.connect import (
+    MIN_REDIS_VERSION,
+    async_redis_from_url,
+    async_server_version,
+    is_sentinel_url,
+)
 from backends.contract.keys import ATTEMPT_FIELD, cancel_key, job_key, wake_key
 from backends.contract.replies import as_int, as_str
 from backends.contract.retry import OUTAGE_ERRORS, retry_outage_async
@@ -112,13 +117,20 @@ class AsyncFleet(ProducerBase):
                 await pipe.execute()
         return AsyncFleetJob(self, job.job_id)
 
+    async def check_server(self) -> None:
+        """RedisTooOld if the server is older than the fleet needs (a gateway calls this at start;
+        the first submit checks anyway)."""
+        await self._rq_queues()
+
     async def _rq_queues(self) -> dict[str, Queue]:
         if self._queues is None:
-            info = await self.redis.info("server")
-            version = [int(p) for p in [*str(info["redis_version"]).split("."), "0", "0"][:3]]
+            # HELLO, not INFO: INFO is @dangerous, which the documented ACL user may not run.
+            # RQ wants the version only to choose LPOS; an ACL that refuses HELLO too leaves the
+            # minimum the fleet needs anyway.
+            version = await async_server_version(self.redis, self.redis_url) or MIN_REDIS_VERSION
             queues = rq_queues(self.pool, self._recorder)
             for q in queues.values():
-                q.redis_server_version = (version[0], version[1], version[2])
+                q.redis_server_version = version
             self._queues = queues
         return self._queues
 

@@ -84,11 +84,11 @@ ACL = ["--requirepass", "admin-secret",
 def test_password_and_acl_user_urls_work_and_stay_secret(tmp_path: Path) -> None:
     admin = "redis://:admin-secret@127.0.0.1:{}/0".format
     with start_guarded_redis(tmp_path / "redis", ACL, admin) as server:
-        admin_url = admin(server.port)
         user_url = f"redis://fleet:fleet-secret@127.0.0.1:{server.port}/0"
         with fleet_workers(user_url, tmp_path / "logs") as workers:
             worker = workers.start("acl-1", backend__type="fake")
-            result = Fleet(admin_url).submit(prompt="through the ACL", max_tokens=4).result(timeout=20)
+            # the producer too: every entry point under the ACL is tests/test_acl_entry_points.py
+            result = Fleet(user_url).submit(prompt="through the ACL", max_tokens=4).result(timeout=20)
             assert result["worker"] == "acl-1"
             status = fleet_cli("status", redis_url=user_url)
             status_json = fleet_cli("status", "--json", redis_url=user_url)

@@ -9,9 +9,11 @@ import os
 import socket
 
 from redis import Redis
+from redis.exceptions import ResponseError
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from backends.contract.connect import server_version
 from backends.contract.keys import RQ_WORKERS_SET, queue_names, worker_key
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.registry import make_backend
@@ -37,6 +39,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     """Serve until SIGTERM/SIGINT; with `burst`, until no job is queued or in flight (then the
     summary of what ended is returned)."""
     name = settings.name or default_name()
+    server_version(redis, settings.redis_url)  # an older Redis stops the worker before the model loads
     if redis.exists(worker_key(name)):
         raise WorkerNameTaken(f"a live worker named {name!r} is already registered; pick another --name")
     # pin before the model loads: llama.cpp's threads inherit the mask and the memory policy
@@ -47,7 +50,11 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     log.info("worker %s: backend %s ready, %d slots, %d threads", name, backend.name, backend.slots, threads)
 
     queues = queue_names(settings.pool)
-    rq_worker = Worker(queues, name=name, connection=redis, serializer=JSONSerializer)
+    # not prepared by RQ: that finds our address with CLIENT LIST, which the documented ACL user
+    # (`-@dangerous`) may not run; CLIENT INFO names this connection's address as well
+    rq_worker = Worker(queues, name=name, connection=redis, serializer=JSONSerializer, prepare_for_work=False)
+    rq_worker.hostname, rq_worker.pid = socket.gethostname(), os.getpid()
+    rq_worker.ip_address = _address(redis)
     _register_rq(rq_worker, redis)
     link = RedisLink()  # one view of Redis for the loop, the heartbeat and the reaper
     reaper = Reaper(redis, name, settings.max_attempts, settings.result_ttl, link=link,
@@ -79,6 +86,14 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
         c = fw.counters
         log.info("worker %s: stopped (%d done, %d failed)", name, c.jobs_done, c.jobs_failed)
     return summary
+
+
+def _address(redis: Redis) -> str:
+    """This client's address as Redis sees it (what RQ records as the worker's ip_address)."""
+    try:
+        return str(redis.client_info().get("addr") or "unknown")
+    except ResponseError:
+        return "unknown"
 
 
 def _register_rq(rq_worker: Worker, redis: Redis) -> None:

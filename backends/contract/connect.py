@@ -20,6 +20,11 @@ Sentinel URL grammar:
 - TLS options (rediss+sentinel): `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`,
   `ssl_cert_reqs` (none|optional|required), `ssl_check_hostname` (true|false);
 - `db` may also be a query option; the port defaults to 26379.
+
+The server must be Redis >= 7.0 (`EXPIRE ... GT` and `EXPIRETIME`, which batches use). Workers
+and the gateway check at start with `HELLO` (no arguments: it changes nothing on the connection),
+since `INFO` is in the `@dangerous` ACL category that the documented fleet user
+(`+@all -@dangerous`) lacks.
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from redis import Redis
+from redis.exceptions import NoPermissionError, ResponseError
 from redis.sentinel import Sentinel
+
+from backends.contract.redact import redact_url
+from backends.contract.settings import SettingsError
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -40,6 +49,9 @@ _SOCKET_OPTIONS = ("socket_timeout", "socket_connect_timeout", "socket_keepalive
                    "retry_on_timeout", "health_check_interval")
 _TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 _KNOWN_OPTIONS = ("db", "sentinel_username", "sentinel_password", *_TLS_OPTIONS)
+MIN_REDIS_VERSION = (7, 0, 0)
+_NEEDS = "llama-fleet needs Redis >= 7.0"
+Version = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -151,3 +163,79 @@ def async_redis_from_url(url: str, **kw: Any) -> redis.asyncio.Redis:
     target = parse_sentinel_url(url)
     sentinel = AsyncSentinel(list(target.sentinels), sentinel_kwargs=target.sentinel_kwargs(**kw))
     return sentinel.master_for(target.service, redis_class=aioredis.Redis, **target.data_kwargs(**kw))
+
+
+class RedisTooOld(SettingsError):
+    """The configured Redis cannot serve the fleet (a SettingsError: the fix is in the config or
+    the server, and the CLI prints it in one line)."""
+
+
+def parse_hello(reply: Any) -> tuple[str, Version]:
+    """(server, version) from a HELLO reply: a flat list of pairs (RESP2) or a map (RESP3)."""
+    if isinstance(reply, dict):
+        pairs = list(reply.items())
+    elif isinstance(reply, (list, tuple)) and len(reply) % 2 == 0:
+        pairs = list(zip(reply[::2], reply[1::2], strict=True))
+    else:
+        raise ValueError(f"not a HELLO reply: {reply!r}")
+    fields = {_text(k): v for k, v in pairs}
+    if "version" not in fields:
+        raise ValueError(f"HELLO reply without a version: {reply!r}")
+    return _text(fields.get("server", "redis")), parse_version(_text(fields["version"]))
+
+
+def parse_version(text: str) -> Version:
+    """'7.0.15' -> (7, 0, 15); missing parts are 0, a suffix after the digits is ignored."""
+    numbers = []
+    for part in text.strip().split(".")[:3]:
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        numbers.append(int(digits))
+    if not numbers:
+        raise ValueError(f"not a version: {text!r}")
+    numbers += [0] * (3 - len(numbers))
+    return numbers[0], numbers[1], numbers[2]
+
+
+def check_version(version: Version | None, url: str, server: str = "redis") -> None:
+    """RedisTooOld when `version` is known and below MIN_REDIS_VERSION."""
+    if version is not None and version < MIN_REDIS_VERSION:
+        raise RedisTooOld(f"{server} {'.'.join(map(str, version))} at {redact_url(url)} is too old: {_NEEDS}")
+
+
+def _hello_refused(error: ResponseError, url: str) -> Version | None:
+    if isinstance(error, NoPermissionError):
+        return None  # an ACL without @connection: the version cannot be known, nothing to check
+    # HELLO without arguments exists from Redis 6.2 on; before that it is unknown or needs one
+    raise RedisTooOld(f"the Redis server at {redact_url(url)} does not answer HELLO ({error}), so it "
+                      f"is older than 6.2: {_NEEDS}") from None
+
+
+def server_version(redis: Redis, url: str) -> Version | None:
+    """The server's version, checked (RedisTooOld below 7.0); None when an ACL refuses HELLO.
+    `url` is for the message (printed redacted)."""
+    try:
+        server, version = parse_hello(redis.execute_command("HELLO"))
+    except ResponseError as e:
+        return _hello_refused(e, url)
+    check_version(version, url, server)
+    return version
+
+
+async def async_server_version(redis: redis.asyncio.Redis, url: str) -> Version | None:
+    """`server_version` on redis.asyncio."""
+    try:
+        server, version = parse_hello(await redis.execute_command("HELLO"))
+    except ResponseError as e:
+        return _hello_refused(e, url)
+    check_version(version, url, server)
+    return version
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
