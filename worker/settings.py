@@ -3,7 +3,8 @@ the worker's own (name, pinning, heartbeat, attempts) and the backend's (backend
 
 Loaded from `worker-config.json`, overridden by `FLEET_*` environment variables (the machinery and
 its priority rules: backends/contract/settings.py). Unknown keys and bad values fail at start with
-pydantic's message, which names the key.
+pydantic's message, which names the key. One file configures the whole fleet, so the gateway's
+section is checked here too, with the gateway's own model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic_settings import SettingsConfigDict
 
 from backends.contract.settings import ProducerSettings, SettingsError, config_path, load
 from backends.registry import BackendSettings, BackendType
+from dispatcher.gateway.settings import GatewaySettings
 
 __all__ = ["BackendSettings", "BackendType", "FleetSettings", "SettingsError", "config_path",
            "format_cpu_list", "load_settings", "parse_cpu_list"]
@@ -42,6 +44,9 @@ class FleetSettings(ProducerSettings):
     observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
                           "status hash is always written: it is the liveness signal)")
     health_file: Path | None = Field(None, description="worker: file refreshed every beat for `fleet health`")
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings,
+                                     description="`fleet serve`'s section (docs/gateway.md); the "
+                                     "worker only checks it")
 
     @field_validator("cpus")
     @classmethod

@@ -16,7 +16,8 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
     JsonConfigSettingsSource,
@@ -56,9 +57,20 @@ class FileAndEnvSettings(BaseSettings):
         return tuple(sources)
 
 
+# Top-level keys of the one worker-config.json that parts above the producers own: the worker's
+# (worker/settings.py FleetSettings) and the gateway's section. The contract cannot import those
+# models, so it knows their names (tests/test_config_one_file.py keeps the list equal to
+# FleetSettings' fields).
+OTHER_PARTS_KEYS = frozenset({
+    "name", "backend", "cpus", "numa_node", "heartbeat_interval", "max_attempts", "reserved_slots",
+    "batch_share", "drain_grace", "reconcile_interval", "observe", "health_file", "gateway",
+})
+
+
 class ProducerSettings(FileAndEnvSettings):
-    """What a producer (`Fleet`, the gateway) needs from the shared config. Keys meant for workers
-    (backend, cpus, ...) are ignored here; the worker's own model checks them."""
+    """What a producer (`Fleet`, the gateway) needs from the shared config. Keys of other parts
+    (backend, cpus, ...) are left to their owners' models; a key no part knows is refused, so a
+    typo stops a producer as it stops a worker."""
 
     model_config = SettingsConfigDict(extra="ignore")
 
@@ -70,6 +82,17 @@ class ProducerSettings(FileAndEnvSettings):
     durability: Literal["primary", "replicated"] = Field(
         "primary", description="producers: submit returns once the primary has the job, or (replicated) "
         "once a replica has it too (Redis WAIT; docs/scale-out.md)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.model_config.get("extra") != "forbid":
+            known = {*cls.model_fields, *OTHER_PARTS_KEYS}
+            unknown = sorted(str(k) for k in data if k not in known)
+            if unknown:
+                raise PydanticCustomError("unknown_keys", "unknown key(s) {keys}: not a setting of any "
+                                          "part of the fleet", {"keys": ", ".join(map(repr, unknown))})
+        return data
 
 
 class EngineSettings(BaseModel):
