@@ -1,5 +1,6 @@
-"""A plan -> Kubernetes manifests: worker Deployment, ConfigMap, Secret, gateway Deployment +
-Service, KEDA ScaledObject, and a helm-free kustomization.yaml (`kubectl apply -k DIR`).
+"""A plan -> Kubernetes manifests: worker Deployment, ConfigMap, Secrets (Redis, gateway keys),
+gateway Deployment + Service, KEDA ScaledObject, and a helm-free kustomization.yaml
+(`kubectl apply -k DIR`).
 
 - Workers: CPU requests = limits = the planned cores per worker, memory requests = limits = the
   sizing estimate, so pods are in the Guaranteed QoS class and a kubelet with the static CPU
@@ -10,7 +11,11 @@ Service, KEDA ScaledObject, and a helm-free kustomization.yaml (`kubectl apply -
 - Probes run `fleet health` against the worker's local health file (liveness never asks Redis);
   a startup probe covers the model load.
 - The Redis URL (and, for KEDA, the password) comes from a Secret; worker-config.json minus
-  `redis_url` is a ConfigMap mounted at CONFIG_DIR.
+  `redis_url` and `gateway.api_keys` is a ConfigMap mounted at CONFIG_DIR. The gateway's API keys
+  come from a Secret of their own (FLEET_GATEWAY__API_KEYS), never from the ConfigMap.
+- Every container runs as a non-root user, without privilege escalation or capabilities, on a
+  read-only root filesystem; what it writes goes to emptyDir volumes (/tmp: the health file,
+  uploads spooled by the gateway; the worker's cache dir: the embedded model, assembled at start).
 - KEDA: one `redis` (or `redis-sentinel`) trigger per priority queue of the pool, summed by a
   scaling-modifier formula; target = queue_target_per_worker() (ecosystem/sizing.py), the same
   function `fleet scale --suggest` uses.
@@ -39,6 +44,9 @@ CONFIG_DIR = "/etc/llama-fleet"
 HEALTH_FILE = "/tmp/fleet-health.json"
 GATEWAY_PORT = 8000
 SECRET = f"{APP}-redis"
+GATEWAY_SECRET = f"{APP}-gateway"
+CACHE_DIR = "/var/cache/llama-fleet"  # FLEET_CACHE_DIR: the embedded model is assembled here
+RUN_AS = 10001  # any non-root uid: the image needs no user of its own
 PER_HOST_KEYS = ("redis_url", "name", "cpus", "numa_node", "health_file")  # not for the ConfigMap
 
 
@@ -63,6 +71,7 @@ def render_kubernetes(plan: Plan, settings: FleetSettings, config: dict[str, Any
     docs = {
         "configmap.yaml": _configmap(config),
         "secret.yaml": _secret(settings.redis_url, options.show_secrets),
+        "gateway-secret.yaml": _gateway_secret(settings, options.show_secrets),
         "worker-deployment.yaml": _worker_deployment(plan, settings, cores, slots, options),
         "gateway-deployment.yaml": _gateway_deployment(options),
         "gateway-service.yaml": _gateway_service(),
@@ -102,6 +111,8 @@ def _labels(component: str) -> dict[str, str]:
 
 def _configmap(config: dict[str, Any]) -> dict[str, Any]:
     shared = {k: v for k, v in config.items() if k not in PER_HOST_KEYS}
+    if isinstance(shared.get("gateway"), dict):  # keys go to the gateway's Secret
+        shared["gateway"] = {k: v for k, v in shared["gateway"].items() if k != "api_keys"}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{APP}-config", "config"),
             "data": {"worker-config.json": json.dumps(shared, indent=2) + "\n"}}
 
@@ -119,6 +130,13 @@ def _secret(redis_url: str, show: bool) -> dict[str, Any]:
             "stringData": data}
 
 
+def _gateway_secret(settings: FleetSettings, show: bool) -> dict[str, Any]:
+    keys = [k.get_secret_value() for k in settings.gateway.api_keys]
+    value = json.dumps(keys if show else ["***" for _ in keys])
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(GATEWAY_SECRET, "gateway"),
+            "type": "Opaque", "stringData": {"api-keys": value}}
+
+
 def _password(url: str) -> str:
     if is_sentinel_url(url):
         return parse_sentinel_url(url).password or ""
@@ -126,8 +144,8 @@ def _password(url: str) -> str:
     return unquote(password) if password else ""
 
 
-def _secret_env(name: str, key: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"secretKeyRef": {"name": SECRET, "key": key}}}
+def _secret_env(name: str, key: str, secret: str = SECRET) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
 def _shared_env() -> list[dict[str, Any]]:
@@ -141,6 +159,20 @@ def _config_volume() -> tuple[dict[str, Any], dict[str, Any]]:
     return volume, mount
 
 
+def _scratch(name: str, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"name": name, "emptyDir": {}}, {"name": name, "mountPath": path}
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
 def _exec_probe(*args: str, period: int, failures: int) -> dict[str, Any]:
     return {"exec": {"command": ["fleet", "health", *args]}, "periodSeconds": period,
             "timeoutSeconds": 5, "failureThreshold": failures}
@@ -151,10 +183,13 @@ def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: i
     memory = options.memory_mib or worker_memory_mib(settings.backend)
     resources = {"cpu": str(cores), "memory": f"{memory}Mi"}
     volume, mount = _config_volume()
+    tmp, tmp_mount = _scratch("tmp", "/tmp")
+    cache, cache_mount = _scratch("cache", CACHE_DIR)
     env = [
         *_shared_env(),
         {"name": "FLEET_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "FLEET_HEALTH_FILE", "value": HEALTH_FILE},
+        {"name": "FLEET_CACHE_DIR", "value": CACHE_DIR},
         {"name": "FLEET_BACKEND__THREADS", "value": str(cores)},
         {"name": "FLEET_BACKEND__SLOTS", "value": str(slots)},
         # read by KEDA's scaler from the scale target's container (passwordFromEnv)
@@ -168,7 +203,8 @@ def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: i
         "command": ["fleet", "worker"],
         "env": env,
         "resources": {"requests": resources, "limits": resources},
-        "volumeMounts": [mount],
+        "volumeMounts": [mount, tmp_mount, cache_mount],
+        "securityContext": _container_security(),
         # the model load: up to 5 min before liveness applies
         "startupProbe": _exec_probe(period=5, failures=60),
         "livenessProbe": _exec_probe(period=10, failures=3),
@@ -186,8 +222,9 @@ def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: i
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": _labels("worker")},
-                "spec": {"terminationGracePeriodSeconds": grace, "containers": [container],
-                         "volumes": [volume]},
+                "spec": {"terminationGracePeriodSeconds": grace, "securityContext": _pod_security(),
+                         "automountServiceAccountToken": False, "containers": [container],
+                         "volumes": [volume, tmp, cache]},
             },
         },
     }
@@ -195,14 +232,16 @@ def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: i
 
 def _gateway_deployment(options: KubernetesOptions) -> dict[str, Any]:
     volume, mount = _config_volume()
+    tmp, tmp_mount = _scratch("tmp", "/tmp")
     container = {
         "name": "gateway",
         "image": options.image,
         "command": ["fleet", "serve", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)],
-        "env": _shared_env(),
+        "env": [*_shared_env(), _secret_env("FLEET_GATEWAY__API_KEYS", "api-keys", GATEWAY_SECRET)],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
-        "volumeMounts": [mount],
+        "volumeMounts": [mount, tmp_mount],
+        "securityContext": _container_security(),
         # ready = Redis up and a live worker (its /health); alive = it accepts connections
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
@@ -215,7 +254,8 @@ def _gateway_deployment(options: KubernetesOptions) -> dict[str, Any]:
             "replicas": options.gateway_replicas,
             "selector": {"matchLabels": _labels("gateway")},
             "template": {"metadata": {"labels": _labels("gateway")},
-                         "spec": {"containers": [container], "volumes": [volume]}},
+                         "spec": {"securityContext": _pod_security(), "automountServiceAccountToken": False,
+                                  "containers": [container], "volumes": [volume, tmp]}},
         },
     }
 

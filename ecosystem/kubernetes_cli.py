@@ -49,8 +49,8 @@ def kubernetes_options(func: F) -> F:
 
 def write_kubernetes(plan: Plan, settings: FleetSettings, config_file: Path | None, output: Path | None,
                      k8s: dict[str, Any]) -> None:
-    """Render; to stdout (Secret values redacted) or into the directory OUTPUT (Secret in full,
-    mode 0600, since it holds the Redis credentials)."""
+    """Render; to stdout (Secret values redacted) or into the directory OUTPUT (Secrets in full,
+    mode 0600, since they hold the Redis credentials and the gateway's keys)."""
     config: dict[str, Any] = {}
     if config_file is not None and config_file.exists():
         config = json.loads(config_file.read_text())
@@ -71,11 +71,14 @@ def write_kubernetes(plan: Plan, settings: FleetSettings, config_file: Path | No
     for name, text in files.items():
         path = output / name
         path.write_text(text)
-        if name == "secret.yaml":
+        if name.endswith("secret.yaml"):
             path.chmod(0o600)
         click.echo(f"wrote {path}", err=True)
-    click.echo(f"apply with: kubectl apply -k {output}  (secret.yaml holds credentials: keep it private)",
-               err=True)
+    if not settings.gateway.api_keys:
+        click.echo("note: gateway.api_keys is empty, so the gateway answers anyone who reaches its Service: "
+                   f"put keys in {output / 'gateway-secret.yaml'} (api-keys: a JSON list)", err=True)
+    click.echo(f"apply with: kubectl apply -k {output}  (secret.yaml and gateway-secret.yaml hold "
+               "credentials: keep them private)", err=True)
 
 
 @click.command("scale")

@@ -17,17 +17,21 @@ import yaml
 from click.testing import CliRunner
 
 from dispatcher.cli import cli
+from dispatcher.gateway.settings import load_serve_settings
 from ecosystem.sizing import workers_needed
 from tests.harness import ROOT
+from worker.settings import load_settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
 K8S_VERSION = "1.30"
 
 
-def render(tmp_path: Path, *args: str, url: str = "redis://:s3cret@redis.example:6379/2") -> dict[str, Any]:
+def render(tmp_path: Path, *args: str, url: str = "redis://:s3cret@redis.example:6379/2",
+           **extra: Any) -> dict[str, Any]:
+    """Render the repository's worker-config.json (with `url` and the `extra` keys) into tmp_path/k8s."""
     config = tmp_path / "worker-config.json"
     raw = json.loads((ROOT / "worker-config.json").read_text())
-    config.write_text(json.dumps({**raw, "redis_url": url}))
+    config.write_text(json.dumps({**raw, "redis_url": url, **extra}))
     out = tmp_path / "k8s"
     result = CliRunner().invoke(cli, ["ecosystem", "--format", "kubernetes", "--config", str(config),
                                       "--workers", "1", "-o", str(out), *args], catch_exceptions=False)
@@ -129,3 +133,68 @@ def test_scale_suggest_uses_the_scaled_objects_formula(redis_url: str, tmp_path:
     target = math.floor(2 * 95 / 128 * 5)  # 7 queued jobs per worker
     assert row["queued"] == 100 and row["target_per_worker"] == target
     assert row["suggested_workers"] == workers_needed(100, target, 1, 50) == math.ceil(100 / target) == 15
+
+
+def test_every_container_runs_non_root_read_only_without_capabilities(tmp_path: Path) -> None:
+    docs = render(tmp_path)
+    for name in ("worker-deployment.yaml", "gateway-deployment.yaml"):
+        pod = docs[name]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in pod["containers"]:
+            security = container["securityContext"]
+            assert security["runAsNonRoot"] is True and security["allowPrivilegeEscalation"] is False
+            assert security["readOnlyRootFilesystem"] is True
+            assert security["capabilities"] == {"drop": ["ALL"]}
+            # with the root filesystem read-only, whatever the container writes needs a volume
+            writable = {m["mountPath"] for m in container["volumeMounts"]
+                        if "emptyDir" in volumes[m["name"]] and not m.get("readOnly")}
+            assert "/tmp" in writable, container["name"]  # Python's temp files, the gateway's uploads
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            if container["name"] == "worker":
+                assert str(Path(env["FLEET_HEALTH_FILE"]).parent) in writable
+                assert env["FLEET_CACHE_DIR"] in writable  # the embedded model is assembled there
+
+
+def test_gateway_keys_come_from_a_secret_never_the_configmap(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = ["key-one", "key-two"]
+    docs = render(tmp_path, gateway={"api_keys": keys, "max_queue": 50})
+    configmap = docs["configmap.yaml"]["data"]["worker-config.json"]
+    assert not [k for k in keys if k in configmap]
+    assert json.loads(configmap)["gateway"] == {"max_queue": 50}
+    secret = docs["gateway-secret.yaml"]
+    assert json.loads(secret["stringData"]["api-keys"]) == keys
+    assert (tmp_path / "k8s" / "gateway-secret.yaml").stat().st_mode & 0o077 == 0  # private, as secret.yaml
+    gateway = docs["gateway-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in gateway["env"]}
+    ref = env["FLEET_GATEWAY__API_KEYS"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": secret["metadata"]["name"], "key": "api-keys"}
+    assert "gateway-secret.yaml" in docs["kustomization.yaml"]["resources"]
+
+    # what the pods see: the mounted ConfigMap plus the Secret's value in the environment
+    mounted = tmp_path / "mounted" / "worker-config.json"
+    mounted.parent.mkdir()
+    mounted.write_text(configmap)
+    monkeypatch.setenv("FLEET_GATEWAY__API_KEYS", secret["stringData"]["api-keys"])
+    served = load_serve_settings(str(mounted)).gateway
+    assert [k.get_secret_value() for k in served.api_keys] == keys and served.max_queue == 50
+    assert load_settings(mounted).gateway.max_queue == 50  # the workers read the same file
+
+    config = tmp_path / "worker-config.json"
+    shown = CliRunner().invoke(cli, ["ecosystem", "--format", "kubernetes", "--config", str(config)])
+    assert shown.exit_code == 0, shown.output
+    assert "kind: Secret" in shown.output and not [k for k in keys if k in shown.output]
+
+
+def test_a_render_without_gateway_keys_says_the_gateway_is_open(tmp_path: Path) -> None:
+    config = tmp_path / "worker-config.json"
+    config.write_text(json.dumps({"redis_url": "redis://redis.example:6379/0"}))
+    result = CliRunner().invoke(cli, ["ecosystem", "--format", "kubernetes", "--config", str(config),
+                                      "-o", str(tmp_path / "k8s")])
+    assert result.exit_code == 0, result.output
+    assert "gateway.api_keys is empty" in result.output
+    secret = yaml.safe_load((tmp_path / "k8s" / "gateway-secret.yaml").read_text())
+    assert secret["stringData"]["api-keys"] == "[]"
