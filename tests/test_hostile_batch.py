@@ -197,12 +197,25 @@ def test_cancel_takes_only_its_own_batch_in_bounded_chunks(redis: Redis, workers
     assert state is not None and state["cancelled"] == 1100 and state["completed"] == 0
     assert [j for j in _queued(redis) if j.startswith("fbatch-small-")] == before_small
     tombstones = [j for j in _queued(redis) if j.startswith("fbatch-big-")]
-    assert len(tombstones) == 1100 and all(0 < redis.ttl(job_key(j)) for j in tombstones)
+    assert len(tombstones) == 1100 and all(redis.ttl(job_key(j)) > 0 for j in tombstones)
     # a worker drops big's queue entries at claim and runs small's lines
     workers.start("drain", **FAKE)
     wait_for(lambda: (record.read_state(redis, "small") or {}).get("state") == "completed", 120, "small done")
     wait_for(lambda: not _queued(redis), 60, "the tombstones to leave the queue")
     assert record.read_state(redis, "big")["completed"] == 0  # type: ignore[index]
+    no_key_without_ttl(redis)
+
+
+def test_cancel_survives_junk_in_a_line_job(redis: Redis) -> None:
+    _submit(redis, "junk", 3)
+    first, second, _ = _queued(redis)
+    redis.hset(job_key(first), "fleet_owner", "ghost")
+    redis.set("fleet:inflight:ghost", "not a list", ex=60)
+    redis.delete(job_key(second))
+    redis.set(job_key(second), "not a hash", ex=60)
+    assert control.cancel(redis, "junk") == "cancelled"
+    state = record.read_state(redis, "junk")
+    assert state is not None and state["cancelled"] == 3
     no_key_without_ttl(redis)
 
 
