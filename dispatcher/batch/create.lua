@@ -19,10 +19,14 @@ if cap >= 0 then
   local open = 0
   local ids = redis.call('HKEYS', KEYS[3])
   for _, id in ipairs(ids) do
-    local m = redis.call('HMGET', ARGV[7] .. id, 'state', 'total', 'completed', 'failed', 'cancelled')
+    local key = ARGV[7] .. id
+    local m = {}
+    if redis.call('TYPE', key).ok == 'hash' then
+      m = redis.call('HMGET', key, 'state', 'total', 'completed', 'failed', 'cancelled')
+    end
     if m[1] == 'validating' or m[1] == 'in_progress' or m[1] == 'cancelling' then
-      open = open + tonumber(m[2] or '0') - tonumber(m[3] or '0') - tonumber(m[4] or '0')
-        - tonumber(m[5] or '0')
+      open = open + (tonumber(m[2]) or 0) - (tonumber(m[3]) or 0) - (tonumber(m[4]) or 0)
+        - (tonumber(m[5]) or 0)
     else
       redis.call('HDEL', KEYS[3], id)
     end

@@ -9,7 +9,7 @@ local files = redis.call('HGETALL', KEYS[2])
 for i = 1, #files, 2 do
   if redis.call('EXISTS', ARGV[5] .. files[i]) == 1 then
     kept = kept + 1
-    used = used + tonumber(files[i + 1])
+    used = used + (tonumber(files[i + 1]) or 0)
   else
     redis.call('HDEL', KEYS[2], files[i])
   end
