@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from backends.contract import schema_limits
+
 MAX_TOKENS_LIMIT = 8192
 MAX_PROMPT_CHARS = 1_000_000
 # All of a request's text together (prompt, or every message): 256 messages of MAX_PROMPT_CHARS
@@ -119,16 +121,22 @@ class GenerateRequest(BaseModel):
 
 def check_json_schema(schema: dict[str, Any]) -> None:
     """ValueError naming the problem unless `schema` is a usable JSON Schema (any draft
-    jsonschema knows; `$schema` picks it, else 2020-12)."""
+    jsonschema knows; `$schema` picks it, else 2020-12) whose grammar stays within the limits
+    of schema_limits (what a worker can compile without risking its process)."""
     from jsonschema import exceptions, validators
 
+    schema_limits.check_depth(schema)  # first: the checks below recurse
     if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
         raise ValueError(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters")
+    # before jsonschema: its check compiles each pattern with `re`, which recurses per group
+    schema_limits.check_schema_limits(schema)
     try:
         validators.validator_for(schema).check_schema(schema)
     except exceptions.SchemaError as e:
         where = "/".join(str(p) for p in e.path) or "(root)"
         raise ValueError(f"not a valid JSON schema at {where}: {e.message}") from None
+    except RecursionError:  # a regex the limits let through but `re` cannot parse
+        raise ValueError("the JSON schema nests too deeply to be checked") from None
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,9 @@ def describe_validation_error(e: ValidationError) -> str:
     parts = []
     for err in e.errors()[:5]:
         loc = ".".join(str(p) for p in err["loc"]) or "request"
-        parts.append(f"{loc}: {err['msg']}")
+        # a validator's own ValueError reads as its message, without pydantic's "Value error, "
+        msg = err["msg"].removeprefix("Value error, ") if err["type"] == "value_error" else err["msg"]
+        parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
 
 

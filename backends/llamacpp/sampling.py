@@ -23,8 +23,10 @@ import ctypes
 import json
 import math
 import random
+import threading
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import llama_cpp as ll
 import numpy as np
@@ -32,14 +34,21 @@ from llama_cpp.llama_grammar import JSON_GBNF
 
 from backends.base import JobRejected
 from backends.contract.schema import Sampling
+from backends.contract.schema_limits import SchemaTooComplex
 from backends.llamacpp.model import LoadedModel
-from backends.llamacpp.schema_grammar import json_schema_to_gbnf
+from backends.llamacpp.schema_grammar import GrammarTooLarge, check_gbnf, json_schema_to_gbnf
 
 PENALTY_LAST_N = 64  # llama-server's default window for repeat/frequency/presence penalties
 GREEDY_PENALTY_TOP_K = 64  # greedy with penalties looks at the best 64 only (see sampler_chain)
 SHORTLIST = 1024  # candidates a rejected pick is re-sampled from first
 TOP_CAPACITY = 4096  # most candidates TopCandidates hands a top-k chain
 GrammarFormat = str | dict[str, Any]
+# The grammar compile's stack: llama.cpp needs ~440 bytes per nested group; the limits allow
+# ~1,100 (~0.5 MiB), so 64 MiB leaves a wide margin wherever the worker runs (only pages touched
+# are committed). Measured: docs/reliability.md, "Structured output limits".
+COMPILE_STACK = 64 << 20
+_stack_size_lock = threading.Lock()
+T = TypeVar("T")
 
 
 def sampler_chain(s: Sampling, n_vocab: int) -> ll.llama_sampler_p:
@@ -92,16 +101,49 @@ def gbnf_for(fmt: GrammarFormat) -> str:
 def _schema_gbnf(schema: str) -> str:
     try:
         return json_schema_to_gbnf(schema)
+    except (SchemaTooComplex, GrammarTooLarge) as e:
+        raise JobRejected(f"refused: the JSON schema is too complex for a grammar: {e}") from None
     except Exception as e:  # the converter raises whatever its parser meets; name it for the user
         why = f"{type(e).__name__}: {e}"
         raise JobRejected(f"the JSON schema cannot be turned into a grammar: {why}") from None
 
 
 def compile_grammar(model: LoadedModel, gbnf: str) -> ll.llama_sampler_p:
-    grammar = ll.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root")
+    """The grammar sampler; JobRejected when the grammar is over the limits or does not compile.
+    llama.cpp's parser recurses once per nested group, so it runs on a thread whose stack size is
+    chosen here, not on whatever thread admits the job (a helper thread's may be small)."""
+    try:
+        check_gbnf(gbnf)
+    except GrammarTooLarge as e:
+        raise JobRejected(f"refused: {e}") from None
+    grammar = _on_compile_stack(lambda: ll.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root"))
     if not grammar:
         raise JobRejected("llama.cpp could not compile the grammar made from the JSON schema")
     return grammar
+
+
+def _on_compile_stack(fn: Callable[[], T]) -> T:
+    """fn() on a new thread with COMPILE_STACK bytes of stack (reserved, touched only as used)."""
+    out: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # handed to the caller's thread
+            failed.append(e)
+
+    with _stack_size_lock:  # the size applies to threads started meanwhile: set it only around ours
+        before = threading.stack_size(COMPILE_STACK)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out[0]
 
 
 def check_format(model: LoadedModel, fmt: GrammarFormat) -> None:
