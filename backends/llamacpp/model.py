@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from pathlib import Path
 
 import llama_cpp as ll
@@ -16,6 +17,15 @@ from backends.model import default_model_path
 
 # ggml reads its kernel switches once per process, at the first matmul; the first model decides
 _kernels_invariant: bool | None = None
+
+# A message's stand-in while the template renders: no whitespace inside (templates trim content),
+# control characters no template writes. Wrapped in \v, which llama.cpp's trim removes like any
+# space: a placeholder found without them was trimmed, so its content is trimmed the same way.
+_PLACEHOLDER = "\v\x1dfleet-message-{}\x1d\v"
+_PLACED = re.compile("(\v?)\x1dfleet-message-(\\d+)\x1d(\v?)")
+_C_SPACE = " \t\n\v\f\r"  # C's isspace(), what llama.cpp trims
+# tokens that text becomes only with special parsing (user-defined ones are split out either way)
+_SPLIT_ONLY_WITH_SPECIAL = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN
 
 
 def _choose_kernels(invariant: bool) -> None:
@@ -102,32 +112,106 @@ class LoadedModel:
 
     # -- text <-> tokens --------------------------------------------------------------------------
 
-    def tokenize(self, text: str, *, special: bool) -> list[int]:
+    def tokenize(self, text: str, *, special: bool, add_special: bool = True) -> list[int]:
+        """`special`: text of control tokens becomes those tokens; `add_special`: BOS (and EOS
+        where the model wants one). The length is passed, so a NUL byte is text like any other."""
         data = text.encode("utf-8", errors="replace")
         n_max = len(data) + 16
         buf = (ll.llama_token * n_max)()
-        n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, True, special)
+        n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, special)
         if n < 0:  # buffer too small: -n is the size needed
             n_max = -n
             buf = (ll.llama_token * n_max)()
-            n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, True, special)
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, special)
         return list(buf[:n])
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         if request.prompt is not None:
             tokens = self.tokenize(request.prompt, special=False)
         else:
-            tokens = self.tokenize(self.apply_chat_template(request), special=True)
+            tokens = self.chat_tokens(request)
         if not tokens:
             raise JobRejected("prompt has no tokens")
         return tokens
 
+    def chat_tokens(self, request: GenerateRequest) -> list[int]:
+        """The templated chat's tokens, where only the template's own text may hold control tokens:
+        message content is always text, so "<end_of_turn>" typed by a user cannot close their turn
+        and forge another. The template is rendered with a placeholder per content, its text
+        tokenized with special tokens, each content spliced in as text (as the template would have
+        placed it, trimmed or not), and each text run between two control tokens tokenized whole
+        (so a chat without such text gets exactly the tokens the rendered string would)."""
+        contents = [m.content for m in request.messages or []]
+        rendered = self._render(request, [_PLACEHOLDER.format(i) for i in range(len(contents))])
+        items: list[int | str] = []  # control token ids and text, in order
+        pos = 0
+        for m in _PLACED.finditer(rendered):
+            items += self._split_control(rendered[pos:m.start()])
+            content = contents[int(m.group(2))]
+            if not m.group(1):  # the template trimmed the placeholder's front: trim the content's
+                content = content.lstrip(_C_SPACE)
+            if not m.group(3):
+                content = content.rstrip(_C_SPACE)
+            items.append(content)
+            pos = m.end()
+        items += self._split_control(rendered[pos:])
+        return self._tokens_of(items)
+
+    def _split_control(self, text: str) -> list[int | str]:
+        """Template text as control token ids and the text between them (llama.cpp's own split)."""
+        out: list[int | str] = []
+        pos = 0
+        for tok in self.tokenize(text, special=True, add_special=False):
+            if not ll.llama_vocab_get_attr(self.vocab, tok) & _SPLIT_ONLY_WITH_SPECIAL:
+                continue
+            marker = (ll.llama_vocab_get_text(self.vocab, tok) or b"").decode("utf-8", errors="replace")
+            at = text.find(marker, pos)
+            if not marker or at < 0:  # never expected: keep the rest as template text
+                break
+            out += [text[pos:at], tok]
+            pos = at + len(marker)
+        out.append(text[pos:])
+        return out
+
+    def _tokens_of(self, items: list[int | str]) -> list[int]:
+        """Token ids for control tokens and text (each run of text tokenized whole), with BOS/EOS
+        once, as `tokenize(add_special=True)` adds them; whitespace next to a control token that
+        strips it (LSTRIP/RSTRIP) is dropped as llama.cpp's own split drops it."""
+        tokens = [ll.llama_vocab_bos(self.vocab)] if ll.llama_vocab_get_add_bos(self.vocab) else []
+        run: list[str] = []
+        strip_front = False
+        for item in [*items, -1]:
+            if isinstance(item, str):
+                run.append(item)
+                continue
+            attr = ll.llama_vocab_get_attr(self.vocab, item) if item >= 0 else 0
+            text = "".join(run)
+            if attr & ll.LLAMA_TOKEN_ATTR_LSTRIP:
+                text = text.rstrip(_C_SPACE)
+            if strip_front:
+                text = text.lstrip(_C_SPACE)
+            if text:
+                tokens += self.tokenize(text, special=False, add_special=False)
+            if item >= 0:
+                tokens.append(item)
+            run, strip_front = [], bool(attr & ll.LLAMA_TOKEN_ATTR_RSTRIP)
+        if ll.llama_vocab_get_add_eos(self.vocab):
+            tokens.append(ll.llama_vocab_eos(self.vocab))
+        return tokens
+
     def apply_chat_template(self, request: GenerateRequest) -> str:
-        msgs = request.messages or []
+        """The chat as the template renders it (text; tokenize with `chat_tokens`, never this:
+        it would read control-token text inside the messages as control tokens, and llama.cpp
+        reads each content as a C string, so a NUL byte would cut it)."""
+        return self._render(request, [m.content for m in request.messages or []])
+
+    def _render(self, request: GenerateRequest, contents: list[str]) -> str:
+        """llama.cpp's rendering of the request's roles with these contents."""
         if self.chat_template is None:
             raise JobRejected("this model has no chat template; set backend.chat_template to one of "
                               "llama.cpp's built-in templates, or send 'prompt' instead of 'messages'")
-        keep = [(m.role.encode(), m.content.encode("utf-8", errors="replace")) for m in msgs]
+        roles = [m.role.encode() for m in request.messages or []]
+        keep = [(r, c.encode("utf-8", errors="replace")) for r, c in zip(roles, contents, strict=True)]
         chat = (ll.llama_chat_message * len(keep))()
         for i, (role, content) in enumerate(keep):
             chat[i].role = role
