@@ -21,6 +21,7 @@ from redis import Redis
 from redis.exceptions import WatchError
 from rq import Queue
 
+from backends.contract.connect import MIN_REDIS_VERSION, server_version
 from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, batch_lock_key
 from backends.contract.lua import RELEASE_LOCK, lua_script
 from backends.contract.replies import as_str
@@ -193,8 +194,10 @@ def _recording_queue(redis: Redis, spec: BatchSpec) -> Queue:
     runs only while the batch is still validating."""
     recorder = Redis(unix_socket_path="/nonexistent/llama-fleet-rq-recorder")
     queue = rq_queues(spec.pool, recorder)[spec.priority]
-    version = [int(p) for p in [*str(redis.info("server")["redis_version"]).split("."), "0", "0"][:3]]
-    queue.redis_server_version = (version[0], version[1], version[2])
+    # HELLO, not INFO (@dangerous, refused to the documented ACL user); RQ only picks LPOS by it
+    kw = redis.connection_pool.connection_kwargs
+    where = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}"  # for the message only
+    queue.redis_server_version = server_version(redis, where) or MIN_REDIS_VERSION
     return queue
 
 
