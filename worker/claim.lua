@@ -17,6 +17,9 @@
 -- (FAIR_EVERY in worker/claim.py).
 -- Key literals mirror backends/contract/keys.py: 'rq:queue:' QUEUE_PREFIX (stripped, 9
 -- characters), 'rq:job:' job_key, 'fleet:inflight:' inflight_key, 'fleet:stream:' stream_key.
+-- Nothing after an LPOP may raise: a script that errors keeps its earlier writes, so the popped
+-- id would be in no list at all. Fields a producer can write are therefore read defensively: an
+-- owner whose in-flight key is not a list holds nothing, and the attempt is set, not HINCRBY'd.
 local n, me, pick = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local t = redis.call('TIME')
 local out = {t[1] * 1000 + math.floor(t[2] / 1000), 0}
@@ -52,14 +55,15 @@ while claimed < n and looked < n + 256 do
   if redis.call('TYPE', key).ok == 'hash' then
     local f = redis.call('HMGET', key, 'status', ARGV[4], ARGV[5], ARGV[6])
     local status, owner, final = f[1], f[2], f[3]
-    if owner and owner ~= '' and redis.call('LPOS', 'fleet:inflight:' .. owner, id) then
+    local holder = (owner and owner ~= '') and ('fleet:inflight:' .. owner) or nil
+    if holder and redis.call('TYPE', holder).ok == 'list' and redis.call('LPOS', holder, id) then
       keep = false  -- held by a worker (maybe this one): a second copy
     elseif status and ended[status] then
       keep = false  -- a leftover copy of a job that ended
     else
       local before = tonumber(f[4] or '0')
       if final and before and tonumber(final) and tonumber(final) >= before + 1 then
-        redis.call('HINCRBY', key, ARGV[6], 1)  -- re-run of an ended attempt: a new number
+        redis.call('HSET', key, ARGV[6], before + 1)  -- re-run of an ended attempt: a new number
         redis.call('PERSIST', key)
         redis.call('PERSIST', 'fleet:stream:' .. id)
       end

@@ -37,6 +37,7 @@ from backends.contract.keys import (
     EXECUTION_FIELD,
     FINAL_FIELD,
     OWNER_FIELD,
+    SUSPECT_FIELD,
     cancel_key,
     executions_key,
     inflight_key,
@@ -187,7 +188,7 @@ def requeue(script: Script, inflight: str, job_id: str, queue: str, *, bump_atte
     `died_on` names a dead worker to remember in the job hash (for the final failure reason);
     `counted=False`: a drain hand-back, which does not use up one of the job's max_attempts."""
     args: list[Any] = [job_id, "1" if bump_attempt else "0", ATTEMPT_FIELD, DIED_ON_FIELD, died_on,
-                       OWNER_FIELD, DRAINS_FIELD, "1" if counted else "0", EXECUTION_FIELD]
+                       OWNER_FIELD, DRAINS_FIELD, "1" if counted else "0", EXECUTION_FIELD, SUSPECT_FIELD]
     keys = [inflight, queue_key(queue), job_key(job_id), started_registry_key(queue)]
     return int(script(keys=keys, args=args))
 
@@ -212,6 +213,8 @@ def write_text(job: ClaimedJob, pipe: Pipeline, worker: str) -> int:
     args: list[Any] = [worker, OWNER_FIELD, ATTEMPT_FIELD, job.attempt, job.sent, stream.STREAM_MAXLEN,
                        *job.unsent]
     queue_script(pipe, _WRITE_TEXT, [job_key(job.id), stream_key(job.id)], args)
+    if job.suspect and job.unsent:  # text came out: its grammar compiled and was applied
+        queue_script(pipe, rqjobs.CLEAR_SUSPECT, [job_key(job.id)], [SUSPECT_FIELD, worker])
     if job.attempt_dirty:
         facts.record_restart(pipe, job.id, job.queue, job.attempt - 1, job.restart_reason, "engine")
     return len(job.unsent)
@@ -221,12 +224,15 @@ def mark_text_sent(job: ClaimedJob, count: int) -> None:
     del job.unsent[:count]
     job.sent += count
     job.attempt_dirty = False
+    if count:
+        job.suspect = False
 
 
 def expire_job(pipe: Pipeline, job_id: str, attempt: int, ttl: int) -> None:
     """A job's final write: everything kept about it expires with its result (defect 1)."""
     key = job_key(job_id)
     pipe.hset(key, FINAL_FIELD, attempt)
+    pipe.hdel(key, SUSPECT_FIELD)
     pipe.expire(key, ttl)
     pipe.expire(results_key(job_id), ttl)
     pipe.expire(stream_key(job_id), ttl)

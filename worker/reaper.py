@@ -6,6 +6,9 @@ A worker is dead when its status key fleet:worker:<name> (TTL = 3 heartbeats) is
 id in its in-flight list goes back to the FRONT of its queue with attempt + 1, or, once it has
 used `max_attempts`, fails with a reason naming the workers that died running it. Delivery is
 at-least-once; stream entries carry the attempt, so readers drop a dead attempt's partial text.
+A job the dead worker was setting up in a step that could have killed it (SUSPECT_FIELD names
+that worker: its grammar, before its first text) fails at once instead: handing it to the next
+worker would likely kill that one too.
 
 Right after this worker's own Redis connection comes back, it waits one heartbeat TTL before
 reaping: the others were cut off too, and their keys may have expired in the meantime.
@@ -17,6 +20,7 @@ import logging
 
 from redis import Redis
 from redis.client import Pipeline
+from redis.exceptions import ResponseError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
@@ -28,6 +32,7 @@ from backends.contract.keys import (
     EXECUTION_FIELD,
     OWNERS_SET,
     REAPER_LOCK,
+    SUSPECT_FIELD,
     WORKERS_SET,
     execution_key,
     inflight_key,
@@ -87,16 +92,19 @@ class Reaper:
         n = 0
         for raw in self.redis.lrange(inflight, 0, -1):
             job_id = as_str(raw) or ""
-            fields = ["origin", ATTEMPT_FIELD, DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD]
-            origin, attempts, died_on, drains, execution = (
-                as_str(v) for v in self.redis.hmget(job_key(job_id), fields))
+            fields = ["origin", ATTEMPT_FIELD, DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD, SUSPECT_FIELD]
+            origin, attempts, died_on, drains, execution, suspect = (
+                as_str(v) for v in self._job_fields(job_id, fields))
             used = as_int(attempts) + 1 - as_int(drains)  # drain hand-backs are not failures
             if origin is None:  # job hash gone (expired/deleted, or an id that is not text)
                 self.redis.lrem(inflight, 1, raw)  # type: ignore[arg-type]  # raw bytes as stored
                 log.warning("worker %s is dead: dropped %r (no job hash)", name, raw)
-            elif used >= self.max_attempts:
+            elif used >= self.max_attempts or suspect == name:
                 self._end_execution(job_id, origin, execution)
-                self._fail(job_id, origin, name, used, died_on, as_int(drains))
+                if suspect == name:
+                    self._fail_suspect(job_id, origin, name, used, gone, as_int(drains))
+                else:
+                    self._fail(job_id, origin, name, used, died_on, as_int(drains))
                 facts.record_restart_now(self.redis, job_id, origin, used, _died(name, gone), self.me,
                                          reaped=True, requeued=False)
             else:  # the requeue script removes the attempt's RQ execution itself
@@ -111,6 +119,13 @@ class Reaper:
             self.redis.srem(OWNERS_SET, name)
             self._forget_rq_worker(name)
         return n
+
+    def _job_fields(self, job_id: str, fields: list[str]) -> list[object]:
+        """The job hash's fields; all None when the key is not a hash (a producer wrote it)."""
+        try:
+            return list(self.redis.hmget(job_key(job_id), fields))
+        except ResponseError:
+            return [None] * len(fields)
 
     def _end_execution(self, job_id: str, origin: str, execution: str | None) -> None:
         """Drop the dead attempt from RQ's wip registry so RQ does not fail it as abandoned later:
@@ -140,7 +155,18 @@ class Reaper:
         drained = f"; {drains} more runs were handed back by draining workers, not counted" if drains else ""
         reason = (f"gave up after {used} attempts: the worker running it died each time "
                   f"({', '.join(workers)}){drained}; raise max_attempts to retry more")
-        job = ClaimedJob(job_id, queue, attempt=used + drains, ending=Ending(error=reason))
+        self._write_failure(job_id, queue, worker, used + drains, reason)
+
+    def _fail_suspect(self, job_id: str, queue: str, worker: str, used: int, gone: bool,
+                      drains: int) -> None:
+        who = f"worker {worker}" if gone else f"the previous process named {worker}"
+        reason = (f"failed: {who} died while setting up this job's structured output (compiling its "
+                  f"grammar or sampling its first token); not retried on another worker, which the same "
+                  f"request could crash too")
+        self._write_failure(job_id, queue, worker, used + drains, reason)
+
+    def _write_failure(self, job_id: str, queue: str, worker: str, attempt: int, reason: str) -> None:
+        job = ClaimedJob(job_id, queue, attempt=attempt, ending=Ending(error=reason))
         try:
             job.job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
         except Exception:

@@ -1,6 +1,7 @@
 -- KEYS: inflight, queue, job hash, wip registry of the queue
 -- ARGV: job id, bump attempt (0/1), attempt field, died-on field, name of the dead worker ('' if
--- none), owner field, drains field, counted (0: a drain hand-back, not a failure), execution field
+-- none), owner field, drains field, counted (0: a drain hand-back, not a failure), execution field,
+-- suspect field (cleared: the next worker's start sets its own)
 -- Back to the FRONT of its queue (it already waited its turn), owner cleared and the attempt's RQ
 -- execution removed in the same step (defect 5). Returns the new attempt count (or -1 if the id
 -- was no longer in flight: someone else requeued or finished it).
@@ -10,6 +11,7 @@ redis.call('LPUSH', KEYS[2], ARGV[1])
 if redis.call('TYPE', KEYS[3]).ok ~= 'hash' then return 0 end
 redis.call('HSET', KEYS[3], 'status', 'queued')
 redis.call('HDEL', KEYS[3], ARGV[6])
+if ARGV[10] then redis.call('HDEL', KEYS[3], ARGV[10]) end
 local ex = redis.call('HGET', KEYS[3], ARGV[9])
 if ex then
   redis.call('ZREM', KEYS[4], ex)

@@ -32,6 +32,7 @@ from backends.contract.keys import (
     FINAL_FIELD,
     JOB_FUNCTION,
     OWNER_FIELD,
+    SUSPECT_FIELD,
     execution_key,
     failed_registry_key,
     inflight_key,
@@ -100,6 +101,7 @@ class ClaimedJob:
     attempt_dirty: bool = False  # the engine restarted the job: write the new attempt first
     restart_reason: str = ""  # why the engine restarted it (for the job's history)
     started_written: bool = False  # RQ knows it started (mark_started applied)
+    suspect: bool = False  # its start named this worker in SUSPECT_FIELD; cleared with its first text
     ending: Ending | None = None
 
 
@@ -155,7 +157,9 @@ def _check_owner(redis: Redis, job: Job, me: str, owner: str | None) -> None:
     way (pushed there by hand, or by an older worker) is taken over unless its owner holds it."""
     if owner == me:
         return
-    if owner and redis.lpos(inflight_key(owner), job.id) is not None:
+    holder = inflight_key(owner) if owner else ""
+    # an owner whose in-flight key is not a list (a producer wrote the field) holds nothing
+    if holder and redis.type(holder) in (b"list", "list") and redis.lpos(holder, job.id) is not None:
         raise NotToRun(f"job {job.id} is already running on {owner}")
     redis.hset(job.key, OWNER_FIELD, me)
 
@@ -243,6 +247,30 @@ def mark_started(claimed: ClaimedJob, worker_name: str, ttl: int, pipe: Any) -> 
     job.prepare_for_execution(worker_name, pipe)
     claimed.execution = Execution.create(job, ttl=ttl, pipeline=pipe, worker_name=worker_name)
     pipe.hset(job.key, EXECUTION_FIELD, claimed.execution.composite_key)
+    mark_suspect(claimed, worker_name, pipe)
+
+
+def mark_suspect(claimed: ClaimedJob, worker_name: str, pipe: Any) -> None:
+    """A job with structured output is suspect from its start until its first text is written:
+    its grammar is compiled and first applied in between, the steps a hostile schema could crash
+    the process with. The reaper fails, never re-runs, a job whose worker died while it was
+    suspect (docs/reliability.md, "Dead workers"); other jobs are requeued as always."""
+    request = claimed.request
+    claimed.suspect = request is not None and request.format is not None
+    if claimed.suspect:
+        pipe.hset(job_key(claimed.id), SUSPECT_FIELD, worker_name)
+    else:
+        pipe.hdel(job_key(claimed.id), SUSPECT_FIELD)
+
+
+# Clears SUSPECT_FIELD only while it names this worker (a worker the reaper took the job from
+# must not clear the mark of the worker running it now). KEYS: job hash; ARGV: field, worker.
+CLEAR_SUSPECT = """
+if redis.call('TYPE', KEYS[1]).ok == 'hash' and redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
 
 
 def store_success(claimed: ClaimedJob, result: dict[str, Any], worker_name: str, ttl: int, pipe: Any) -> None:

@@ -104,6 +104,9 @@ OWNER_FIELD = "fleet_owner"  # the worker whose in-flight list holds the job (se
 FINAL_FIELD = "fleet_final"  # the attempt that got the job's final stream entry
 DRAINS_FIELD = "fleet_drains"  # attempts handed back by a draining worker (not failures)
 EXECUTION_FIELD = "fleet_execution"  # the RQ execution (rq:wip member) of the running attempt
+# the worker whose engine is setting the job up in a step that could kill it (a grammar compile,
+# the first constrained token); a worker that dies while named here fails the job, never re-runs it
+SUSPECT_FIELD = "fleet_suspect"
 ENQUEUED_MS_META = "fleet_enqueued_ms"  # job meta: Redis server time of the enqueue (ms)
 
 OWNERS_SET = "fleet:owners"  # names of workers that claimed jobs: what the reaper looks at
