@@ -27,7 +27,7 @@ from redis.typing import EncodableT
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from backends.contract.connect import redis_from_url
+from backends.contract.connect import MIN_REDIS_VERSION, redis_from_url
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENQUEUED_MS_META,
@@ -122,9 +122,14 @@ class PreparedJob:
 
 
 def rq_queues(pool: str, connection: Redis) -> dict[str, Queue]:
-    """The pool's RQ queues by priority (JSON serializer: fleet jobs are never pickled)."""
-    return {p: Queue(queue_name(pool, p), connection=connection, serializer=JSONSerializer)
-            for p in PRIORITIES}
+    """The pool's RQ queues by priority (JSON serializer: fleet jobs are never pickled). RQ asks
+    the server's version with INFO (@dangerous: refused to the documented ACL user) only to pick
+    LPOS; the fleet needs Redis >= 7.0 anyway (workers check it at start), so it is told that."""
+    queues: dict[str, Queue] = {
+        p: Queue(queue_name(pool, p), connection=connection, serializer=JSONSerializer) for p in PRIORITIES}
+    for q in queues.values():
+        q.redis_server_version = MIN_REDIS_VERSION
+    return queues
 
 
 class Fleet(ProducerBase):

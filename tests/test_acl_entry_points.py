@@ -43,13 +43,6 @@ pytestmark = pytest.mark.timeout(420)
 # the documented fleet user (docs/reliability.md, "Security"); the admin runs ACL LOG and FLUSHALL
 ACL = ["--requirepass", "admin-secret",
        "--user", "fleet", "on", ">fleet-secret", "~*", "&*", "+@all", "-@dangerous"]
-# RQ's enqueue asks INFO for the server version and falls back when refused: sync producers
-# (dispatcher/client.py) still work, but leave that refusal in the log
-RQ_VERSION_PROBE = "info"
-# dispatcher/batch/submit.py reads the version with INFO itself and does not survive the refusal
-BATCH_INFO = pytest.mark.xfail(strict=True, raises=(AssertionError, openai.InternalServerError),
-                               reason="batch creation asks INFO for RQ's server version (dispatcher/batch/"
-                               "submit.py); backends.contract.connect.server_version reads it with HELLO")
 
 
 @dataclass
@@ -157,9 +150,7 @@ def test_gateway_routes_on_the_real_engine_as_the_acl_user(acl: AclRedis, tmp_pa
         assert job.status_code == 200 and "acl-llama" in job.text, job.text
 
 
-@BATCH_INFO
 def test_gateway_batches_as_the_acl_user(acl: AclRedis, tmp_path: Path) -> None:
-    acl.tolerated.add(RQ_VERSION_PROBE)
     logs = tmp_path / "logs"
     with fleet_workers(acl.url, logs) as workers, gateway(acl.url, logs) as gw:
         workers.start("acl-fake", backend__type="fake")
@@ -178,7 +169,6 @@ def test_gateway_batches_as_the_acl_user(acl: AclRedis, tmp_path: Path) -> None:
 
 
 def test_cli_producers_and_status_as_the_acl_user(acl: AclRedis, tmp_path: Path) -> None:
-    acl.tolerated.add(RQ_VERSION_PROBE)
     with fleet_workers(acl.url, tmp_path / "logs") as workers:
         workers.start("acl-fake", backend__type="fake")
         submitted = fleet_cli(acl.url, "submit", "through the ACL", "--max-tokens", "4", "--json")
@@ -198,9 +188,7 @@ def test_cli_producers_and_status_as_the_acl_user(acl: AclRedis, tmp_path: Path)
         assert scale.returncode == 0 and json.loads(scale.stdout)["live_workers"] == 1, scale.stderr
 
 
-@BATCH_INFO
 def test_cli_batches_as_the_acl_user(acl: AclRedis, tmp_path: Path) -> None:
-    acl.tolerated.add(RQ_VERSION_PROBE)
     with fleet_workers(acl.url, tmp_path / "logs") as workers:
         workers.start("acl-fake", backend__type="fake")
         path = tmp_path / "in.jsonl"

@@ -243,35 +243,21 @@ def create_app(settings: ServeSettings) -> Starlette:
 
 def observability_routes(settings: ServeSettings) -> list[Route | Mount]:
     """GET /metrics (Prometheus) and /dashboard, read with a sync client in Starlette's thread
-    pool. With API keys set, both need a key too (the dashboard shows prompts)."""
+    pool. With API keys set, /metrics needs a key; the dashboard page loads without one (so a
+    browser can type a key in) and its JSON API needs one. Prompts are shown to key holders, or
+    with keys off only when `gateway.dashboard_prompts` is set."""
     from backends.contract.connect import redis_from_url
-    from dispatcher.observe.dashboard import dashboard_app
+    from dispatcher.observe.dashboard import bearer_check, dashboard_app
     from dispatcher.observe.metrics import metrics_route
 
     redis = redis_from_url(settings.redis_url)
     metrics = metrics_route(redis, settings.pool)
-    dashboard = dashboard_app(redis, settings.pool)
-    if settings.gateway.api_keys:
+    keys = [k.get_secret_value() for k in settings.gateway.api_keys]
+    dashboard = dashboard_app(redis, settings.pool, show_prompts=settings.gateway.dashboard_prompts,
+                              authorize=bearer_check(keys) if keys else None)
+    if keys:
         metrics = Route("/metrics", guarded(metrics.endpoint))
-        return [metrics, Mount("/dashboard", app=guarded_asgi(dashboard))]
     return [metrics, Mount("/dashboard", app=dashboard)]
-
-
-def guarded_asgi(app: Starlette) -> Callable[..., Awaitable[None]]:
-    """An ASGI app behind the same key check as the API routes."""
-
-    async def check(scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http":
-            request = Request(scope, receive)
-            gw: Gateway = request.app.state.gateway
-            if not gw.authorized(request.headers.get("authorization")):
-                response = JSONResponse({"error": "Incorrect or missing API key"}, status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await app(scope, receive, send)
-
-    return check
 
 
 def app_from_env() -> Starlette:

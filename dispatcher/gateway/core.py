@@ -196,6 +196,8 @@ class Gateway:
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        with contextlib.suppress(*OUTAGE_ERRORS):  # Redis away at start: the gateway waits for it
+            await self.fleet.check_server()  # too old a Redis stops the gateway here, not at a request
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever(), name="fleet-gateway-refresh")
 
