@@ -113,13 +113,19 @@ def compile_grammar(model: LoadedModel, gbnf: str) -> ll.llama_sampler_p:
     llama.cpp's parser recurses once per nested group, so it runs on a thread whose stack size is
     chosen here, not on whatever thread admits the job (a helper thread's may be small)."""
     try:
-        check_gbnf(gbnf)
+        _checked(gbnf)
     except GrammarTooLarge as e:
         raise JobRejected(f"refused: {e}") from None
     grammar = _on_compile_stack(lambda: ll.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root"))
     if not grammar:
         raise JobRejected("llama.cpp could not compile the grammar made from the JSON schema")
     return grammar
+
+
+@lru_cache(maxsize=64)
+def _checked(gbnf: str) -> None:
+    """check_gbnf, once per grammar (a 20 KB one takes ~7 ms; each job compiles its grammar twice)."""
+    check_gbnf(gbnf)
 
 
 def _on_compile_stack(fn: Callable[[], T]) -> T:
