@@ -242,7 +242,7 @@ class FleetWorker:
                 log.exception("job %r could not start", raw_id)
                 job_id = raw_id.decode("utf-8", "replace")
                 self._end(self.inflight.get(job_id) or ClaimedJob(job_id, queue, attempt=1),
-                          Ending(error=f"internal error starting the job: {type(e).__name__}: {e}"))
+                          Ending(error=f"internal error starting the job: {e}"))
             self.unstarted.pop(0)
 
     def _start(self, raw_id: bytes, queue: str, claimed_ms: int | None = None) -> None:

@@ -8,6 +8,7 @@ results in RQ's result stream, so `rq info`, rq-dashboard and `job.latest_result
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import zlib
@@ -228,7 +229,22 @@ def _request_payload(args: Any, kwargs: Any) -> Any:
 
 
 def _short(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:300]
+    """Why a payload cannot be read, in words a producer can act on: the root cause (RQ wraps
+    its decoder's error), never a Python type name (the worker's log keeps those)."""
+    log.info("unreadable job: %s: %s", type(e).__name__, e)
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    if isinstance(e, RecursionError):
+        return "it nests too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return f"it is not valid UTF-8 (at byte {e.start})"
+    if isinstance(e, json.JSONDecodeError):
+        return f"it is not valid JSON ({e.msg} at {e.pos})"
+    if isinstance(e, zlib.error):
+        return "it is neither JSON nor zlib-compressed JSON"
+    if isinstance(e, ResponseError) and "WRONGTYPE" in str(e):
+        return "its key is not a hash"
+    return (str(e) or "unreadable")[:300]
 
 
 def _clip(value: Any) -> str:

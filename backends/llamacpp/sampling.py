@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 import random
 import threading
@@ -37,6 +38,8 @@ from backends.contract.schema import Sampling
 from backends.contract.schema_limits import SchemaTooComplex
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.schema_grammar import GrammarTooLarge, check_gbnf, json_schema_to_gbnf
+
+log = logging.getLogger("fleet.engine")
 
 PENALTY_LAST_N = 64  # llama-server's default window for repeat/frequency/presence penalties
 GREEDY_PENALTY_TOP_K = 64  # greedy with penalties looks at the best 64 only (see sampler_chain)
@@ -104,7 +107,8 @@ def _schema_gbnf(schema: str) -> str:
     except (SchemaTooComplex, GrammarTooLarge) as e:
         raise JobRejected(f"refused: the JSON schema is too complex for a grammar: {e}") from None
     except Exception as e:  # the converter raises whatever its parser meets; name it for the user
-        why = f"{type(e).__name__}: {e}"
+        log.info("schema converter: %s: %s", type(e).__name__, e)
+        why = str(e)[:200] or "unsupported"
         raise JobRejected(f"the JSON schema cannot be turned into a grammar: {why}") from None
 
 

@@ -28,7 +28,12 @@ def error_body(err: ApiError) -> dict[str, Any]:
     kind = "invalid_request_error" if err.status < 500 else "server_error"
     if err.status == 401:
         kind = "authentication_error"
-    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+    param = OPENAI_PARAM.get(err.param or "", err.param)
+    return {"error": {"message": err.message, "type": kind, "param": param, "code": err.code}}
+
+
+# fleet request fields whose OpenAI name differs (a 400's `param` names the field the client sent)
+OPENAI_PARAM = {"format": "response_format", "json_schema": "response_format"}
 
 
 def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], int]:
