@@ -156,6 +156,18 @@ def file_key(file_id: str) -> str:
     return f"fleet:file:{file_id}"
 
 
+def creator_files_key(creator: str) -> str:
+    """Hash: file id -> bytes of the files a creator keeps now (per-creator upload limits).
+    TTL: the newest file's."""
+    return f"fleet:files:{creator}"
+
+
+def open_batches_key(pool: str) -> str:
+    """Hash: the pool's open batches (id -> created_at), whose lines count against a cap on queued
+    batch lines (create.lua); ended ones leave it at the next creation. TTL: the longest batch's."""
+    return f"fleet:batches:open:{pool}"
+
+
 # -- observability (docs/observability.md): monotonic counters, histograms, bounded job history --
 
 POOLS_SET = "fleet:pools"  # pools that have had a worker (so readers know which queues to show)

@@ -19,7 +19,7 @@ from typing import Any
 
 from redis import Redis
 
-from backends.contract.keys import file_key
+from backends.contract.keys import creator_files_key, file_key
 from backends.contract.lua import lua_script
 from backends.contract.replies import as_str
 
@@ -30,10 +30,6 @@ META_FIELDS = ("filename", "purpose", "bytes", "created_at", "owner")
 # KEYS, ARGV and replies: each script's header.
 _STORE = lua_script("dispatcher.batch", "store_file.lua")  # unless a limit would be passed
 _DELETE = lua_script("dispatcher.batch", "delete_file.lua")  # only by its creator
-
-
-def creator_files_key(creator: str) -> str:
-    return f"fleet:files:{creator}"
 
 
 def new_file_id() -> str:

@@ -48,10 +48,6 @@ START = lua_script("dispatcher.batch", "settle_function.lua", "start.lua")
 RECORD_END = lua_script("dispatcher.batch", "settle_function.lua", "record_end.lua")
 
 
-def open_key(pool: str) -> str:
-    """Hash: the pool's open batches (id -> created_at), whose lines count against a cap on queued
-    batch lines (create.lua); ended ones leave it at the next creation. TTL: the longest batch's."""
-    return f"fleet:batches:open:{pool}"
 
 
 def line_key(custom_id: str) -> str:

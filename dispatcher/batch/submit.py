@@ -22,7 +22,7 @@ from redis.exceptions import WatchError
 from rq import Queue
 
 from backends.contract.connect import MIN_REDIS_VERSION, server_version
-from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, batch_lock_key
+from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, batch_lock_key, open_batches_key
 from backends.contract.lua import RELEASE_LOCK, lua_script
 from backends.contract.replies import as_str
 from dispatcher.batch import record
@@ -145,7 +145,7 @@ def _create(redis: Redis, spec: BatchSpec, found: Scan, now: float, deadline: in
     for name, value in fields.items():
         args += [name, value]
     reply = [as_str(x) or "" for x in redis.register_script(_CREATE)(
-        keys=[batch_key(spec.batch_id), BATCHES_INDEX, record.open_key(spec.pool)], args=args)]
+        keys=[batch_key(spec.batch_id), BATCHES_INDEX, open_batches_key(spec.pool)], args=args)]
     if reply[0] == "created":
         return True
     if reply[0] == "full":
