@@ -3,11 +3,21 @@
 Prompt jobs go to the native `/completion` (raw text, like the in-process backend); message jobs go
 to `/v1/chat/completions`, where the server applies the model's chat template. Usage and timings
 come from the server's final chunk.
+
+The server tokenizes its rendered chat with special tokens parsed, so a message holding the text of
+a control token ("<end_of_turn>") would become that token and could close its turn and forge
+another. Before a chat is sent, its messages are tokenized both ways (two /tokenize calls): when
+they agree, no message holds such text and the chat goes to /v1/chat/completions unchanged;
+otherwise the backend builds the chat's tokens itself with every message as text (the template
+rendered by the server around placeholders, as the in-process engine does; five more calls) and
+sends them to /completion, which streams raw text: the chat endpoint's parsing of the answer
+(reasoning split off, a JSON answer's fences) does not apply to such a chat.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,8 +26,18 @@ from httpx_sse import connect_sse
 
 from backends.base import BackendUnavailable, Done, Event, Token
 from backends.contract.schema import FinishReason, GenerateRequest, Sampling
-from backends.http_pool import HttpStreamBackend, StreamFailure, StreamJob, sampler_fields
+from backends.http_pool import HttpStreamBackend, StreamFailure, StreamJob, error_message, sampler_fields
 from backends.http_settings import HttpSettings
+
+# A message's stand-in while the server renders the template (as in backends/llamacpp/model.py): no
+# whitespace inside, control characters no template writes, wrapped in \v, which a template's trim
+# removes like any space (llama.cpp's and Jinja's trim both use isspace): a placeholder found without
+# them was trimmed, so its content is trimmed the same way.
+_PLACEHOLDER = "\v\x1dfleet-message-{}\x1d\v"
+_PLACED = re.compile("(\v?)\x1dfleet-message-(\\d+)\x1d(\v?)")
+_C_SPACE = " \t\n\v\f\r"  # C's isspace(), what the templates trim
+# between the texts of one /tokenize call, which tokenizes each text alone and passes numbers through
+_SEP = -1
 
 
 class LlamaServerBackend(HttpStreamBackend):
@@ -52,25 +72,24 @@ class LlamaServerBackend(HttpStreamBackend):
     # -- one job ------------------------------------------------------------------------------------
 
     def _stream(self, job: StreamJob) -> Iterator[Event]:
-        s = job.sampling
+        request, s = job.request, job.sampling
         reader: ChatChunkReader | CompletionChunkReader
-        if job.request.messages is not None:
-            path = "/v1/chat/completions"
-            body = {
-                **common_fields(s),
-                **structured_fields(job.request),
-                "messages": [m.model_dump() for m in job.request.messages],
-                "max_tokens": s.max_tokens,
-                "stream_options": {"include_usage": True},
-            }
-            reader = ChatChunkReader(job.job_id, job.request.top_logprobs)
+        path = "/completion"
+        if request.messages is not None:
+            body = chat_body(request, s)
+            contents = [m.content for m in request.messages]
+            if self._read_as_text(contents):
+                path = "/v1/chat/completions"
+                reader = ChatChunkReader(job.job_id, request.top_logprobs)
+            else:
+                body = prompt_body(self._chat_tokens(body, contents), request, s)
+                reader = CompletionChunkReader(job.job_id, request.top_logprobs)
+            if job.cancelled.is_set():  # cancelled while its chat was prepared
+                return
         else:
-            assert job.request.prompt is not None
-            path = "/completion"
-            body = {**completion_body(job.request.prompt, s), **structured_fields(job.request)}
-            if job.request.logprobs:  # /completion names it n_probs; at least 1 to get any
-                body["n_probs"] = max(1, job.request.top_logprobs or 0)
-            reader = CompletionChunkReader(job.job_id, job.request.top_logprobs)
+            assert request.prompt is not None
+            body = prompt_body(request.prompt, request, s)
+            reader = CompletionChunkReader(job.job_id, request.top_logprobs)
         with connect_sse(self.client, "POST", path, json=body) as source:
             job.response = source.response
             self._check_status(source.response)
@@ -87,6 +106,108 @@ class LlamaServerBackend(HttpStreamBackend):
             reader.finish()
         if reader.done is not None:
             yield reader.done
+
+    # -- chats: message content is text ------------------------------------------------------------
+
+    def chat_tokens(self, request: GenerateRequest) -> list[int]:
+        """The chat's tokens with every message read as text, the template's own text read with its
+        control tokens (what a chat holding control-token text is sent as)."""
+        assert request.messages is not None
+        body = chat_body(request, request.sampling(self.settings.sampling))
+        return self._chat_tokens(body, [m.content for m in request.messages])
+
+    def _read_as_text(self, contents: list[str]) -> bool:
+        """True when special-token parsing leaves every message as it is, i.e. none holds the text
+        of a control token. Checked per message, without a render: a control token whose text would
+        begin in the template's text and end in a message (or the reverse) is not looked for."""
+        texts: list[str | int] = [x for c in contents for x in (c, _SEP)][:-1]
+        return self._tokenize(texts, special=True) == self._tokenize(texts, special=False)
+
+    def _chat_tokens(self, chat: dict[str, Any], contents: list[str]) -> list[int]:
+        """The server renders the chat (the same body, so the same template and options) with a
+        placeholder per message; the template's text keeps its control tokens, each message goes in
+        as text where its placeholder was (trimmed if the template trimmed it), and each run of text
+        between two control tokens is tokenized whole, so an ordinary chat would get the very tokens
+        the server's own rendering gets."""
+        stand_ins = [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(chat["messages"])]
+        rendered = self._post("/apply-template", {**chat, "messages": stand_ins})["prompt"]
+        segments: list[str] = []  # the template's text around the placeholders
+        placed: list[str] = []
+        pos = 0
+        for m in _PLACED.finditer(rendered):
+            segments.append(rendered[pos:m.start()])
+            content = contents[int(m.group(2))]
+            if not m.group(1):  # the template trimmed the placeholder's front: trim the content's
+                content = content.lstrip(_C_SPACE)
+            if not m.group(3):
+                content = content.rstrip(_C_SPACE)
+            placed.append(content)
+            pos = m.end()
+        segments.append(rendered[pos:])
+        items: list[int | str] = []  # control token ids and text, in order
+        for i, split in enumerate(self._split_control(segments)):
+            items += split
+            if i < len(placed):
+                items.append(placed[i])
+        # each run of text alone, with "" first: the only text given add_special, it gets the BOS
+        # (and EOS) the model adds, kept apart by a separator
+        runs: list[int | str] = ["", _SEP]
+        run: list[str] = []
+        for item in [*items, _SEP]:
+            if isinstance(item, str):
+                run.append(item)
+                continue
+            if text := "".join(run):
+                runs.append(text)
+            if item != _SEP:
+                runs.append(item)
+            run = []
+        tokens = self._tokenize(runs, special=False, add_special=True)
+        cut = tokens.index(_SEP)
+        added, body = tokens[:cut], tokens[cut + 1:]
+        return added[:1] + body + added[1:]  # BOS first, EOS (a model that adds one) last
+
+    def _split_control(self, segments: list[str]) -> list[list[int | str]]:
+        """Each template segment as its control token ids and the text between them. Control tokens
+        are those the segments' special tokenization holds whose text tokenizes to that token only
+        with special parsing. (Tokens that strip the spaces beside them, phi-3's, are not mirrored:
+        the server does not tell a token's attributes.)"""
+        pieces = self._post("/tokenize", {"content": segments, "add_special": False, "parse_special": True,
+                                          "with_pieces": True})["tokens"]
+        found = list(dict.fromkeys((p["id"], p["piece"]) for p in pieces
+                                   if isinstance(p["piece"], str) and p["piece"]))
+        texts: list[str | int] = [x for _, piece in found for x in (piece, _SEP)][:-1]
+        special = _split_at_sep(self._tokenize(texts, special=True)) if found else []
+        plain = _split_at_sep(self._tokenize(texts, special=False)) if found else []
+        control = {f for f, sp, pl in zip(found, special, plain, strict=True) if sp == [f[0]] != pl}
+        out: list[list[int | str]] = [[] for _ in segments]
+        k, pos = 0, 0
+        for p in pieces:
+            if not isinstance(p["piece"], str) or (p["id"], p["piece"]) not in control:
+                continue
+            # in order: the segment holding it is this one or a later one
+            while k < len(segments) and (at := segments[k].find(p["piece"], pos)) < 0:
+                out[k].append(segments[k][pos:])
+                k, pos = k + 1, 0
+            if k == len(segments):  # never expected: the rest stays text
+                break
+            out[k] += [segments[k][pos:at], p["id"]]
+            pos = at + len(p["piece"])
+        for rest in range(k, len(segments)):
+            out[rest].append(segments[rest][pos if rest == k else 0:])
+        return out
+
+    def _tokenize(self, content: list[str | int], *, special: bool, add_special: bool = False) -> list[int]:
+        tokens = self._post("/tokenize", {"content": content, "add_special": add_special,
+                                          "parse_special": special})["tokens"]
+        return [int(t) for t in tokens]
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        """A request that prepares a job (not a probe: as long as a job's own request may take)."""
+        response = self.client.post(path, json=body)
+        if response.status_code != 200:
+            raise self._status_failure(response.status_code, error_message(response))
+        return response.json()
 
     def _chunk_failure(self, error: object) -> StreamFailure:
         if isinstance(error, dict):
@@ -112,10 +233,39 @@ def structured_fields(request: GenerateRequest) -> dict[str, Any]:
     return out
 
 
-def completion_body(prompt: str, s: Sampling) -> dict[str, Any]:
+def completion_body(prompt: str | list[int], s: Sampling) -> dict[str, Any]:
     """The streaming `/completion` request this backend sends for a prompt job (`fleet bench` sends
-    the very same to llama-server directly)."""
+    the very same to llama-server directly); `prompt` is text or token ids."""
     return {**common_fields(s), "prompt": prompt, "n_predict": s.max_tokens}
+
+
+def prompt_body(prompt: str | list[int], request: GenerateRequest, s: Sampling) -> dict[str, Any]:
+    """A job's `/completion` request: a prompt job's text, or a chat's tokens."""
+    body = {**completion_body(prompt, s), **structured_fields(request)}
+    if request.logprobs:  # /completion names it n_probs; at least 1 to get any
+        body["n_probs"] = max(1, request.top_logprobs or 0)
+    return body
+
+
+def chat_body(request: GenerateRequest, s: Sampling) -> dict[str, Any]:
+    """A chat job's `/v1/chat/completions` request."""
+    return {
+        **common_fields(s),
+        **structured_fields(request),
+        "messages": [m.model_dump() for m in request.messages or []],
+        "max_tokens": s.max_tokens,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def _split_at_sep(tokens: list[int]) -> list[list[int]]:
+    out: list[list[int]] = [[]]
+    for t in tokens:
+        if t == _SEP:
+            out.append([])
+        else:
+            out[-1].append(t)
+    return out
 
 
 class LogprobsCollector:
