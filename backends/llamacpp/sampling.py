@@ -107,7 +107,7 @@ def _schema_gbnf(schema: str) -> str:
     except (SchemaTooComplex, GrammarTooLarge) as e:
         raise JobRejected(f"refused: the JSON schema is too complex for a grammar: {e}") from None
     except Exception as e:  # the converter raises whatever its parser meets; name it for the user
-        log.info("schema converter: %s: %s", type(e).__name__, e)
+        log.warning("schema converter: %s: %s", type(e).__name__, e)
         why = str(e)[:200] or "unsupported"
         raise JobRejected(f"the JSON schema cannot be turned into a grammar: {why}") from None
 
