@@ -115,6 +115,10 @@ def test_dashboard_in_headless_chromium_shows_workers_and_a_chart(redis_url: str
         load.start()
         wait_for(lambda: sum(w["inflight"] for w in httpx.get(url + "api/status").json()["workers"]) > 0, 120,
                  "jobs in flight", interval=0.2)
+        # the workers report throughput on their next beat (a job may still be prefilling on a busy box);
+        # virtual time runs the page's polls within a real second or so, so they must already see it
+        wait_for(lambda: httpx.get(url + "api/status").json()["totals"]["tok_s"] > 0, 60,
+                 "a worker to report tokens per second", interval=0.2)
         # virtual time lets the page poll several times before the DOM is dumped
         out = chromium("--virtual-time-budget=6000", "--dump-dom", url, profile=tmp_path / "profile")
         dom = out.stdout
