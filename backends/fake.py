@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
@@ -22,6 +23,7 @@ from backends.contract.settings import EngineSettings
 class FakeSettings(EngineSettings):
     """`backend.type: fake` reads `slots`, `sampling` and its own pacing."""
 
+    type: Literal["fake"] = "fake"
     step_delay: float = Field(0.0, ge=0, le=10, description="fake backend only: seconds each step takes "
                               "(paces test jobs like a real engine)")
 

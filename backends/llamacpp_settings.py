@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -10,6 +11,7 @@ from backends.contract.settings import EngineSettings
 
 
 class LlamaCppSettings(EngineSettings):
+    type: Literal["llama-cpp"] = "llama-cpp"
     model_path: Path | None = None  # None: the embedded gemma-3-270m Q4_K_M
     batch_invariant: bool = Field(
         False, description="a job's greedy text is the same alone or in any batch: ggml's tiled "

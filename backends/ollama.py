@@ -18,8 +18,6 @@ from backends.base import BackendUnavailable, Done, Event, Token
 from backends.http_pool import STATUS_ERRORS, HttpStreamBackend, StreamFailure, StreamJob, sampler_fields
 from backends.http_settings import OllamaSettings
 
-DEFAULT_OLLAMA_MODEL = "gemma3:270m"
-
 
 class OllamaBackend(HttpStreamBackend):
     name = "ollama"
@@ -35,7 +33,7 @@ class OllamaBackend(HttpStreamBackend):
     def __init__(self, settings: OllamaSettings, *, transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(settings, "ollama", transport)
         self.settings: OllamaSettings = settings
-        self.model = settings.model or DEFAULT_OLLAMA_MODEL
+        self.model = settings.model
         self._start()
 
     def _discover_slots(self) -> int:
@@ -65,7 +63,7 @@ class OllamaBackend(HttpStreamBackend):
             options["seed"] = s.seed
         if s.stop:
             options["stop"] = s.stop
-        if "n_ctx_per_seq" in self.settings.model_fields_set:  # else keep the loaded model's num_ctx
+        if self.settings.n_ctx_per_seq is not None:  # else keep the loaded model's num_ctx
             options["num_ctx"] = self.settings.n_ctx_per_seq
         body: dict[str, Any] = {
             "model": self.model,

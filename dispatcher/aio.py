@@ -7,10 +7,10 @@
         res = await job.result(timeout=60)
         await other_job.cancel()
 
-Same jobs, same rules as the sync API: requests are validated before anything reaches Redis,
-a job is the same RQ job (RQ's own enqueue writes, sent through redis.asyncio), `stream()` has
-the same attempt/restart semantics (JobRestarted when a new attempt diverges), and every call
-rides out a Redis outage until its deadline.
+Same jobs, same rules as the sync API, from the same code: dispatcher/rules.py decides what is
+validated, written (the same RQ job) and read, and this class runs it on redis.asyncio
+(dispatcher/plans.py). `stream()` has the same attempt/restart semantics (JobRestarted when a new
+attempt diverges), and every call rides out a Redis outage until its deadline.
 
 Streams cost no connection each: one reader task per AsyncFleet follows every open stream with
 one XREAD (dispatcher/stream_hub.py), so thousands of concurrent `stream()`s share it.
@@ -23,33 +23,26 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from redis import Redis as SyncRedis
 from redis.asyncio import BlockingConnectionPool, Redis
-from rq import Queue
 
-from backends.contract.connect import (
-    MIN_REDIS_VERSION,
-    async_redis_from_url,
-    async_server_version,
-    is_sentinel_url,
-)
-from backends.contract.keys import ATTEMPT_FIELD, cancel_key, job_key, wake_key
-from backends.contract.replies import as_int, as_str
+from backends.contract.connect import async_redis_from_url, async_server_version, is_sentinel_url
+from backends.contract.keys import queue_name
 from backends.contract.retry import OUTAGE_ERRORS, retry_outage_async
 from backends.contract.schema import JobResult
 from backends.contract.stream import StreamEvent
-from dispatcher.client import (
-    CANCEL_QUEUED,
+from dispatcher.client import ProducerBase
+from dispatcher.plans import Plan, run_async
+from dispatcher.rules import (
     CLIENT_OPTIONS,
-    ENDED_STATUSES,
-    JobTimeout,
-    PreparedJob,
-    ProducerBase,
-    cancel_queued_call,
-    rq_queues,
+    UNREACHABLE,
+    cancel_plan,
+    enqueue_plan,
+    final_result,
+    status_plan,
+    timed_out,
+    wake_plan,
 )
-from dispatcher.durability import WAKE_TOKENS_KEPT
-from dispatcher.stream import JobFailed, TextDeltas
+from dispatcher.stream import TextDeltas
 from dispatcher.stream_hub import StreamHub
 
 T = TypeVar("T")
@@ -70,11 +63,7 @@ class AsyncFleet(ProducerBase):
             raise ValueError("AsyncFleet supports durability 'primary' only (use Fleet for 'replicated')")
         self.redis = redis if redis is not None else _client(self.redis_url, max_connections)
         self.streams = streams or StreamHub(self.redis)
-        self._cancel_queued = self.redis.register_script(CANCEL_QUEUED)
-        # RQ's enqueue is sync. Its writes are recorded into a pipeline of a client that never
-        # connects (a path that cannot exist, so any unexpected I/O fails loudly) and replayed here.
-        self._recorder = SyncRedis(unix_socket_path="/nonexistent/llama-fleet-rq-recorder")
-        self._queues: dict[str, Queue] | None = None
+        self._server_checked = False
 
     def for_pool(self, pool: str) -> AsyncFleet:
         """A handle on another pool that shares this one's connections and stream reader (close
@@ -99,54 +88,37 @@ class AsyncFleet(ProducerBase):
         """Validate and enqueue one generation job (Fleet.submit's arguments). Raises ValueError
         naming any bad field; retries through a Redis outage for up to `retry_for` seconds."""
         job = self._prepare(prompt, priority, queue_ttl, job_timeout, fields)
-        queues = await self._retry(self._rq_queues)
+        await self._retry(self.check_server)
+        queue = queue_name(self.pool, job.priority)
         tries = 0
 
         async def enqueue() -> None:
             nonlocal tries
             tries += 1
-            if tries > 1 and await self.redis.exists(job_key(job.job_id)):
-                return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
-            await self._enqueue(job, queues[job.priority])
+            await run_async(self.redis, enqueue_plan(job, queue, retried=tries > 1))
 
         await self._retry(enqueue)
         with contextlib.suppress(*OUTAGE_ERRORS):  # workers also poll: an outage costs only latency
-            async with self.redis.pipeline(transaction=False) as pipe:  # durability.push_wake's pushes
-                pipe.lpush(wake_key(self.pool), 1)
-                pipe.ltrim(wake_key(self.pool), 0, WAKE_TOKENS_KEPT - 1)
-                await pipe.execute()
+            await run_async(self.redis, wake_plan(self.pool))
         return AsyncFleetJob(self, job.job_id)
 
     async def check_server(self) -> None:
         """RedisTooOld if the server is older than the fleet needs (a gateway calls this at start;
-        the first submit checks anyway)."""
-        await self._rq_queues()
-
-    async def _rq_queues(self) -> dict[str, Queue]:
-        if self._queues is None:
-            # HELLO, not INFO: INFO is @dangerous, which the documented ACL user may not run.
-            # RQ wants the version only to choose LPOS; an ACL that refuses HELLO too leaves the
-            # minimum the fleet needs anyway.
-            version = await async_server_version(self.redis, self.redis_url) or MIN_REDIS_VERSION
-            queues = rq_queues(self.pool, self._recorder)
-            for q in queues.values():
-                q.redis_server_version = version
-            self._queues = queues
-        return self._queues
-
-    async def _enqueue(self, job: PreparedJob, queue: Queue) -> None:
-        recorded = self._recorder.pipeline(transaction=True)
-        job.enqueue(queue, pipeline=recorded)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for args, options in recorded.command_stack:
-                pipe.execute_command(*args, **options)
-            await pipe.execute()
+        the first submit checks anyway). HELLO, not INFO: INFO is @dangerous, which the documented
+        ACL user may not run; an ACL that refuses HELLO too leaves the version unknown."""
+        if not self._server_checked:
+            await async_server_version(self.redis, self.redis_url)
+            self._server_checked = True
 
     def job(self, job_id: str) -> AsyncFleetJob:
         return AsyncFleetJob(self, job_id)
 
     async def _retry(self, call: Callable[[], Awaitable[T]]) -> T:
         return await retry_outage_async(call, time.monotonic() + self.retry_for)
+
+    async def _run(self, make_plan: Callable[[], Plan[T]]) -> T:
+        """A fresh plan from `make_plan` on each try through an outage."""
+        return await self._retry(lambda: run_async(self.redis, make_plan()))
 
 
 def _client(url: str, max_connections: int) -> Redis:
@@ -186,35 +158,19 @@ class AsyncFleetJob:
     async def result(self, timeout: float | None = 60.0) -> JobResult:
         """Wait until the job ends; return its final result or raise JobFailed / JobTimeout."""
         async for ev in self.events(timeout):
-            if ev.kind == "done":
-                return JobResult(ev.data or {})
-            if ev.kind == "error":
-                raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
+            if (result := final_result(self.id, ev)) is not None:
+                return result
         try:
             status = await self.status()
         except OUTAGE_ERRORS:
-            status = "unknown: Redis unreachable"
-        raise JobTimeout(f"job {self.id} did not finish within {timeout}s (status: {status})")
+            status = UNREACHABLE
+        raise timed_out(self.id, timeout, status)
 
     async def status(self) -> str:
-        raw = await self.fleet._retry(lambda: self.fleet.redis.hget(job_key(self.id), "status"))
-        return as_str(raw) or "unknown"
+        return await self.fleet._run(lambda: status_plan(self.id))
 
     async def cancel(self) -> str:
         """Cancel: a queued job is removed at once; a running one stops at its next step.
         Returns 'cancelled' (was queued), 'cancelling' (running) or the final status."""
-        return await self.fleet._retry(self._cancel)
-
-    async def _cancel(self) -> str:
-        r = self.fleet.redis
-        origin, attempts = await r.hmget(job_key(self.id), ["origin", ATTEMPT_FIELD])
-        queue = as_str(origin)
-        if queue is not None:
-            keys, args = cancel_queued_call(self.id, queue, as_int(attempts), self.fleet.result_ttl)
-            if await self.fleet._cancel_queued(keys=keys, args=args):
-                return "cancelled"
-        status = as_str(await r.hget(job_key(self.id), "status")) or "unknown"
-        if status in ENDED_STATUSES:
-            return status
-        await r.set(cancel_key(self.id), 1, ex=self.fleet.job_timeout + 60)
-        return "cancelling"
+        return await self.fleet._run(lambda: cancel_plan(self.id, self.fleet.result_ttl,
+                                                         self.fleet.job_timeout))

@@ -5,71 +5,51 @@
     for text in job.stream(): print(text, end="")
     res = job.result(timeout=60)
 
-Requests are validated here (pydantic) before anything reaches Redis. A job is a plain RQ job
-(JSON serializer, function `dispatcher.jobs.generate`) on queue `<pool>:<priority>`, so stock RQ
-tools see it and plain RQ producers can enqueue the same thing.
+Requests are validated (pydantic) before anything reaches Redis. A job is a plain RQ job (JSON
+serializer, function `dispatcher.jobs.generate`) on queue `<pool>:<priority>`, so stock RQ tools
+see it and plain RQ producers can enqueue the same thing. What to write and read is decided in
+dispatcher/rules.py, shared with AsyncFleet; this class runs it on a sync client.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-import uuid
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
-from pydantic import ValidationError
 from redis import Redis
-from redis.client import Pipeline
-from redis.typing import EncodableT
-from rq import Queue
-from rq.serializers import JSONSerializer
 
-from backends.contract.connect import MIN_REDIS_VERSION, redis_from_url
-from backends.contract.keys import (
-    ATTEMPT_FIELD,
-    ENQUEUED_MS_META,
-    FINAL_FIELD,
-    JOB_FUNCTION,
-    cancel_key,
-    canceled_registry_key,
-    job_key,
-    queue_key,
-    queue_name,
-    stream_key,
-)
-from backends.contract.lua import lua_script
-from backends.contract.replies import as_int, as_str
+from backends.contract.connect import redis_from_url
+from backends.contract.keys import queue_name
 from backends.contract.retry import OUTAGE_ERRORS, retry_outage
-from backends.contract.schema import (
-    PRIORITIES,
-    GenerateRequest,
-    JobResult,
-    cancelled_in_queue,
-    describe_validation_error,
-)
+from backends.contract.schema import JobResult
 from backends.contract.settings import ProducerSettings, load
 from backends.contract.stream import StreamEvent
 from dispatcher import stream
 from dispatcher.durability import DURABILITY_MODES, Durability, enqueue_replicated, push_wake
+from dispatcher.plans import Plan, run
+from dispatcher.rules import (
+    CLIENT_OPTIONS,
+    UNREACHABLE,
+    JobTimeout,
+    PreparedJob,
+    cancel_plan,
+    enqueue_plan,
+    final_result,
+    prepare,
+    status_plan,
+    timed_out,
+)
 from dispatcher.stream import JobFailed, JobRestarted, TextDeltas
 
+__all__ = ["Fleet", "FleetJob", "JobTimeout", "ProducerBase"]
 T = TypeVar("T")
-ENDED_STATUSES = ("finished", "failed", "canceled")  # RQ statuses of a job that has its final entry
-# timeouts for producer clients (sync and asyncio); no redis-py retries of their own
-CLIENT_OPTIONS: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout": 30,
-                                  "health_check_interval": 30}
-
-
-class JobTimeout(Exception):
-    pass
 
 
 class ProducerBase:
     """What the sync `Fleet` and `AsyncFleet` (dispatcher.aio) share: settings, and a request
-    turned into one RQ enqueue (validated, its id fixed before the first try)."""
+    turned into one PreparedJob (dispatcher/rules.py)."""
 
     def __init__(self, redis_url: str | None = None, *, pool: str = "llm", result_ttl: int = 3600,
                  job_timeout: int = 600, queue_ttl: int | None = None, retry_for: float = 30.0,
@@ -94,42 +74,8 @@ class ProducerBase:
 
     def _prepare(self, prompt: str | None, priority: str, queue_ttl: int | None, job_timeout: int | None,
                  fields: dict[str, Any]) -> PreparedJob:
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
-        if prompt is not None:
-            fields["prompt"] = prompt
-        request = validate_request(fields)
-        ttl = queue_ttl or self.queue_ttl
-        return PreparedJob(
-            job_id=uuid.uuid4().hex,  # fixed before the first try: a retry never enqueues twice
-            priority=priority,
-            payload=request.model_dump(exclude_none=True, exclude_defaults=True),
-            options={"job_timeout": job_timeout or self.job_timeout, "result_ttl": self.result_ttl,
-                     "failure_ttl": self.result_ttl, "meta": {"queue_ttl": ttl} if ttl else {}},
-        )
-
-
-@dataclass
-class PreparedJob:
-    job_id: str
-    priority: str
-    payload: dict[str, Any]
-    options: dict[str, Any]  # RQ's enqueue options
-
-    def enqueue(self, queue: Queue, pipeline: Pipeline | None = None) -> None:
-        """RQ's enqueue (into `pipeline` when given: its commands run at its execute)."""
-        queue.enqueue(JOB_FUNCTION, self.payload, job_id=self.job_id, pipeline=pipeline, **self.options)
-
-
-def rq_queues(pool: str, connection: Redis) -> dict[str, Queue]:
-    """The pool's RQ queues by priority (JSON serializer: fleet jobs are never pickled). RQ asks
-    the server's version with INFO (@dangerous: refused to the documented ACL user) only to pick
-    LPOS; the fleet needs Redis >= 7.0 anyway (workers check it at start), so it is told that."""
-    queues: dict[str, Queue] = {
-        p: Queue(queue_name(pool, p), connection=connection, serializer=JSONSerializer) for p in PRIORITIES}
-    for q in queues.values():
-        q.redis_server_version = MIN_REDIS_VERSION
-    return queues
+        return prepare(prompt, priority, fields, job_timeout=job_timeout or self.job_timeout,
+                       result_ttl=self.result_ttl, queue_ttl=queue_ttl or self.queue_ttl)
 
 
 class Fleet(ProducerBase):
@@ -147,8 +93,6 @@ class Fleet(ProducerBase):
             # this class decides how long to wait through an outage (reconnect.py)
             redis = redis_from_url(self.redis_url, **CLIENT_OPTIONS)
         self.redis = redis
-        self._queues = rq_queues(pool, redis)
-        self._cancel_queued = redis.register_script(CANCEL_QUEUED)
 
     def submit(self, prompt: str | None = None, *, priority: str = "default", queue_ttl: int | None = None,
                job_timeout: int | None = None, **fields: Any) -> FleetJob:
@@ -157,25 +101,18 @@ class Fleet(ProducerBase):
         `queue_ttl`: seconds the job may wait in the queue before its first run; a job claimed
         later fails with "expired". `job_timeout`: wall seconds one run may take."""
         job = self._prepare(prompt, priority, queue_ttl, job_timeout, fields)
+        queue = queue_name(self.pool, job.priority)
+        if self.durability == "replicated":
+            enqueue_replicated(self.redis, lambda conn: run(conn, enqueue_plan(job, queue, retried=False)),
+                               job.job_id, self.pool, self.replica_timeout, self.retry_for)
+            return FleetJob(self, job.job_id)
         tries = 0
 
         def enqueue() -> None:
             nonlocal tries
             tries += 1
-            if tries > 1 and self.redis.exists(job_key(job.job_id)):
-                return  # an earlier try landed; only its reply was lost (enqueue is one MULTI)
-            options = job.options
-            if options["meta"].get("queue_ttl"):  # measured on Redis's clock (issue 10, defect 9)
-                seconds, micros = self.redis.time()
-                options["meta"][ENQUEUED_MS_META] = seconds * 1000 + micros // 1000
-            job.enqueue(self._queues[job.priority])
+            run(self.redis, enqueue_plan(job, queue, retried=tries > 1))
 
-        if self.durability == "replicated":
-            name = queue_name(self.pool, job.priority)
-            enqueue_replicated(
-                self.redis, lambda conn: job.enqueue(Queue(name, connection=conn, serializer=JSONSerializer)),
-                job.job_id, self.pool, self.replica_timeout, self.retry_for)
-            return FleetJob(self, job.job_id)
         self._retry(enqueue)
         with contextlib.suppress(*OUTAGE_ERRORS):
             push_wake(self.redis, self.pool)
@@ -187,25 +124,9 @@ class Fleet(ProducerBase):
     def _retry(self, call: Callable[[], T]) -> T:
         return retry_outage(call, time.monotonic() + self.retry_for)
 
-
-# Cancels a job that is still queued, in one step (KEYS, ARGV and reply: the script's header).
-CANCEL_QUEUED = lua_script("dispatcher", "cancel_queued.lua")
-
-
-def cancel_queued_call(job_id: str, queue: str, attempts: int,
-                       result_ttl: int) -> tuple[list[str], list[EncodableT]]:
-    """KEYS and ARGV of CANCEL_QUEUED for a job on `queue` that ran `attempts` times before."""
-    result = cancelled_in_queue(job_id, attempts + 1).model_dump()
-    keys = [queue_key(queue), job_key(job_id), stream_key(job_id), canceled_registry_key(queue)]
-    args: list[EncodableT] = [job_id, json.dumps(result), result_ttl, time.time(), ATTEMPT_FIELD, FINAL_FIELD]
-    return keys, args
-
-
-def validate_request(fields: dict[str, Any]) -> GenerateRequest:
-    try:
-        return GenerateRequest.model_validate(fields)
-    except ValidationError as e:
-        raise ValueError("invalid request: " + describe_validation_error(e)) from None
+    def _run(self, make_plan: Callable[[], Plan[T]]) -> T:
+        """A fresh plan from `make_plan` on each try through an outage."""
+        return self._retry(lambda: run(self.redis, make_plan()))
 
 
 class FleetJob:
@@ -253,7 +174,7 @@ class FleetJob:
 
         Interrupted (Ctrl-C, or the generator closed before the job ended, e.g. by leaving a
         `with`/`finally` around the loop), it cancels the job, unless `detach=True`: nobody
-        would read what the worker goes on generating (issue 10, defect 12)."""
+        would read what the worker goes on generating."""
         try:
             yield from self._stream(timeout)
         except (GeneratorExit, KeyboardInterrupt):
@@ -273,40 +194,24 @@ class FleetJob:
         """Block until the job ends; return its one final result or raise JobFailed / JobTimeout.
         Waits through Redis outages (until `timeout`)."""
         for ev in self.events(timeout):
-            if ev.kind == "done":
-                return JobResult(ev.data or {})
-            if ev.kind == "error":
-                raise JobFailed(self.id, str((ev.data or {}).get("error")), ev.data)
-        status = self._status_or_unknown()
-        raise JobTimeout(f"job {self.id} did not finish within {timeout}s (status: {status})")
+            if (result := final_result(self.id, ev)) is not None:
+                return result
+        try:
+            status = self.status()
+        except OUTAGE_ERRORS:
+            status = UNREACHABLE
+        raise timed_out(self.id, timeout, status)
 
     def status(self) -> str:
-        raw = self.fleet._retry(lambda: self.fleet.redis.hget(job_key(self.id), "status"))
-        return as_str(raw) or "unknown"
-
-    def _status_or_unknown(self) -> str:
-        try:
-            return self.status()
-        except OUTAGE_ERRORS:
-            return "unknown: Redis unreachable"
+        return self.fleet._run(lambda: status_plan(self.id))
 
     def cancel(self) -> str:
         """Cancel: a queued job is removed at once; a running one stops at its next step.
         Returns 'cancelled' (was queued), 'cancelling' (running) or the final status."""
-        return self.fleet._retry(self._cancel)
+        return self.fleet._run(self._cancel_plan)
 
     def _cancel(self) -> str:
-        r = self.fleet.redis
-        origin, attempts = r.hmget(job_key(self.id), ["origin", ATTEMPT_FIELD])
-        queue = as_str(origin)
-        if queue is not None:
-            keys, args = cancel_queued_call(self.id, queue, as_int(attempts), self.fleet.result_ttl)
-            if self.fleet._cancel_queued(keys=keys, args=args):
-                return "cancelled"
-        status = self.status()
-        if status in ENDED_STATUSES:
-            return status
-        r.set(cancel_key(self.id), 1, ex=self.fleet.job_timeout + 60)
-        return "cancelling"
+        return run(self.fleet.redis, self._cancel_plan())
 
-
+    def _cancel_plan(self) -> Plan[str]:
+        return cancel_plan(self.id, self.fleet.result_ttl, self.fleet.job_timeout)

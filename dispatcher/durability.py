@@ -22,12 +22,13 @@ from typing import Literal
 
 from redis import Redis
 
-from backends.contract.keys import job_key, wake_key
+from backends.contract.keys import job_key
 from backends.contract.retry import retry_outage
+from dispatcher.plans import run
+from dispatcher.rules import wake_plan
 
 Durability = Literal["primary", "replicated"]
 DURABILITY_MODES: tuple[Durability, ...] = ("primary", "replicated")
-WAKE_TOKENS_KEPT = 64
 
 
 class NotReplicated(Exception):
@@ -41,10 +42,7 @@ class NotReplicated(Exception):
 
 def push_wake(redis: Redis, pool: str) -> None:
     """Wake one idle worker (they also poll, so a lost token costs only latency)."""
-    with redis.pipeline(transaction=False) as pipe:
-        pipe.lpush(wake_key(pool), 1)
-        pipe.ltrim(wake_key(pool), 0, WAKE_TOKENS_KEPT - 1)
-        pipe.execute()
+    run(redis, wake_plan(pool))
 
 
 def enqueue_replicated(redis: Redis, enqueue: Callable[[Redis], None], job_id: str, pool: str,

@@ -24,15 +24,21 @@ from backends.contract.keys import ATTEMPT_FIELD, FINAL_FIELD, job_key, stream_k
 from backends.contract.replies import as_int, as_str
 from backends.contract.retry import OUTAGE_ERRORS, Backoff, retry_outage
 from backends.contract.stream import StreamEvent, decode
+from dispatcher.plans import Plan, ask, cmd, run
 
 # One XREAD reply: [(stream key, [(entry id, fields), ...]), ...]
 XreadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
 def live_attempt(redis: Redis, job_id: str) -> int:
+    return run(redis, live_attempt_plan(job_id))
+
+
+def live_attempt_plan(job_id: str) -> Plan[int]:
     """The attempt now running (or the last one, if the job ended): entries of earlier attempts
-    are void. The job hash counts the attempts before the current one."""
-    return as_int(redis.hget(job_key(job_id), ATTEMPT_FIELD)) + 1
+    are void. The job hash counts the attempts before the current one. (The async reader,
+    stream_hub.py, starts from it too.)"""
+    return as_int((yield from ask(cmd("hget", job_key(job_id), ATTEMPT_FIELD)))) + 1
 
 
 class AttemptFilter:
@@ -178,7 +184,7 @@ _NOT_ENDED = {"queued", "started", "deferred", "scheduled"}
 def _rerun(redis: Redis, job_id: str, deadline: float | None, backoff: Backoff) -> bool:
     """Final entries, `fleet_final` and the ended status are written in one MULTI, so a final
     entry whose job is not ended though it recorded an ending belongs to an attempt that was
-    re-run since (issue 10, defect 4)."""
+    re-run since."""
     status, final = retry_outage(lambda: redis.hmget(job_key(job_id), ["status", FINAL_FIELD]),
                                  deadline, backoff)
     return as_str(status) in _NOT_ENDED and final is not None

@@ -3,7 +3,8 @@
 An asyncio process (the gateway, an app on asyncio) may follow thousands of jobs at once. Giving
 each its own blocking XREAD would cost one Redis connection per open stream. The hub instead runs
 one task that XREADs every followed stream in one call and hands each entry to the followers of
-that job (their own asyncio queues, with the same attempt rules as the sync reader).
+that job (their own asyncio queues, with the same attempt rules as the sync reader: its
+AttemptFilter, from the same live attempt).
 
 A follower that joins while the task is blocked in XREAD would wait up to `block_ms` for its
 first entry. So the hub also reads a private wake stream (fleet:hub:<id>); a joining follower
@@ -18,17 +19,17 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from redis.asyncio import Redis
 
-from backends.contract.keys import ATTEMPT_FIELD, hub_wake_key, job_key, stream_key
-from backends.contract.replies import as_int
+from backends.contract.keys import hub_wake_key, stream_key
 from backends.contract.retry import OUTAGE_ERRORS, Backoff, is_outage, retry_outage_async
 from backends.contract.stream import StreamEvent, decode
-from dispatcher.stream import AttemptFilter, XreadReply
+from dispatcher.plans import run_async
+from dispatcher.stream import AttemptFilter, XreadReply, live_attempt_plan
 
 log = logging.getLogger("fleet.streams")
 WAKE_TTL = 60  # seconds the wake stream outlives the last wake
@@ -73,8 +74,12 @@ class StreamHub:
         """The job's live events from its first entry until done/error, as read_events() yields
         them; returns early when `deadline` (time.monotonic()) passes."""
         backoff = Backoff()
+
+        def live_attempt() -> Awaitable[int]:
+            return run_async(self.redis, live_attempt_plan(job_id))
+
         try:
-            floor = await retry_outage_async(lambda: self._live_attempt(job_id), deadline, backoff)
+            floor = await retry_outage_async(live_attempt, deadline, backoff)
         except OUTAGE_ERRORS:
             if deadline is not None and time.monotonic() >= deadline:
                 return  # Redis stayed away until the deadline: the caller reports a timeout
@@ -95,9 +100,6 @@ class StreamHub:
                     return
         finally:
             self._leave(follower)
-
-    async def _live_attempt(self, job_id: str) -> int:
-        return as_int(await self.redis.hget(job_key(job_id), ATTEMPT_FIELD)) + 1
 
     async def _join(self, follower: Follower) -> None:
         self._followers.setdefault(stream_key(follower.job_id), []).append(follower)

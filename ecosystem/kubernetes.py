@@ -18,25 +18,29 @@ gateway Deployment + Service, KEDA ScaledObject, and a helm-free kustomization.y
   uploads spooled by the gateway; the worker's cache dir: the embedded model, assembled at start).
 - KEDA: one `redis` (or `redis-sentinel`) trigger per priority queue of the pool, summed by a
   scaling-modifier formula; target = queue_target_per_worker() (ecosystem/sizing.py), the same
-  function `fleet scale --suggest` uses.
+  function `fleet scale --suggest` uses (`suggest_scale`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import yaml
+from redis import Redis
 
 from backends.contract.connect import is_sentinel_url, parse_sentinel_url
 from backends.contract.keys import queue_key, queue_name
 from backends.contract.redact import redact_url
 from backends.contract.schema import PRIORITIES
+from backends.llamacpp_settings import LlamaCppSettings
+from dispatcher import status as fleet_status
 from ecosystem.planner import Plan
 from ecosystem.render import STOP_MARGIN
-from ecosystem.sizing import Throughput, queue_target_per_worker, worker_memory_mib
+from ecosystem.sizing import Throughput, queue_target_per_worker, worker_memory_mib, workers_needed
 from worker.settings import FleetSettings
 
 APP = "llama-fleet"
@@ -95,6 +99,40 @@ def scale_target(settings: FleetSettings, cores: int, options: KubernetesOptions
     throughput = (Throughput(options.tokens_per_s, tokens_per_job) if options.tokens_per_s
                   else Throughput.measured(cores, tokens_per_job))
     return queue_target_per_worker(throughput.jobs_per_s, options.ttft_target_s)
+
+
+@dataclass(frozen=True)
+class ScaleSuggestion:
+    queued: int
+    live_workers: int
+    target_per_worker: int
+    jobs_per_s: float  # one worker's
+    ttft_target_s: float
+    suggested_workers: int
+
+    def row(self) -> dict[str, Any]:
+        return {"queued": self.queued, "live_workers": self.live_workers,
+                "target_per_worker": self.target_per_worker,
+                "jobs_per_s_per_worker": round(self.jobs_per_s, 3),
+                "ttft_target_s": self.ttft_target_s, "suggested_workers": self.suggested_workers}
+
+
+def suggest_scale(redis: Redis, settings: FleetSettings, cores: int | None, ttft_target: float,
+                  tokens_per_s: float | None, min_workers: int, max_workers: int) -> ScaleSuggestion:
+    """The worker count the pool's queue depth calls for, by the ScaledObject's formula. `cores`
+    per worker: None takes the live workers' mean, else 2."""
+    snap = fleet_status.snapshot(redis, settings.pool)
+    queued = sum(int(q["depth"]) for q in snap["queues"])
+    live = snap["workers"]
+    if cores is None:
+        threads = [int(w.get("threads") or 0) for w in live if w.get("threads")]
+        cores = math.ceil(sum(threads) / len(threads)) if threads else 2
+    tokens_per_job = settings.backend.sampling.max_tokens or 128
+    throughput = (Throughput(tokens_per_s, tokens_per_job) if tokens_per_s
+                  else Throughput.measured(cores, tokens_per_job))
+    target = queue_target_per_worker(throughput.jobs_per_s, ttft_target)
+    return ScaleSuggestion(queued, len(live), target, throughput.jobs_per_s, ttft_target,
+                           workers_needed(queued, target, min_workers, max_workers))
 
 
 def _yaml(doc: dict[str, Any]) -> str:
@@ -190,7 +228,9 @@ def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: i
         {"name": "FLEET_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "FLEET_HEALTH_FILE", "value": HEALTH_FILE},
         {"name": "FLEET_CACHE_DIR", "value": CACHE_DIR},
-        {"name": "FLEET_BACKEND__THREADS", "value": str(cores)},
+        # a thread count is llama.cpp's alone: any other engine refuses the key
+        *([{"name": "FLEET_BACKEND__THREADS", "value": str(cores)}]
+          if isinstance(settings.backend, LlamaCppSettings) else []),
         {"name": "FLEET_BACKEND__SLOTS", "value": str(slots)},
         # read by KEDA's scaler from the scale target's container (passwordFromEnv)
         _secret_env("REDIS_PASSWORD", "redis-password"),

@@ -37,6 +37,8 @@ class WorkerPlan:
     threads: int  # = physical cores owned
     slots: int
     cores: tuple[tuple[int, ...], ...] = field(default=(), compare=False)  # for display
+    # whether the engine takes a thread count (llama-cpp): any other refuses backend.threads
+    engine_threads: bool = True
 
     @property
     def cpu_list(self) -> str:
@@ -47,9 +49,10 @@ class WorkerPlan:
         env = {
             "FLEET_NAME": self.name,
             "FLEET_CPUS": self.cpu_list,
-            "FLEET_BACKEND__THREADS": str(self.threads),
             "FLEET_BACKEND__SLOTS": str(self.slots),
         }
+        if self.engine_threads:
+            env["FLEET_BACKEND__THREADS"] = str(self.threads)
         if self.numa_node is not None:
             env["FLEET_NUMA_NODE"] = str(self.numa_node)
         return env
@@ -90,7 +93,9 @@ def plan(
     reserve_cores: int = 0,
     smt: bool = False,
     name_prefix: str = "worker",
+    engine_threads: bool = True,
 ) -> Plan:
+    """`engine_threads`: the workers' engine takes `backend.threads` (llama-cpp, the default)."""
     if workers != "auto" and (not isinstance(workers, int) or workers < 1):
         raise PlanError(f"workers must be a positive integer or 'auto', got {workers!r}")
     if cores_per_worker is not None and cores_per_worker < 1:
@@ -128,6 +133,7 @@ def plan(
                     threads=size,
                     slots=slots,
                     cores=tuple(core.cpus for core in cores),
+                    engine_threads=engine_threads,
                 )
             )
     notes = list(topology.notes)

@@ -63,7 +63,7 @@ def default_command() -> tuple[str, ...]:
     found = shutil.which("fleet")
     if found:
         return (str(Path(found).absolute()),)
-    return (str(Path(sys.executable).absolute()), "-m", "dispatcher.cli")
+    return (str(Path(sys.executable).absolute()), "-m", "ecosystem.cli")
 
 
 def render(plan: Plan, fmt: Format, options: RenderOptions) -> dict[str, str]:

@@ -26,7 +26,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.registry import BackendSettings
+from backends.contract.settings import EngineSettings
+from backends.llamacpp_settings import LlamaCppSettings
+from backends.registry import Chained
 
 MODEL_MAPPING_MIB = 235.0  # embedded model file, mapped read-only (measured)
 WORKER_OVERHEAD_MIB = 129.0  # everything but weights and KV (measured: extra worker = KV + ~129 MiB)
@@ -37,7 +39,7 @@ HEADROOM = 1.10  # on top of the estimate: the limit is a hard OOM kill
 MEASURED_TOK_S_PER_CORE = 95.0  # 190 tok/s at 16 slots on 2 cores (docs/bench.md, low end)
 
 
-def kv_kib(backend: BackendSettings) -> float:
+def kv_kib(backend: LlamaCppSettings) -> float:
     """The KV cache of one in-process engine (backends/llamacpp/engine.py: the KV layouts)."""
     if backend.kv_unified:
         return backend.n_ctx * KV_KIB_PER_CELL
@@ -48,16 +50,19 @@ def kv_kib(backend: BackendSettings) -> float:
     return (backend.slots + backend.prefix_cache) * per_stream
 
 
-def worker_memory_mib(backend: BackendSettings) -> int:
-    """Memory request = limit for one worker, MiB (estimate x HEADROOM, rounded up to 16 MiB)."""
-    mapping = MODEL_MAPPING_MIB
-    if backend.type != "llama-cpp":
-        mapping, kv = 0.0, 0.0  # HTTP backends: the model lives in llama-server / Ollama
-    else:
-        if backend.model_path is not None and Path(backend.model_path).exists():
-            mapping = Path(backend.model_path).stat().st_size / 2**20
-        kv = kv_kib(backend) / 1024
-    total = (mapping + kv + WORKER_OVERHEAD_MIB) * HEADROOM
+def worker_memory_mib(backend: EngineSettings) -> int:
+    """Memory request = limit for one worker, MiB (estimate x HEADROOM, rounded up to 16 MiB).
+    HTTP backends hold no model (it lives in llama-server / Ollama); an in-process engine of the
+    fallback chain counts as well, since the chain may run it beside the primary."""
+    chain = [backend, *(backend.fallback if isinstance(backend, Chained) else [])]
+    engines_mib = 0.0
+    for engine in chain:
+        if isinstance(engine, LlamaCppSettings):
+            mapping = MODEL_MAPPING_MIB
+            if engine.model_path is not None and Path(engine.model_path).exists():
+                mapping = Path(engine.model_path).stat().st_size / 2**20
+            engines_mib += mapping + kv_kib(engine) / 1024
+    total = (engines_mib + WORKER_OVERHEAD_MIB) * HEADROOM
     return int(math.ceil(total / 16) * 16)
 
 

@@ -11,6 +11,8 @@ and from the raw fleet tok/s beside it. Prints a table and writes JSON.
         --a-name "observe on" --b-name "observe off" --b-arg=--worker-set=observe=false
     .venv/bin/python scripts/bench_ab.py --users 16 --pairs 2 \\
         --a-name a19c634 --a-env PYTHONPATH=/work/old --b-name main    # an older checkout vs this
+    # a checkout whose `fleet` entry point differs: run its own executable
+    .venv/bin/python scripts/bench_ab.py --users 16 --a-name old --a-fleet /work/old/.venv/bin/fleet
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from ecosystem.local.bench import machine_meta  # noqa: E402
 FLEET = ROOT / ".venv" / "bin" / "fleet"
 
 
-def run_bench(name: str, env_pairs: tuple[str, ...], args: tuple[str, ...], users: int,
+def run_bench(name: str, fleet: Path, env_pairs: tuple[str, ...], args: tuple[str, ...], users: int,
               common: tuple[str, ...], out: Path, console: Console) -> dict[str, Any]:
     env = dict(os.environ)
     env.update(_pair(kv) for kv in env_pairs)
-    cmd = [str(FLEET), "bench", "--users", str(users), "--rounds", "1", *common, *args, "--out", str(out)]
+    cmd = [str(fleet), "bench", "--users", str(users), "--rounds", "1", *common, *args, "--out", str(out)]
     shown = " ".join(cmd[1:]) + (f"  (env {' '.join(env_pairs)})" if env_pairs else "")
     console.log(f"[bold]{name}[/]: {shown}")
     started = time.monotonic()
@@ -68,20 +70,24 @@ def run_bench(name: str, env_pairs: tuple[str, ...], args: tuple[str, ...], user
 @click.option("--b-env", multiple=True)
 @click.option("--a-arg", multiple=True, help="extra `fleet bench` argument for variant A (repeatable)")
 @click.option("--b-arg", multiple=True)
+@click.option("--a-fleet", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=FLEET,
+              help="the `fleet` executable of variant A (default: this checkout's)")
+@click.option("--b-fleet", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=FLEET)
 @click.option("--bench-arg", multiple=True, help="extra `fleet bench` argument for both (repeatable)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-ab.json"),
               show_default=True)
 def main(users: int, pairs: int, a_name: str, b_name: str, a_env: tuple[str, ...], b_env: tuple[str, ...],
-         a_arg: tuple[str, ...], b_arg: tuple[str, ...], bench_arg: tuple[str, ...], out: Path) -> None:
+         a_arg: tuple[str, ...], b_arg: tuple[str, ...], a_fleet: Path, b_fleet: Path,
+         bench_arg: tuple[str, ...], out: Path) -> None:
     console = Console(width=150)
-    variants = {"A": (a_name, a_env, a_arg), "B": (b_name, b_env, b_arg)}
+    variants = {"A": (a_name, a_fleet, a_env, a_arg), "B": (b_name, b_fleet, b_env, b_arg)}
     order = "".join("AB" if i % 2 == 0 else "BA" for i in range(pairs))
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         for i, which in enumerate(order):
-            name, env_pairs, args = variants[which]
-            runs.append(run_bench(name, env_pairs, args, users, bench_arg, Path(tmp) / f"{i}-{which}.json",
-                                  console))
+            name, fleet, env_pairs, args = variants[which]
+            out_i = Path(tmp) / f"{i}-{which}.json"
+            runs.append(run_bench(name, fleet, env_pairs, args, users, bench_arg, out_i, console))
             console.log(f"  fleet {runs[-1]['fleet_tok_s']} tok/s, peer {runs[-1]['peer_tok_s']}, "
                         f"ratio {runs[-1]['ratio']}")
         for run in runs:  # keep the per-run JSON beside the summary

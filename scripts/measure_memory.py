@@ -48,7 +48,7 @@ ENGINE_PROBE = """
 import sys
 import llama_cpp as ll
 import backends.llamacpp.model as loaded_model
-import dispatcher.cli, worker.main
+import ecosystem.cli, worker.main
 from backends.registry import make_backend
 from worker.settings import load_settings
 
@@ -74,7 +74,7 @@ print(f"\\nUSS {imported} {private()}")
 
 
 def fleet_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dispatcher.cli", *args]
+    return [sys.executable, "-m", "ecosystem.cli", *args]
 
 
 def free_port() -> int:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from backends.contract.schema import GenerateRequest, Sampling, SamplingDefaults
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, StepPlan
-from backends.llamacpp.state import ActiveJob
+from backends.llamacpp.state import ActiveJob, Sampled
+
+SAMPLED = 7  # what the stand-in model samples on every row
 
 
 def sampling(max_tokens: int = 16) -> Sampling:
@@ -30,25 +32,27 @@ def admit(s: Scheduler, job_id: str, tokens: list[int], max_tokens: int = 16) ->
 
 
 def execute(s: Scheduler, plan: StepPlan) -> None:
-    """What the executor and engine do with a plan, minus llama.cpp: every call succeeds, a
-    finished prompt samples token 7, a decoder stops after max_tokens."""
+    """A step of a model that samples token 7 on every row, through the scheduler's own rules
+    (Scheduler.update): what the executor does, minus llama.cpp. Every call succeeds."""
     for call in plan.calls:
-        for job in call.decoders:
-            job.n_past += 1
-            _sampled(s, job)
-        for job, count in call.prompts:
-            job.n_past += count
-            if job.n_past == len(job.tokens):
-                _sampled(s, job)
-    s.kv.take_ops()
+        sampled = Sampled()
+        for job in _sampling(call):
+            sampled.rows[job.seq_id] = _sevens(call.drafts.get(job.seq_id, ()))
+        s.update(call, sampled)
+    s.end_step()
 
 
-def _sampled(s: Scheduler, job: ActiveJob) -> None:
-    job.generated += 1
-    job.output.append(7)
-    job.next_token = 7
-    if job.generated >= job.sampling.max_tokens:
-        s.release(job)
+def _sampling(call: DecodeCall) -> list[ActiveJob]:
+    """The jobs with a logits row: the decoders and the prompts this call finishes."""
+    return [*call.decoders, *(job for job, count in call.prompts if job.n_past + count == len(job.tokens))]
+
+
+def _sevens(draft: list[int] | tuple[()]) -> list[tuple[int, bytes | None]]:
+    """The next token, then a draft row for each draft token the row before matched."""
+    n = 1
+    while n <= len(draft) and draft[n - 1] == SAMPLED:
+        n += 1
+    return [(SAMPLED, b"x")] * n
 
 
 def rows_of(call: DecodeCall) -> dict[int, int]:

@@ -41,7 +41,7 @@ def start_gateway(redis_url: str, log_dir: Path, *, port: int | None = None, nam
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     env = worker_env(redis_url, name, **settings)
-    proc = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", "serve", "--port", str(port)],
                             env=env, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
     gw = GatewayProcess(f"http://127.0.0.1:{port}", port, proc, log)
 

@@ -35,7 +35,7 @@ def start_worker_in(lab: NetLab | None, host: str | None, redis_url: str, name: 
     """`fleet worker` inside a lab host's namespace (lab None: in this namespace)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    argv = [sys.executable, "-m", "dispatcher.cli", "worker"]
+    argv = [sys.executable, "-m", "ecosystem.cli", "worker"]
     env = worker_env(redis_url, name, **{**FAKE_WORKER, **settings})
     out = log.open("wb")
     if lab is not None and host is not None:

@@ -24,7 +24,7 @@ def cli_env(redis_url: str) -> dict[str, str]:
 
 
 def fleet(redis_url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], env=cli_env(redis_url), cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "ecosystem.cli", *args], env=cli_env(redis_url), cwd=ROOT,
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr
     return out

@@ -104,7 +104,7 @@ def gateway(url: str, logs: Path) -> Iterator[GatewayProcess]:
 
 
 def fleet_cli(url: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], env=worker_env(url, "cli"),
+    return subprocess.run([sys.executable, "-m", "ecosystem.cli", *args], env=worker_env(url, "cli"),
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -264,7 +264,7 @@ def test_a_server_without_hello_stops_the_worker_and_the_async_producer(tmp_path
     url = resp2(server.port)
     try:
         env = worker_env(url, "too-old", backend__type="fake")
-        run = subprocess.run([sys.executable, "-m", "dispatcher.cli", "worker"], cwd=ROOT, text=True,
+        run = subprocess.run([sys.executable, "-m", "ecosystem.cli", "worker"], cwd=ROOT, text=True,
                              capture_output=True, timeout=60, env=env)
         assert run.returncode != 0 and "llama-fleet needs Redis >= 7.0" in run.stderr, run.stderr[-3000:]
         assert "Traceback" not in run.stderr and not Redis.from_url(url).exists(worker_key("too-old"))

@@ -30,7 +30,7 @@ def write_batch(path: Path, n: int, max_tokens: int = 1, url: str = "/v1/complet
 
 
 def fleet(redis_url: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "dispatcher.cli", "batch", *args]
+    return [sys.executable, "-m", "ecosystem.cli", "batch", *args]
 
 
 def run(redis_url: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -11,14 +11,14 @@ from backends.base import Done, Event, Failed, JobRejected, Token
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp.invariance import FA_TILE_ROWS
-from backends.registry import BackendSettings
+from backends.llamacpp_settings import LlamaCppSettings
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:
     # batch invariance on explicitly (not the default): the first model of a process fixes ggml's
     # kernels, and the determinism test below needs the invariant ones
-    b = LlamaCppBackend(BackendSettings(slots=16, n_ctx_per_seq=2048, n_batch=512, prefix_cache=4,
+    b = LlamaCppBackend(LlamaCppSettings(slots=16, n_ctx_per_seq=2048, n_batch=512, prefix_cache=4,
                                         batch_invariant=True), threads=2)
     yield b
     b.close()
@@ -109,7 +109,7 @@ def test_fixed_seed_is_repeatable(engine: LlamaCppBackend) -> None:
 
 
 def test_cancel_frees_slot_for_next_job_at_once(engine: LlamaCppBackend) -> None:
-    small = LlamaCppBackend(BackendSettings(slots=2, n_ctx=2048, prefix_cache=0), threads=2)
+    small = LlamaCppBackend(LlamaCppSettings(slots=2, n_ctx=2048, prefix_cache=0), threads=2)
     try:
         small.admit("x", req("one two three", 200))
         small.admit("y", req("four five six", 200))
@@ -172,7 +172,7 @@ def test_shared_prefix_is_copied_not_prefilled(engine: LlamaCppBackend) -> None:
 
 def test_shared_prefix_in_one_kv_pool() -> None:
     """kv_unified: one KV pool, where a prefix copy only tags cells."""
-    pool = LlamaCppBackend(BackendSettings(slots=4, n_ctx=2048, prefix_cache=2, kv_unified=True),
+    pool = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx=2048, prefix_cache=2, kv_unified=True),
                            threads=2)
     try:
         system = "You are a terse assistant. Answer with one word only, please. " * 4
@@ -192,7 +192,7 @@ def test_a_pool_slot_takes_a_copied_prefix_cleanly_after_other_jobs() -> None:
     another job's cells would get two cells per position and fail the whole decode (rc -1, seen
     when the pool kept finished jobs' KV). Slots are reused here, then a newcomer copies a
     running job's prefix."""
-    pool = LlamaCppBackend(BackendSettings(slots=4, prefix_cache=2, kv_unified=True), threads=2)
+    pool = LlamaCppBackend(LlamaCppSettings(slots=4, prefix_cache=2, kv_unified=True), threads=2)
     try:
         story = "Once upon a time a fisherman lived by the sea with his wife and three sons. " * 8
         pool.admit("x", req("Fruit. " + story, 4, temperature=0.0))
@@ -222,8 +222,8 @@ def test_next_turn_reuses_the_slot_kv_and_keeps_the_text(engine: LlamaCppBackend
     texts, _ = run_all(engine)
     n_first = len(engine.model.prompt_tokens(req(first)))
     assert int(engine.stats()["prompt_tokens_reused"]) - reused0 >= n_first - 1
-    fresh = LlamaCppBackend(BackendSettings(slots=2, n_ctx_per_seq=512, prefix_cache=0, batch_invariant=True),
-                            threads=2)
+    fresh = LlamaCppBackend(
+        LlamaCppSettings(slots=2, n_ctx_per_seq=512, prefix_cache=0, batch_invariant=True), threads=2)
     try:
         fresh.admit("turn2", req(follow, 12, temperature=0.0))
         baseline, _ = run_all(fresh)
@@ -250,7 +250,7 @@ def test_prompt_longer_than_context_is_rejected_clearly(engine: LlamaCppBackend)
 
 
 def test_kv_exhaustion_defers_admission_not_running_jobs() -> None:
-    tiny = LlamaCppBackend(BackendSettings(slots=4, n_ctx=256, n_ctx_per_seq=128, prefix_cache=0,
+    tiny = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx=256, n_ctx_per_seq=128, prefix_cache=0,
                                            kv_unified=True), threads=2)
     try:
         for i in range(4):  # each reserves prompt + 60 cells of 256: only 3 fit at once

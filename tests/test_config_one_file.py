@@ -42,7 +42,7 @@ def fleet(config: Path, redis_url: str, *args: str, timeout: float = 60) -> subp
     """The command, run to its end; one still running after `timeout` is stopped and reported as
     started (returncode 0). The file's redis_url points at a default Redis; the environment (which
     wins) at the test's."""
-    command = [sys.executable, "-m", "dispatcher.cli", *args]
+    command = [sys.executable, "-m", "ecosystem.cli", *args]
     try:
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env=worker_env(redis_url, "one-file", config=config))

@@ -13,7 +13,7 @@ from redis.sentinel import SentinelConnectionPool
 
 from backends.contract.connect import async_redis_from_url, parse_sentinel_url, redis_from_url
 from backends.contract.redact import redact_url
-from dispatcher.cli import cli
+from ecosystem.cli import cli
 from tests.harness import WorkerProcess, wait_for
 from worker.health import check_health
 

@@ -64,7 +64,7 @@ def test_ctrl_c_on_fleet_submit_stream_cancels_the_job(redis_url: str, redis: Re
                                                        serving: FleetWorker) -> None:
     env = {**os.environ, "FLEET_REDIS_URL": redis_url, "FLEET_CONFIG": str(ROOT / "worker-config.json")}
     args = ["submit", "--stream", "--max-tokens", "8000", long_prompt(WORDS)]
-    cli = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", *args], env=env, cwd=ROOT,
+    cli = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", *args], env=env, cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
     try:
         assert cli.stdout is not None and cli.stdout.read(20)  # tokens are arriving

@@ -67,7 +67,7 @@ def test_a_job_cancelled_while_queued_expires(redis_url: str, redis: Redis) -> N
 def test_the_private_redis_can_fsync_every_write(tmp_path: Path) -> None:
     assert "appendfsync everysec" in PrivateRedis("127.0.0.1", 6379).config(tmp_path)
     assert "appendfsync always" in PrivateRedis("127.0.0.1", 6379, appendfsync="always").config(tmp_path)
-    from dispatcher.cli import cli
+    from ecosystem.cli import cli
 
     out = CliRunner().invoke(cli, ["up", "--help"]).output
     assert "--redis-fsync [everysec|always]" in out

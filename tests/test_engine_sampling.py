@@ -17,7 +17,7 @@ from backends.base import Done, GenerateRequest, JobRejected
 from backends.llamacpp import LlamaCppBackend, sampling
 from backends.llamacpp.model import check_builtin_template
 from backends.llamacpp.schema_grammar import integer_range
-from backends.registry import BackendSettings
+from backends.llamacpp_settings import LlamaCppSettings
 from tests.test_batched_engine import TOPICS, run_all
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -28,7 +28,7 @@ EXAMPLES = '{"name":"Alice","age":31}\n{"name":"Bob","age":42}\n'
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:
-    b = LlamaCppBackend(BackendSettings(slots=16, n_ctx_per_seq=512, n_batch=512, prefix_cache=2), threads=2)
+    b = LlamaCppBackend(LlamaCppSettings(slots=16, n_ctx_per_seq=512, n_batch=512, prefix_cache=2), threads=2)
     yield b
     b.close()
 

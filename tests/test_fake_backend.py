@@ -6,8 +6,8 @@ import pytest
 
 from backends.base import Backend, Done, Event, Token
 from backends.contract.schema import GenerateRequest, Message
-from backends.fake import FakeBackend
-from backends.registry import BackendSettings, make_backend
+from backends.fake import FakeBackend, FakeSettings
+from backends.registry import make_backend
 
 
 def run(backend: FakeBackend, max_steps: int = 100) -> list[Event]:
@@ -67,5 +67,5 @@ def test_admit_beyond_slots_and_unavailable_raise() -> None:
 
 
 def test_make_backend_builds_a_fake_from_settings() -> None:
-    backend = make_backend(BackendSettings(type="fake", slots=3))
+    backend = make_backend(FakeSettings(slots=3))
     assert isinstance(backend, FakeBackend) and backend.slots == 3

@@ -11,7 +11,7 @@ from backends.base import Backend, BackendUnavailable, Done, Event, Failed, Rest
 from backends.contract.schema import GenerateRequest
 from backends.fake import FakeBackend
 from backends.fallback import FallbackBackend, backoff_delay
-from backends.registry import BackendSettings, make_backend
+from backends.registry import backend_settings, make_backend
 
 
 class Clock:
@@ -209,7 +209,7 @@ def test_chain_starts_when_only_a_fallback_is_reachable_and_not_when_none_is() -
 
 
 def test_make_backend_wraps_a_fallback_list() -> None:
-    settings = BackendSettings(type="fake", slots=2, fallback=[BackendSettings(type="fake", slots=5)])
+    settings = backend_settings({"type": "fake", "slots": 2, "fallback": [{"type": "fake", "slots": 5}]})
     backend = make_backend(settings)
     assert isinstance(backend, FallbackBackend)
     assert backend.name == "fake>fake"  # the chain, as `fleet status` shows it

@@ -25,7 +25,7 @@ def fleet_cli(*args: str, env_url: str | None = None) -> subprocess.CompletedPro
     env = {"PATH": "/usr/bin:/bin", "FLEET_CONFIG": str(ROOT / "worker-config.json")}
     if env_url:
         env["FLEET_REDIS_URL"] = env_url
-    return subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ecosystem.cli", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=120)
 
 

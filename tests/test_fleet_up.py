@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from dispatcher import Fleet
-from dispatcher.cli import cli
+from ecosystem.cli import cli
 from ecosystem.private_redis import PrivateRedis, RedisSetupError, private_redis_for
 from ecosystem.up import RunDir
 from tests.fleet_checks import alive, cpus_allowed, registered, submit, wait_streaming
@@ -52,7 +52,7 @@ def fleet_env(redis_url: str, **extra: str) -> dict[str, str]:
 
 
 def fleet(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dispatcher.cli", *args]
+    return [sys.executable, "-m", "ecosystem.cli", *args]
 
 
 def start_up(run_dir: Path, url: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:

@@ -128,7 +128,7 @@ def test_api_ids_never_reach_internal_keys(redis: Redis, redis_url: str, gateway
     assert httpx.get(f"{gw.url}/v1/batches/{bid}", timeout=10).json()["status"] == "in_progress"
     env = worker_env(redis_url, "cli")
     for command in ("status", "cancel"):
-        out = subprocess.run([sys.executable, "-m", "dispatcher.cli", "batch", command, f"{bid}:lines"],
+        out = subprocess.run([sys.executable, "-m", "ecosystem.cli", "batch", command, f"{bid}:lines"],
                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "no batch" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert record.read_state(redis, bid)["state"] == "in_progress"  # type: ignore[index]
@@ -284,7 +284,7 @@ def test_a_keyed_dashboard_needs_a_key_and_shows_prompts_to_holders(redis_url: s
     workers.start("dash2", **FAKE)
     port = free_port()
     env = worker_env(redis_url, "dash", gateway__api_keys=["op-key"])
-    server = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "dashboard", "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", "dashboard", "--port", str(port)],
                               env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -32,7 +32,7 @@ from backends.contract.keys import (
 )
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
-from backends.registry import BackendSettings
+from backends.llamacpp_settings import LlamaCppSettings
 from dispatcher import Fleet, JobFailed
 from tests.harness import ROOT, wait_for
 from tests.reliability_checks import fleet_workers, held
@@ -48,7 +48,7 @@ START, END, BOS, EOS = "<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>"
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:
-    b = LlamaCppBackend(BackendSettings(slots=2, n_ctx_per_seq=1024, n_batch=256, prefix_cache=0), threads=2)
+    b = LlamaCppBackend(LlamaCppSettings(slots=2, n_ctx_per_seq=1024, n_batch=256, prefix_cache=0), threads=2)
     yield b
     b.close()
 
@@ -122,8 +122,8 @@ def test_the_engine_refuses_a_grammar_too_deep_to_compile() -> None:
         from backends.contract.schema import GenerateRequest
         from backends.llamacpp import LlamaCppBackend
         from backends.llamacpp.sampling import compile_grammar
-        from backends.registry import BackendSettings
-        b = LlamaCppBackend(BackendSettings(slots=1, n_ctx_per_seq=256, n_batch=64, prefix_cache=0),
+        from backends.llamacpp_settings import LlamaCppSettings
+        b = LlamaCppBackend(LlamaCppSettings(slots=1, n_ctx_per_seq=256, n_batch=64, prefix_cache=0),
                             threads=1)
         bombs = [{"type": "string", "maxLength": 20000}, {"type": "string", "pattern": "^a{0,20000}$"}]
         for fmt in bombs:  # model_construct: no validation, as if a caller skipped it

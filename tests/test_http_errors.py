@@ -14,7 +14,7 @@ import pytest
 from backends.base import BackendUnavailable, Done, Event, Failed
 from backends.contract.schema import GenerateRequest
 from backends.http_pool import HttpStreamBackend
-from backends.http_settings import HttpSettings, OllamaSettings
+from backends.http_settings import LlamaServerSettings, OllamaSettings
 from backends.llama_server import LlamaServerBackend
 from backends.ollama import OllamaBackend
 
@@ -31,7 +31,7 @@ def llama_server(job: Job) -> LlamaServerBackend:
             return httpx.Response(200, json={"total_slots": 2})
         return job(request)
 
-    settings = HttpSettings(endpoint=ENDPOINT, connect_timeout=2)
+    settings = LlamaServerSettings(endpoint=ENDPOINT, connect_timeout=2)
     return LlamaServerBackend(settings, transport=httpx.MockTransport(handle))
 
 
@@ -169,7 +169,7 @@ def test_probe_follows_the_health_check() -> None:
             return httpx.Response(next(healthy), json={})
         return httpx.Response(200, json={"total_slots": 1})
 
-    backend = LlamaServerBackend(HttpSettings(endpoint=ENDPOINT, connect_timeout=2),
+    backend = LlamaServerBackend(LlamaServerSettings(endpoint=ENDPOINT, connect_timeout=2),
                                  transport=httpx.MockTransport(handle))
     try:
         assert backend.probe() is True

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from dispatcher.cli import cli
 from dispatcher.gateway.settings import load_serve_settings
+from ecosystem.cli import cli
 from ecosystem.sizing import workers_needed
 from tests.harness import ROOT
 from worker.settings import load_settings

@@ -154,9 +154,9 @@ def windowed(oldest: dict[int, int] | None = None) -> KvBookkeeper:
     window (every position kept)."""
     if oldest is None:
         return bookkeeper()
-    held = oldest
-    return KvBookkeeper(slots=4, prefix_cache=2, n_ctx=4096, n_batch=512, per_slot=True,
-                        window=512, pos_min=lambda seq_id: held.get(seq_id, 0))
+    kv = KvBookkeeper(slots=4, prefix_cache=2, n_ctx=4096, n_batch=512, per_slot=True, window=512)
+    kv.oldest_held = [oldest.get(seq_id, 0) for seq_id in range(kv.n_streams)]
+    return kv
 
 
 def next_turn(kv: KvBookkeeper, first: int, shared: int) -> Reuse | None:

@@ -1,7 +1,7 @@
 """The layer rule (docs/ARCHITECTURE.md, "Layers"): a module imports only from its own layer or
-below, and no two packages import each other, directly or round a loop. Imports are read with
-`ast` from every module, function-level and TYPE_CHECKING imports included, so a lazy import
-cannot hide an upward edge."""
+below, no two packages import each other, directly or round a loop, and no two modules do either.
+Imports are read with `ast` from every module, function-level and TYPE_CHECKING imports
+included, so a lazy import cannot hide an upward edge or a cycle."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ PACKAGES = ("backends", "dispatcher", "ecosystem", "worker")
 # The layer table, top to bottom: a module may import from its own row or any row below it.
 # A module belongs to the row of the longest prefix that names it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # the `fleet` group and the command modules that import it (their own modules, registered by it)
-    ("tools: the CLI that assembles everything", ("dispatcher.cli", "dispatcher.batch.cli",
-                                                  "dispatcher.observe.cli")),
+    ("tools: the `fleet` CLI that assembles everything", ("ecosystem.cli",)),
     ("ecosystem: placement, process managers, local fleets, bench", ("ecosystem",)),
     ("worker: the worker process", ("worker",)),
     ("producers: Fleet, AsyncFleet, the gateway", ("dispatcher",)),
@@ -27,9 +25,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contract: keys, codec, retry, schemas, settings", ("backends.contract",)),
 )
 # Units of the package graph: the top-level packages and every prefix of the layer table (so the
-# contract is apart from the backends); a subpackage belongs to its package; the tools layer (the
-# CLI and its command modules, which live inside the producer package) is one unit.
-TOOLS = "tools"
+# contract is apart from the backends, the CLI apart from the rest of ecosystem); a subpackage
+# belongs to its package.
+UNITS = (*PACKAGES, *(p for _, ps in LAYERS for p in ps))
 
 
 def module_name(path: Path) -> str:
@@ -59,8 +57,9 @@ def imports(name: str, path: Path) -> Iterator[tuple[str, int]]:
                 target = ".".join([*base, node.module] if node.module else base)
             else:
                 target = node.module or ""
-            yield target, node.lineno
-            for alias in node.names:  # `from pkg import submodule`
+            # `from pkg import name` names pkg.name when that is a module, else pkg: resolving
+            # each to the nearest known module keeps `from pkg import submodule` off pkg itself
+            for alias in node.names:
                 yield f"{target}.{alias.name}", node.lineno
 
 
@@ -102,10 +101,7 @@ def edges() -> list[tuple[str, str, int]]:
 
 
 def unit_of(module: str) -> str:
-    if layer_of(module) == 0:
-        return TOOLS
-    units = (*PACKAGES, *(p for _, ps in LAYERS[1:] for p in ps))
-    hit = longest_prefix(module, units)
+    hit = longest_prefix(module, UNITS)
     assert hit is not None, module
     return hit
 
@@ -118,6 +114,13 @@ def package_graph() -> dict[str, set[str]]:
         graph.setdefault(b, set())
         if a != b:
             graph[a].add(b)
+    return graph
+
+
+def module_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in project_modules()}
+    for src, dst, _line in edges():
+        graph[src].add(dst)
     return graph
 
 
@@ -174,6 +177,26 @@ def test_no_package_cycle() -> None:
     assert cycles(package_graph()) == []
 
 
+def test_no_module_cycle() -> None:
+    """Not even inside a package: a module never needs one that needs it back. (Importing a
+    submodule runs its package's __init__ first; that is no edge here, only an import is.)"""
+    found = cycles(module_graph())
+    assert found == [], "modules that import each other, round a loop:\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_fleet_worker_loads_no_gateway_batch_bench_or_kubernetes_code() -> None:
+    """The `fleet` group adds those commands on first use of one of them, not at every worker start."""
+    watched = ("dispatcher.gateway.serve", "dispatcher.batch", "dispatcher.observe", "ecosystem.local",
+               "ecosystem.kubernetes", "ecosystem.cli.", "fastapi")
+    code = ("import sys, click\n"
+            "from ecosystem.cli import cli\n"
+            "assert cli.get_command(click.Context(cli), 'worker') is not None\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({watched!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['ecosystem.cli.jobs', 'ecosystem.cli.options', 'ecosystem.cli.worker']"
+
+
 def test_the_checker_sees_function_level_imports_and_cycles() -> None:
     """The checker itself: a lazy import counts, and a two-package loop is found."""
     source = "def f():\n    from worker.loop import FleetWorker\n"
@@ -181,8 +204,11 @@ def test_the_checker_sees_function_level_imports_and_cycles() -> None:
     found = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert found == ["worker.loop"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
     assert layer_of("backends.contract.keys") == len(LAYERS) - 1
-    assert layer_of("dispatcher.cli") == 0 and layer_of("dispatcher.client") == 3
+    assert layer_of("ecosystem.cli.batch") == 0 and layer_of("ecosystem.up") == 1
+    assert unit_of("ecosystem.cli.batch") == "ecosystem.cli"
+    assert unit_of("ecosystem.local.bench") == "ecosystem"
 
 
 def test_producers_and_the_contract_import_without_llama_cpp() -> None:

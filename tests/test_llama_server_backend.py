@@ -14,8 +14,8 @@ import pytest
 from backends.base import BackendUnavailable, Done, Event, Failed, Restarted, Token
 from backends.contract.schema import GenerateRequest, Message
 from backends.fallback import FallbackBackend
+from backends.http_settings import LlamaServerSettings
 from backends.llama_server import LlamaServerBackend
-from backends.registry import BackendSettings
 from tests.real_servers import LlamaServer, free_port, llama_server, model_path
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,7 +29,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
 
 @pytest.fixture
 def backend(server: LlamaServer) -> Iterator[LlamaServerBackend]:
-    b = LlamaServerBackend(BackendSettings(type="llama-server", endpoint=server.url, connect_timeout=10))
+    b = LlamaServerBackend(LlamaServerSettings(endpoint=server.url, connect_timeout=10))
     yield b
     b.close()
 
@@ -61,8 +61,8 @@ def final(events: list[Event], job_id: str) -> Done | Failed:
 
 
 def test_slot_count_comes_from_the_server_and_parallel_caps_it(server: LlamaServer) -> None:
-    full = LlamaServerBackend(BackendSettings(type="llama-server", endpoint=server.url))
-    capped = LlamaServerBackend(BackendSettings(type="llama-server", endpoint=server.url, parallel=2))
+    full = LlamaServerBackend(LlamaServerSettings(endpoint=server.url))
+    capped = LlamaServerBackend(LlamaServerSettings(endpoint=server.url, parallel=2))
     try:
         assert (full.slots, full.free_slots(), capped.slots) == (4, 4, 2)
         assert full.stats()["server_slots"] == 4
@@ -187,14 +187,14 @@ def test_unreachable_server_is_backend_unavailable_after_connect_timeout() -> No
     url = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(BackendUnavailable, match=r"llama-server at .* not ready after 1s"):
-        LlamaServerBackend(BackendSettings(type="llama-server", endpoint=url, connect_timeout=1))
+        LlamaServerBackend(LlamaServerSettings(endpoint=url, connect_timeout=1))
     assert time.monotonic() - started < 3
 
 
 def test_backend_waits_while_the_server_loads(tmp_path: Path) -> None:
     with llama_server(tmp_path, parallel=2, ctx=1024, wait=False) as starting:
         b = LlamaServerBackend(
-            BackendSettings(type="llama-server", endpoint=starting.url, connect_timeout=60)
+            LlamaServerSettings(endpoint=starting.url, connect_timeout=60)
         )
         try:
             assert b.slots == 2
@@ -209,7 +209,7 @@ def test_server_killed_mid_job_fails_retryable_then_fallback_reruns_it(tmp_path:
     try:
         with llama_server(tmp_path, parallel=2, ctx=2048) as victim:
             # 1. alone: the job fails, retryable, with a clear message
-            alone = LlamaServerBackend(BackendSettings(type="llama-server", endpoint=victim.url))
+            alone = LlamaServerBackend(LlamaServerSettings(endpoint=victim.url))
             alone.admit("a", greedy(prompt="Tell me a long story.", max_tokens=500))
             events: list[Event] = []
             while sum(isinstance(e, Token) for e in events) < 2:
@@ -222,12 +222,13 @@ def test_server_killed_mid_job_fails_retryable_then_fallback_reruns_it(tmp_path:
 
         with llama_server(tmp_path, parallel=2, ctx=2048) as victim:
             # 2. in a chain: the same crash restarts the job on the Ollama backend
-            settings = BackendSettings(
-                type="llama-server",
-                endpoint=victim.url,
-                fallback=[BackendSettings(type="ollama", endpoint=ollama.url, model="gemma3:270m")],
-            )
-            from backends.registry import make_backend
+            from backends.registry import backend_settings, make_backend
+
+            settings = backend_settings({
+                "type": "llama-server",
+                "endpoint": victim.url,
+                "fallback": [{"type": "ollama", "endpoint": ollama.url, "model": "gemma3:270m"}],
+            })
 
             chain = make_backend(settings)
             assert isinstance(chain, FallbackBackend)

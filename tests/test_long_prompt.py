@@ -17,7 +17,7 @@ from backends.base import Done, Token
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp.scheduler import StepPlan
-from backends.registry import BackendSettings
+from backends.llamacpp_settings import LlamaCppSettings
 
 N_BATCH = 512
 DECODERS = 8
@@ -26,7 +26,7 @@ DECODERS = 8
 @pytest.fixture(scope="module", params=[False, True], ids=["per-slot", "unified"])
 def engine(request: pytest.FixtureRequest) -> Iterator[LlamaCppBackend]:
     unified: bool = request.param
-    b = LlamaCppBackend(BackendSettings(slots=DECODERS + 1, n_ctx_per_seq=4096, n_ctx=8192, n_batch=N_BATCH,
+    b = LlamaCppBackend(LlamaCppSettings(slots=DECODERS + 1, n_ctx_per_seq=4096, n_ctx=8192, n_batch=N_BATCH,
                                         prefix_cache=0, kv_unified=unified, draft_max=0), threads=2)
     yield b
     b.close()

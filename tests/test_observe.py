@@ -23,7 +23,7 @@ def test_status_jobs_and_metrics_follow_a_live_fleet(redis_url: str, redis: Redi
     workers.start("w1", backend__slots=4)
     workers.start("w2", backend__slots=4)
     port = free_port()
-    exporter = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "metrics", "--port", str(port)],
+    exporter = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", "metrics", "--port", str(port)],
                                 env=cli_env(redis_url), cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         before = wait_for(lambda: _try_scrape(port), 30, "the exporter to answer")

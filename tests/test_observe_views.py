@@ -61,7 +61,7 @@ def test_status_watch_redraws_in_place_under_tmux(redis_url: str, workers, tmp_p
                    # the pane's size, also as LINES/COLUMNS: a detached tmux session may report 80x24
                    # to the program for a moment, and rich keeps the Live region to that height
                    + ["LINES=45", "COLUMNS=80"]
-                   + [sys.executable, "-m", "dispatcher.cli", "status", "--watch", "--interval", "0.5"])
+                   + [sys.executable, "-m", "ecosystem.cli", "status", "--watch", "--interval", "0.5"])
     tmux = ["tmux", "-L", sock]
     subprocess.run([*tmux, "new-session", "-d", "-s", "watch", "-x", "80", "-y", "45", f"cd {ROOT} && {cmd}"],
                    check=True)
@@ -106,7 +106,7 @@ def test_dashboard_in_headless_chromium_shows_workers_and_a_chart(redis_url: str
     workers.start("w1", backend__slots=4)
     workers.start("w2", backend__slots=4)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "dispatcher.cli", "dashboard", "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", "dashboard", "--port", str(port)],
                               env=cli_env(redis_url), cwd=ROOT, stderr=subprocess.DEVNULL)
     load = Load(redis_url, n=6, max_tokens=32)
     try:

@@ -12,8 +12,8 @@ import pytest
 
 from backends.base import BackendUnavailable, Done, Event, Failed, Token
 from backends.contract.schema import GenerateRequest, Message, SamplingDefaults
+from backends.http_settings import OllamaSettings
 from backends.ollama import OllamaBackend
-from backends.registry import BackendSettings
 from tests.ollama_api_server import BUSY_ERROR, RUNNER_ERROR, OllamaApiServer, serve
 from tests.real_servers import free_port, model_path
 
@@ -30,7 +30,7 @@ def server() -> Iterator[OllamaApiServer]:
 
 def make(server: OllamaApiServer, model: str = MODEL, **kw: object) -> OllamaBackend:
     return OllamaBackend(
-        BackendSettings.model_validate({"type": "ollama", "endpoint": server.url, "model": model, **kw})
+        OllamaSettings.model_validate({"endpoint": server.url, "model": model, **kw})
     )
 
 
@@ -189,5 +189,5 @@ def test_cancel_closes_the_stream_and_the_server_is_free_again(
 def test_unreachable_ollama_is_backend_unavailable() -> None:
     with pytest.raises(BackendUnavailable, match=r"ollama at .* not ready after 0.5s"):
         OllamaBackend(
-            BackendSettings(type="ollama", endpoint=f"http://127.0.0.1:{free_port()}", connect_timeout=0.5)
+            OllamaSettings(endpoint=f"http://127.0.0.1:{free_port()}", connect_timeout=0.5)
         )

@@ -132,7 +132,8 @@ def test_cancel_waits_for_the_step_and_its_done_follows() -> None:
 def test_on_the_real_engine_the_text_is_the_serial_engines() -> None:
     """`backend.overlap: true` on llama.cpp: the same greedy text as stepping the engine in turn."""
     from backends.llamacpp import LlamaCppBackend
-    from backends.registry import BackendSettings, make_backend
+    from backends.llamacpp_settings import LlamaCppSettings
+    from backends.registry import make_backend
 
     prompts = [f"List three facts about {t}." for t in ("tides", "bees", "glass", "copper")]
 
@@ -150,7 +151,7 @@ def test_on_the_real_engine_the_text_is_the_serial_engines() -> None:
         backend.close()
         return out
 
-    settings = BackendSettings(slots=4, n_ctx_per_seq=256, prefix_cache=0, overlap=True)
+    settings = LlamaCppSettings(slots=4, n_ctx_per_seq=256, prefix_cache=0, overlap=True)
     overlapped = make_backend(settings, threads=2)
     assert isinstance(overlapped, OverlappedBackend)
     got = texts(overlapped)

@@ -19,7 +19,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from ecosystem.cli import register
+from ecosystem.cli.ecosystem import register
 from ecosystem.planner import Plan, plan
 from ecosystem.render import FORMATS, RenderOptions, render, render_pm2, render_supervisord, render_systemd
 from ecosystem.topology import read_topology
@@ -95,7 +95,7 @@ def test_pm2_config_loads_in_node(tmp_path: Path, two_node_plan: Plan) -> None:
 
 def test_pm2_python_m_launcher_and_awkward_values(tmp_path: Path, two_node_plan: Plan) -> None:
     options = RenderOptions(
-        command=("/opt/my venv/bin/python", "-m", "dispatcher.cli"),
+        command=("/opt/my venv/bin/python", "-m", "ecosystem.cli"),
         config_path='/etc/fleet "prod"/cfg.json',
         extra_env={"FLEET_REDIS_URL": "redis://:p%40ss'w\"rd@host:6379/0"},
     )
@@ -103,7 +103,7 @@ def test_pm2_python_m_launcher_and_awkward_values(tmp_path: Path, two_node_plan:
     path.write_text(render_pm2(two_node_plan, options))
     app = node_require(path)["apps"][0]  # type: ignore[index]
     assert app["script"] == "/opt/my venv/bin/python"
-    assert app["args"] == ["-m", "dispatcher.cli", "worker", "--config", '/etc/fleet "prod"/cfg.json']
+    assert app["args"] == ["-m", "ecosystem.cli", "worker", "--config", '/etc/fleet "prod"/cfg.json']
     assert app["env"]["FLEET_REDIS_URL"] == "redis://:p%40ss'w\"rd@host:6379/0"
     assert "cwd" not in app
 
@@ -249,7 +249,7 @@ def test_systemd_without_numa_info_binds_nothing(tmp_path: Path) -> None:
 
 def test_systemd_quoting() -> None:
     options = RenderOptions(
-        command=("/opt/my venv/bin/python", "-m", "dispatcher.cli"),
+        command=("/opt/my venv/bin/python", "-m", "ecosystem.cli"),
         config_path="/etc/fleet/50%.json",
         extra_env={"FLEET_REDIS_URL": "redis://h/0?x=$HOME"},
     )
@@ -258,7 +258,7 @@ def test_systemd_quoting() -> None:
     # '%' doubled (specifier), '$' doubled in ExecStart only (Environment= does not expand it)
     assert (
         service["ExecStart"]
-        == '"/opt/my venv/bin/python" -m dispatcher.cli worker --config /etc/fleet/50%%.json'
+        == '"/opt/my venv/bin/python" -m ecosystem.cli worker --config /etc/fleet/50%%.json'
     )
     envs = [v for k, v in parse_unit(files["llama-fleet-worker@.service"])["Service"] if k == "Environment"]
     assert envs[1] == 'FLEET_CONFIG=/etc/fleet/50%%.json "FLEET_REDIS_URL=redis://h/0?x=$HOME"'
@@ -273,7 +273,7 @@ def systemd_analyze() -> str:
 def test_systemd_analyze_verify_finds_nothing_to_complain_about(tmp_path: Path) -> None:
     # ExecStart must name a real executable for verify to pass: use this interpreter.
     options = RenderOptions(
-        command=(sys.executable, "-m", "dispatcher.cli"), config_path=str(tmp_path / "c.json")
+        command=(sys.executable, "-m", "ecosystem.cli"), config_path=str(tmp_path / "c.json")
     )
     the_plan = plan(read_topology(SYSFS / "2node-16core-smt"), workers=3)
     for name, text in render_systemd(the_plan, options).items():

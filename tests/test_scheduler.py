@@ -7,8 +7,11 @@ import sys
 
 import pytest
 
-from backends.base import JobRejected
-from backends.llamacpp.scheduler import DecodeCall
+from backends.base import Done, Failed, JobRejected, Token
+from backends.contract.schema import GenerateRequest, SamplingDefaults
+from backends.llamacpp.kv import Remove
+from backends.llamacpp.scheduler import DecodeCall, Scheduler
+from backends.llamacpp.state import ActiveJob, Sampled
 from tests.engine_state import admit, engine, execute, prompt, rows_of
 
 
@@ -154,3 +157,79 @@ def test_which_jobs_fail_with_a_call() -> None:
     assert s.failed(pooled, -1) == [a, b, c]
     shared = DecodeCall(prompts=[(b, 10), (c, 10)], span=(1, 2), width=10)
     assert s.failed(shared, 1) == [b, c]  # one ubatch stands or falls together
+
+
+# -- what sampled tokens do to a job (Scheduler.update, updates.py) ----------------------------------
+
+
+def rows(job: ActiveJob, *got: tuple[int, bytes | None]) -> Sampled:
+    return Sampled({job.seq_id: list(got)})
+
+
+def decoding(stop: list[str] | None = None, max_tokens: int = 16,
+             n_ctx_per_seq: int = 4096) -> tuple[Scheduler, ActiveJob]:
+    """A job whose prompt just ran: it has sampled token 1 ("a") and decodes next."""
+    s = engine(n_ctx_per_seq=n_ctx_per_seq)
+    req = GenerateRequest(prompt="-", max_tokens=max_tokens, temperature=0.0, stop=stop or [])
+    s.enqueue("j", prompt(10), req.sampling(SamplingDefaults()))
+    (job,) = s.start_waiting()
+    (call,) = s.plan_step().calls
+    s.update(call, rows(job, (1, b"a")))
+    assert job.next_token == 1 and job.n_past == 10
+    return s, job
+
+
+def test_a_decoder_keeps_draft_tokens_while_each_is_what_was_sampled_before_it() -> None:
+    s, job = decoding()
+    call = DecodeCall(decoders=[job], drafts={job.seq_id: [2, 3, 4]})
+    out = s.update(call, rows(job, (2, b"b"), (3, b"c"), (9, b"i")))
+    assert job.output == [1, 2, 3, 9] and job.next_token == 9 and job.n_past == 13
+    assert [ev.text for ev in out.events if isinstance(ev, Token)] == ["b", "c", "i"]
+    assert out.kv_ops == [Remove(job.seq_id, 13)]  # the row of the draft token not kept
+    assert (s.draft_tokens, s.draft_accepted, s.tokens_generated) == (3, 2, 4)
+    call = DecodeCall(decoders=[job], drafts={job.seq_id: [5]})
+    out = s.update(call, rows(job, (5, b"e"), (6, b"f")))
+    assert job.n_past == 15 and out.kv_ops == [] and not out.finished  # all kept: nothing to drop
+
+
+def test_a_job_ends_at_the_end_of_generation_a_stop_string_or_its_length() -> None:
+    s, job = decoding()
+    out = s.update(DecodeCall(decoders=[job]), rows(job, (0, None)))
+    assert out.finished == [job] and job.done == Done("j", "stop", 10, 1) and job.output == [1]
+    assert s.end_step() == [job] and not s.active
+
+    s, job = decoding(stop=["c."])
+    call = DecodeCall(decoders=[job], drafts={job.seq_id: [2, 3, 4]})
+    out = s.update(call, rows(job, (2, b"b"), (3, b"c"), (4, b"."), (5, b"d")))
+    assert job.done == Done("j", "stop", 10, 4) and job.output == [1, 2, 3, 4]
+    assert "".join(ev.text for ev in out.events if isinstance(ev, Token)) == "b"  # "a" went before
+    assert s.draft_accepted == 2 and out.kv_ops == [Remove(job.seq_id, 13)]
+
+    s, job = decoding(max_tokens=2)
+    out = s.update(DecodeCall(decoders=[job]), rows(job, (2, b"b")))
+    assert job.done == Done("j", "length", 10, 2)
+
+    s, job = decoding(n_ctx_per_seq=13)  # the context's last cell: position 12
+    for tok in (2, 3):
+        s.update(DecodeCall(decoders=[job]), rows(job, (tok, b"x")))
+    assert job.done == Done("j", "length", 10, 3) and job.n_past == 12
+
+
+def test_a_held_stop_string_prefix_is_flushed_when_the_job_ends_otherwise() -> None:
+    s, job = decoding(stop=["xyz"], max_tokens=3)
+    out = s.update(DecodeCall(decoders=[job]), rows(job, (2, b"x")))
+    assert not [ev for ev in out.events if isinstance(ev, Token)]  # "x" may start the stop string
+    out = s.update(DecodeCall(decoders=[job]), rows(job, (3, b"y")))
+    assert [(ev.text, ev.n_tokens) for ev in out.events if isinstance(ev, Token)] == [("xy", 0)]
+    assert job.done == Done("j", "length", 10, 3)
+
+
+def test_a_rejected_job_and_a_failed_call_free_their_slots_at_once() -> None:
+    s, job = decoding()
+    out = s.update(DecodeCall(decoders=[job]), Sampled(rejected={job.seq_id: "no way on"}))
+    assert out.events == [Failed("j", "no way on")] and out.released == [job.seq_id]
+    assert out.kv_ops == [Remove(job.seq_id)] and not s.active and job.done is None
+    s, job = decoding()
+    out = s.call_failed(DecodeCall(decoders=[job]), 1)
+    assert out.events == [Failed("j", "KV cache full; job not completed", retryable=True)]
+    assert out.released == [job.seq_id] and out.kv_ops == [Remove(job.seq_id)] and not s.active

@@ -72,7 +72,7 @@ def test_worker_refuses_code_it_was_not_asked_to_run(redis_url: str, redis: Redi
 
 def fleet_cli(*args: str, redis_url: str) -> subprocess.CompletedProcess[str]:
     env = worker_env(redis_url, "cli")
-    return subprocess.run([sys.executable, "-m", "dispatcher.cli", *args], env=env, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "ecosystem.cli", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

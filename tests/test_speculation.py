@@ -9,7 +9,7 @@ import pytest
 
 from backends.base import GenerateRequest, Token
 from backends.llamacpp import LlamaCppBackend
-from worker.settings import BackendSettings
+from backends.llamacpp_settings import LlamaCppSettings
 
 PASSAGE = ("The lighthouse stood on the rocky point for two hundred years. Every night the keeper "
            "climbed the spiral stairs, trimmed the wick and wound the clockwork that turned the great "
@@ -44,7 +44,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation_alone_and_batched(
     kv = {"kv_unified": True} if layout == "unified" else {"kv_unified": False, "n_ctx_per_seq": 1024}
     # one thread: on a busy box ggml's spinning barrier makes two threads far slower
     for draft_max in (0, 6):
-        engine = LlamaCppBackend(BackendSettings(slots=16, draft_max=draft_max, **kv), threads=1)
+        engine = LlamaCppBackend(LlamaCppSettings(slots=16, draft_max=draft_max, **kv), threads=1)
         try:
             alone: dict[int, str] = {}
             for i in range(16):
@@ -82,7 +82,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation_past_512_cells() -
                 for i in (2, 3)]
     texts: dict[int, list[str]] = {}
     for draft_max in (0, 6):
-        engine = LlamaCppBackend(BackendSettings(draft_max=draft_max), threads=1)
+        engine = LlamaCppBackend(LlamaCppSettings(draft_max=draft_max), threads=1)
         try:
             texts[draft_max] = []
             for i, req in enumerate(requests):

@@ -228,7 +228,7 @@ def test_fleet_worker_burst_cli_exits_when_idle_and_prints_what_ended(redis_url:
 
     fleet = Fleet(redis_url)
     jobs = [fleet.submit(prompt=f"burst {i}", max_tokens=4) for i in range(3)]
-    done = subprocess.run([sys.executable, "-m", "dispatcher.cli", "worker", "--burst"],
+    done = subprocess.run([sys.executable, "-m", "ecosystem.cli", "worker", "--burst"],
                           env=worker_env(redis_url, "cli-burst", backend__type="fake"),
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,22 +1,35 @@
-"""The worker's one hook for batches: a batch line's ending is copied into its batch's record in
-the same MULTI as the job's final entry (dispatcher/batch/record.py), so it is recorded exactly
-once and outlives the job's own result (result_ttl). Jobs that are not batch lines cost one
-string prefix test."""
+"""The batch concern (a hook: worker/hooks.py): a batch line's ending is copied into its batch's
+record in the same MULTI as the job's final entry (dispatcher/batch/record.py), so it is recorded
+exactly once and outlives the job's own result (result_ttl). Jobs that are not batch lines cost
+one string prefix test."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from redis.client import Pipeline
 
 from backends.contract.keys import BATCH_JOB_PREFIX
 from dispatcher.batch.record import record_end
-from worker.rqjobs import ClaimedJob
+
+if TYPE_CHECKING:
+    from worker.hooks import Holder, Restart
+    from worker.rqjobs import ClaimedJob, Ending
 
 
-def record_ending(job: ClaimedJob, pipe: Pipeline) -> None:
-    if job.ending is None or not job.id.startswith(BATCH_JOB_PREFIX):
-        return
-    result = job.ending.result
-    error = None if result is not None else (job.ending.error or "failed")
-    record_end(pipe, job.id, result, error, time.time())
+class BatchRecord:
+    """A batch line's record changes only when the line ends (a restart is not an ending)."""
+
+    def on_start(self, job: ClaimedJob, holder: Holder, pipe: Pipeline) -> None:
+        pass
+
+    def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
+        pass
+
+    def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
+        if not job.id.startswith(BATCH_JOB_PREFIX):
+            return
+        result = ending.result
+        error = None if result is not None else (ending.error or "failed")
+        record_end(pipe, job.id, result, error, time.time())

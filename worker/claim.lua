@@ -8,11 +8,11 @@
 -- One that comes back from a Redis outage before its heartbeat re-registered it must not claim,
 -- or every job it claims is reaped again and loses an attempt (three in a row fail the job).
 -- Ownership is taken here, in the same script that moves the id, so two workers can never both
--- start one id (issue 10, defect 3): an id whose job hash names a live holder (its owner's
+-- start one id: an id whose job hash names a live holder (its owner's
 -- in-flight list has it) is a second copy and is dropped; so is a leftover copy of a job that
 -- already ended. A job re-run by RQ's own tools (`rq requeue`: status queued, but its attempt
--- already got a final entry) gets a new attempt number, so readers void the old ending (defect 4).
--- Fairness (defect 11): of every 8 picks, the 4th starts at the second queue (default) and the
+-- already got a final entry) gets a new attempt number, so readers void the old ending.
+-- Fairness: of every 8 picks, the 4th starts at the second queue (default) and the
 -- 8th at the last one (low), so lower priorities move under sustained high-priority load
 -- (FAIR_EVERY in worker/claim.py).
 -- Key literals mirror backends/contract/keys.py: 'rq:queue:' QUEUE_PREFIX (stripped, 9

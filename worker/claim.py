@@ -34,8 +34,8 @@ from backends.contract.lua import lua_script
 log = logging.getLogger("fleet.worker")
 
 
-# Moves ids from the queues into the in-flight list and takes ownership, in one step (issue 10,
-# defects 3, 4 and 11; KEYS, ARGV and reply: the script's header).
+# Moves ids from the queues into the in-flight list and takes ownership, in one step, so no two
+# workers start one id and lower priorities still move (KEYS, ARGV and reply: the script's header).
 _CLAIM = lua_script("worker", "claim.lua")
 
 FAIR_EVERY = 8  # the claim script's fairness cycle (picks)

@@ -1,11 +1,15 @@
-"""What a worker counts while it serves: written by the loop, read by the heartbeat thread for
-`fleet status` (plain attribute updates; a status a few milliseconds stale is fine)."""
+"""What a worker counts while it serves, and whether its engine is held after a failure: written
+by the loop, read by the heartbeat thread for `fleet status` (plain attribute updates; a status a
+few milliseconds stale is fine)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from backends.contract.retry import Backoff
 
 
 @dataclass
@@ -32,3 +36,39 @@ class WorkerCounters:
             return 0.0
         span = max(now - pts[0][0], 1.0)
         return sum(n for _, n in pts) / span
+
+
+class EngineHold:
+    """Claims paused after an engine failure: until a backoff passes and the engine answers a
+    probe. Changed by the loop only; `down` may be read from any thread (the heartbeat's
+    `backend_health`): it reads one float, which the loop replaces whole."""
+
+    def __init__(self) -> None:
+        self._backoff = Backoff(1.0, 30.0)
+        self._until = 0.0  # time.monotonic() to wait for; 0.0: not held
+
+    @property
+    def down(self) -> bool:
+        return self._until != 0.0
+
+    def seconds_left(self) -> float:
+        return self._until - time.monotonic()
+
+    def failed(self) -> None:
+        """The engine failed a job: one step back, whatever the number of jobs one incident fails."""
+        if time.monotonic() >= self._until:
+            self._until = time.monotonic() + self._backoff.next()
+
+    def served(self) -> None:
+        """The engine finished a job: the next failure starts the backoff from the beginning."""
+        self._backoff.reset()
+
+    def ready(self, probe: Callable[[], bool]) -> bool:
+        """Claim again only once the backoff passed and the engine answers `probe`."""
+        if time.monotonic() < self._until:
+            return False
+        if self._until and not probe():
+            self._until = time.monotonic() + self._backoff.next()
+            return False
+        self._until = 0.0
+        return True

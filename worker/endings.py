@@ -4,7 +4,7 @@ Who holds a job is the in-flight list it is in (worker/claim.py). Every write he
 while the job is still in this worker's list (or, for text, while the job hash names this worker
 its owner), so when the reaper took a job from a worker it thought dead (say, one cut off from
 Redis for a while), nothing that worker writes about it lands: not its start, not its text, not a
-second final result (docs/reliability.md, defect 10):
+second final result (docs/reliability.md, "Who holds a job"):
 
 - the start (RQ's started status and execution, the history) — `AttemptWriter.start`;
 - text deltas, numbered, so a re-send after a lost reply is recognised (`_WRITE_TEXT`);
@@ -14,6 +14,10 @@ second final result (docs/reliability.md, defect 10):
 
 The endings themselves are built here too (`finished`, `cancelled`, `gave_up`): the loop decides
 when a job ends, this module decides what its ending says.
+
+Written here: the stream, RQ's bookkeeping (worker/rqjobs.py) and the expiries. Every other
+concern (a batch line's record, the observability facts) is a hook (worker/hooks.py) queued on
+the same pipeline or MULTI as the write it belongs to; this module never names one.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from backends.contract.keys import (
 from backends.contract.lua import lua_script, queue_script
 from backends.contract.replies import as_str
 from backends.contract.schema import job_result
-from worker import batch_hook, facts, rqjobs
+from worker import rqjobs
+from worker.hooks import Holder, Hooks, Restart
 from worker.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.worker")
@@ -59,7 +64,8 @@ log = logging.getLogger("fleet.worker")
 # (KEYS, ARGV and reply: the script's header).
 REQUEUE_LUA = lua_script("worker", "requeue.lua")
 
-# Text deltas, written only while this worker owns the job (defect 10).
+# Text deltas, written only while this worker owns the job (a worker the reaper took it from
+# must not write into the next attempt's stream).
 _WRITE_TEXT = lua_script("worker", "write_text.lua")
 
 
@@ -106,7 +112,8 @@ def gave_up(job: ClaimedJob, reason: str) -> Ending:
 
 
 def honour_rq_cancel(job: ClaimedJob, status: str | None) -> None:
-    """RQ's job.cancel() on a running job: it ends cancelled, never `finished` (defect 4)."""
+    """RQ's job.cancel() on a running job: it ends cancelled, never `finished` (RQ already
+    recorded it as canceled; a `finished` result would contradict RQ's own registries)."""
     ending = job.ending
     if status == "canceled" and ending is not None and ending.result is not None:
         ending.result["finish_reason"] = "cancelled"
@@ -122,13 +129,15 @@ def outcome(ending: Ending) -> str:
 # -- the writes, bound to one worker ------------------------------------------------------------
 
 class AttemptWriter:
-    """The fenced writes of one worker (`worker`, serving with `backend`)."""
+    """The fenced writes of one worker (`worker`, serving with `backend`), each carrying `hooks`."""
 
-    def __init__(self, redis: Redis, worker: str, backend: str, result_ttl: int) -> None:
+    def __init__(self, redis: Redis, worker: str, backend: str, result_ttl: int, hooks: Hooks) -> None:
         self.redis = redis
         self.worker = worker
         self.backend = backend
         self.result_ttl = result_ttl
+        self.hooks = tuple(hooks)
+        self.holder = Holder(worker, backend, result_ttl)
         self.inflight = inflight_key(worker)
         self.requeue_script = redis.register_script(REQUEUE_LUA)
 
@@ -137,13 +146,14 @@ class AttemptWriter:
         was taken over before it started here."""
         def mark_started(pipe: Pipeline, _id: str) -> None:
             rqjobs.mark_started(job, self.worker, ttl, pipe)
-            facts.record_start(job, self.worker, self.backend, pipe)
+            for hook in self.hooks:
+                hook.on_start(job, self.holder, pipe)
 
         return bool(commit_held(self.redis, self.inflight, [job.id], mark_started, release=False))
 
     def queue_text(self, jobs: Sequence[ClaimedJob], pipe: Pipeline) -> list[int]:
         """Queue every job's unsent deltas on `pipe`; pass the counts to `text_sent` once it ran."""
-        return [write_text(job, pipe, self.worker) for job in jobs]
+        return [write_text(job, pipe, self.worker, self.hooks) for job in jobs]
 
     @staticmethod
     def text_sent(jobs: Sequence[ClaimedJob], counts: Sequence[int]) -> None:
@@ -156,7 +166,7 @@ class AttemptWriter:
         by_id = {job.id: job for job in jobs}
 
         def write(pipe: Pipeline, job_id: str) -> None:
-            write_ending(by_id[job_id], pipe, self.worker, self.backend, self.result_ttl)
+            write_ending(by_id[job_id], pipe, self.holder, self.hooks)
 
         return commit_held(self.redis, self.inflight, list(by_id), write,
                            seen=lambda job_id, status: honour_rq_cancel(by_id[job_id], status))
@@ -164,9 +174,9 @@ class AttemptWriter:
     def requeue(self, job_id: str, queue: str, why: str, *, counted: bool) -> int:
         """Hand a job back to the front of its queue for its next attempt; -1 if it is no longer
         ours (the reaper already handed it back). The script also removes the attempt's RQ
-        execution, so a lost reply leaves none (defect 5)."""
+        execution, so a lost reply leaves none in RQ's wip registry."""
         return requeue_and_record(self.redis, self.requeue_script, self.inflight, job_id, queue, why,
-                                  self.worker, counted=counted)
+                                  self.worker, self.hooks, counted=counted)
 
     def put_back(self, job_id: str, queue: str) -> int:
         """A claimed job that never started goes back as it was (no new attempt)."""
@@ -194,20 +204,33 @@ def requeue(script: Script, inflight: str, job_id: str, queue: str, *, bump_atte
 
 
 def requeue_and_record(redis: Redis, script: Script, inflight: str, job_id: str, queue: str, why: str,
-                       by: str, *, counted: bool = True, died_on: str = "", reaped: bool = False) -> int:
-    """A requeue for another attempt, then its line in the job's history (a script cannot carry
-    it). Returns the new attempt count, or -1 (not in `inflight` any more: nothing recorded)."""
+                       by: str, hooks: Hooks, *, counted: bool = True, died_on: str = "",
+                       reaped: bool = False) -> int:
+    """A requeue for another attempt, then the hooks' record of the restart (a script cannot
+    carry it). Returns the new attempt count, or -1 (not in `inflight` any more: nothing recorded)."""
     attempt = requeue(script, inflight, job_id, queue, bump_attempt=True, died_on=died_on, counted=counted)
     if attempt >= 0:
-        facts.record_restart_now(redis, job_id, queue, attempt, why, by, reaped=reaped)
+        record_restart(redis, hooks, Restart(job_id, queue, attempt, why, by, reaped=reaped))
     return attempt
 
 
-def write_text(job: ClaimedJob, pipe: Pipeline, worker: str) -> int:
+def record_restart(redis: Redis, hooks: Hooks, restart: Restart) -> None:
+    """The hooks' record of a restart in a pipeline of its own (after a requeue script, which
+    cannot carry it); sent only if a hook queued something (no hook, no round trip)."""
+    if not hooks:
+        return
+    with redis.pipeline(transaction=False) as pipe:
+        for hook in hooks:
+            hook.on_restart(restart, pipe)
+        if len(pipe):
+            pipe.execute()
+
+
+def write_text(job: ClaimedJob, pipe: Pipeline, worker: str, hooks: Hooks = ()) -> int:
     """Queue the job's unsent deltas (numbered, so a re-send after a lost reply is recognised as
     a duplicate), written only while `worker` owns the job (_WRITE_TEXT; an engine restart's new
-    attempt number goes first and never lowers the stored one). Returns how many; the caller
-    marks them sent once the pipeline succeeded."""
+    attempt number goes first and never lowers the stored one; `hooks` record the restart on the
+    same pipeline). Returns how many; the caller marks them sent once the pipeline succeeded."""
     if not job.unsent and not job.attempt_dirty:
         return 0
     args: list[Any] = [worker, OWNER_FIELD, ATTEMPT_FIELD, job.attempt, job.sent, stream.STREAM_MAXLEN,
@@ -216,7 +239,9 @@ def write_text(job: ClaimedJob, pipe: Pipeline, worker: str) -> int:
     if job.suspect and job.unsent:  # text came out: its grammar compiled and was applied
         queue_script(pipe, rqjobs.CLEAR_SUSPECT, [job_key(job.id)], [SUSPECT_FIELD, worker])
     if job.attempt_dirty:
-        facts.record_restart(pipe, job.id, job.queue, job.attempt - 1, job.restart_reason, "engine")
+        restart = Restart(job.id, job.queue, job.attempt - 1, job.restart_reason, "engine")
+        for hook in hooks:
+            hook.on_restart(restart, pipe)
     return len(job.unsent)
 
 
@@ -229,7 +254,8 @@ def mark_text_sent(job: ClaimedJob, count: int) -> None:
 
 
 def expire_job(pipe: Pipeline, job_id: str, attempt: int, ttl: int) -> None:
-    """A job's final write: everything kept about it expires with its result (defect 1)."""
+    """A job's final write: everything kept about it expires with its result (nothing a job
+    leaves in Redis may outlive it without a TTL)."""
     key = job_key(job_id)
     pipe.hset(key, FINAL_FIELD, attempt)
     pipe.hdel(key, SUSPECT_FIELD)
@@ -240,10 +266,12 @@ def expire_job(pipe: Pipeline, job_id: str, attempt: int, ttl: int) -> None:
     pipe.delete(cancel_key(job_id))
 
 
-def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, result_ttl: int) -> None:
-    """Queue the job's final entry and RQ's record of it (inside the caller's MULTI)."""
+def write_ending(job: ClaimedJob, pipe: Pipeline, holder: Holder, hooks: Hooks) -> None:
+    """Queue the job's final entry, RQ's record of it and the expiries, then each hook's record of
+    the ending (all inside the caller's MULTI, so all apply or none)."""
     ending = job.ending
     assert ending is not None
+    worker, backend, result_ttl = holder.worker, holder.backend, holder.result_ttl
     if ending.result is not None:
         try:
             rqjobs.store_success(job, ending.result, worker, result_ttl, pipe)
@@ -257,8 +285,8 @@ def write_ending(job: ClaimedJob, pipe: Pipeline, worker: str, backend: str, res
         entry = stream.encode_error(job.attempt, rqjobs.error_payload(reason, job, worker, backend))
     pipe.xadd(stream_key(job.id), entry, maxlen=stream.STREAM_MAXLEN, approximate=True)
     expire_job(pipe, job.id, job.attempt, result_ttl)
-    batch_hook.record_ending(job, pipe)  # a batch line: its result into the batch's record
-    facts.record_end(job, pipe, worker, backend, result_ttl)
+    for hook in hooks:
+        hook.on_end(job, ending, holder, pipe)
 
 
 def write_refusal(raw_id: bytes, queue: str, reason: str, worker: str, result_ttl: int,
@@ -280,7 +308,7 @@ def commit_held(redis: Redis, inflight: str, job_ids: Sequence[str],
     not change meanwhile. Returns the ids written; the others were taken away (requeued by a
     reaper) and get nothing. Raises Contended if the list kept changing for `tries` rounds.
     `seen(id, status)`: the job hashes are watched too, and each one's RQ status is reported
-    before its write is queued (so RQ's job.cancel() cannot slip in between: defect 4)."""
+    before its write is queued (so RQ's job.cancel() cannot slip in between)."""
     with redis.pipeline(transaction=True) as pipe:
         for _ in range(tries):
             try:

@@ -8,15 +8,19 @@
 - a bounded history per job: params (prompt shortened), every attempt (worker, backend), the
   reason each one was restarted, the ending with its timings. TTL'd hash + capped index zsets.
 
-Every writer queues commands on a pipeline the caller already sends (the start's pipeline, the
-ending's MULTI, the reaper's requeue), so observability adds no round trips to the hot path.
-The worker setting `observe: false` turns all of it off (liveness, the status hash, stays).
+The job facts are a hook (`Facts`, worker/hooks.py): they are queued on a pipeline the caller
+already sends (the start's MULTI, a step's text pipeline, the ending's MULTI; after a requeue
+script, which cannot carry them, one pipeline of their own), so observability adds no round
+trips to the hot path. The worker setting
+`observe: false` leaves the hook out (worker/assembly.py) and the per-beat counters off
+(liveness, the status hash, stays).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from redis import Redis
@@ -35,17 +39,25 @@ from dispatcher.observe import schema
 from dispatcher.observe.schema import pool_of, restart_kind
 
 if TYPE_CHECKING:
-    from worker.loop import FleetWorker
-    from worker.rqjobs import ClaimedJob
+    from worker.hooks import Holder, Restart
+    from worker.rqjobs import ClaimedJob, Ending
 
 Pipe = Pipeline | Redis
-_enabled = True
 JOBS_SHOWN = 32  # jobs listed with their progress in a worker's status hash
 
 
-def enable(on: bool) -> None:
-    global _enabled
-    _enabled = on
+class Facts:
+    """The job facts as a hook: each write's facts on the pipeline that carries the write."""
+
+    def on_start(self, job: ClaimedJob, holder: Holder, pipe: Pipeline) -> None:
+        record_start(job, holder.worker, holder.backend, pipe)
+
+    def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
+        record_restart(pipe, restart.job_id, restart.queue, restart.attempt, restart.reason, restart.by,
+                       reaped=restart.reaped, requeued=restart.requeued)
+
+    def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
+        record_end(job, ending, pipe, holder.worker, holder.backend, holder.result_ttl)
 
 
 def _dumps(obj: Any) -> str:
@@ -83,8 +95,6 @@ def _touch_history(pipe: Pipe, job_id: str, fields: dict[str, str], now: float,
 
 def record_start(job: ClaimedJob, worker: str, backend: str, pipe: Pipe) -> None:
     """A job starts an attempt on this worker (queued on the pipeline that marks it started)."""
-    if not _enabled:
-        return
     fields = {"queue": job.queue, "state": "running", "attempts": str(job.attempt),
               f"attempt:{job.attempt}": _dumps({"worker": worker, "backend": backend,
                                                  "started_at": round(time.time(), 3)})}
@@ -97,15 +107,14 @@ def record_start(job: ClaimedJob, worker: str, backend: str, pipe: Pipe) -> None
     _touch_history(pipe, job.id, fields, time.time())
 
 
-def record_end(job: ClaimedJob, pipe: Pipe, worker: str, backend: str, result_ttl: int) -> None:
+def record_end(job: ClaimedJob, ending: Ending, pipe: Pipe, worker: str, backend: str,
+               result_ttl: int) -> None:
     """A job's one final entry (queued inside the ending's MULTI: counted exactly once). A failed
     job's history stays for post-mortems (HISTORY_TTL, capped index); any other lives as long as
     its result, so a busy fleet's keys fall back to idle with its results."""
-    if not _enabled or job.ending is None:
-        return
     now = time.time()
     pool = pool_of(job.queue)
-    result = job.ending.result
+    result = ending.result
     if result is None:
         outcome = "failed"
     else:
@@ -130,7 +139,7 @@ def record_end(job: ClaimedJob, pipe: Pipe, worker: str, backend: str, result_tt
     end = {"outcome": outcome, "worker": worker, "backend": (result or {}).get("backend", backend),
            "attempt": job.attempt, "ended_at": round(now, 3), "timings": timings,
            "finish_reason": (result or {}).get("finish_reason"), "usage": usage,
-           "completion_tokens": job.completion_tokens, "error": job.ending.error}
+           "completion_tokens": job.completion_tokens, "error": ending.error}
     ttl = schema.HISTORY_TTL if outcome == "failed" else min(result_ttl, schema.HISTORY_TTL)
     _touch_history(pipe, job.id, {"queue": job.queue, "state": outcome, "end": _dumps(end)}, now, ttl)
     if outcome == "failed":
@@ -144,8 +153,6 @@ def record_restart(pipe: Pipe, job_id: str, queue: str, attempt: int, reason: st
                    *, reaped: bool = False, requeued: bool = True) -> None:
     """Attempt `attempt` of a job ended without a result: `reason` goes into its history, and the
     job goes round again (`requeued`) or, when the reaper gives up, has failed already."""
-    if not _enabled:
-        return
     now = time.time()
     kind = restart_kind(reason)
     fields = {schema.restarts_field(kind): 1 if requeued else 0, schema.REAPED: 1 if reaped else 0}
@@ -159,23 +166,27 @@ def record_restart(pipe: Pipe, job_id: str, queue: str, attempt: int, reason: st
 
 
 class LiveFacts:
-    """Per-beat additions to the worker's status hash, and the per-beat counter upkeep."""
+    """Per-beat additions to the worker's status hash, and the per-beat counter upkeep (`counting`:
+    the `observe` setting). Used by the heartbeat thread only."""
 
-    def __init__(self, pool: str, name: str) -> None:
+    def __init__(self, pool: str, name: str, *, counting: bool = True) -> None:
         self.pool = pool
         self.name = name
+        self.counting = counting
         self._prefill: tuple[float, int] | None = None  # (monotonic time, engine prefill count)
         self._started = False
 
-    def status_fields(self, fw: FleetWorker) -> dict[str, Any]:
-        stats = fw.backend.stats()
+    def status_fields(self, stats: dict[str, Any], inflight: Iterable[ClaimedJob],
+                      engine_down: bool) -> dict[str, Any]:
+        """`stats`: the backend's; `inflight`: a copy of the loop's jobs; `engine_down`: claims
+        are paused after an engine failure."""
         now = time.monotonic()  # ClaimedJob.claimed_at is monotonic
         jobs = [{"id": j.id, "tokens": j.completion_tokens,
                  "max_tokens": j.request.max_tokens if j.request is not None else None,
                  "attempt": j.attempt, "age_s": round(now - j.claimed_at, 1)}
-                for j in list(fw.inflight.values())[:JOBS_SHOWN] if j.ending is None]
-        return {"tok_s_prefill": self._prefill_rate(stats), "backend_health": backend_health(fw, stats),
-                "jobs": jobs}
+                for j in list(inflight)[:JOBS_SHOWN] if j.ending is None]
+        return {"tok_s_prefill": self._prefill_rate(stats),
+                "backend_health": backend_health(stats, engine_down), "jobs": jobs}
 
     def _prefill_rate(self, stats: dict[str, Any]) -> float | None:
         count = stats.get("prompt_tokens_prefilled")
@@ -190,7 +201,7 @@ class LiveFacts:
     def on_beat(self, pipe: Pipe) -> None:
         pipe.sadd(POOLS_SET, self.pool)
         pipe.expire(POOLS_SET, schema.POOL_COUNTERS_TTL)
-        if not _enabled:
+        if not self.counting:
             return
         if not self._started:  # once per process: restarts show as starts > 1 for a name
             self._started = True
@@ -198,9 +209,9 @@ class LiveFacts:
         pipe.expire(worker_counters_key(self.name), schema.WORKER_COUNTERS_TTL)
 
 
-def backend_health(fw: FleetWorker, stats: dict[str, Any]) -> str:
+def backend_health(stats: dict[str, Any], engine_down: bool) -> str:
     """ok; degraded (a fallback chain serves from a backup); down (the engine failed, claims paused)."""
-    if getattr(fw, "_engine_hold_until", 0.0):
+    if engine_down:
         return "down"
     members = stats.get("members")
     if isinstance(members, list) and members:
@@ -211,12 +222,3 @@ def backend_health(fw: FleetWorker, stats: dict[str, Any]) -> str:
             return "degraded"
     return "ok"
 
-
-def record_restart_now(redis: Redis, job_id: str, queue: str, attempt: int, reason: str, by: str,
-                       *, reaped: bool = False, requeued: bool = True) -> None:
-    """record_restart in its own pipeline (after a requeue script, which cannot carry it)."""
-    if not _enabled:
-        return
-    with redis.pipeline(transaction=False) as pipe:
-        record_restart(pipe, job_id, queue, attempt, reason, by, reaped=reaped, requeued=requeued)
-        pipe.execute()

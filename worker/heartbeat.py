@@ -5,7 +5,7 @@ at once. Every 2 intervals a second thread reaps dead workers' jobs.
 
 Threads, not the loop, so a long decode step never starves liveness (llama_decode and socket
 reads release the GIL); and two threads, so a slow reap (a busy Redis, many jobs to hand back)
-never delays a beat: a healthy worker must not look dead (issue 10, defect 6).
+never delays a beat: a healthy worker must not look dead because a reap took long.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class Heartbeat(threading.Thread):
         self._halt = threading.Event()
         self.beats = 0
         self.reaping = threading.Thread(target=self._reap_loop, name="fleet-reaper", daemon=True)
-        facts.enable(fleet_worker.settings.observe)
-        self.facts = facts.LiveFacts(fleet_worker.settings.pool, fleet_worker.name)
+        self.facts = facts.LiveFacts(fleet_worker.settings.pool, fleet_worker.name,
+                                     counting=fleet_worker.settings.observe)
 
     def start(self) -> None:
         super().start()
@@ -116,6 +116,7 @@ class Heartbeat(threading.Thread):
     def status(self) -> dict[str, Any]:
         fw = self.fw
         mem = self.proc.memory_info()
+        stats = fw.backend.stats()
         return {
             **self.static,
             "state": fw.counters.state,
@@ -128,8 +129,9 @@ class Heartbeat(threading.Thread):
             "tok_s": round(fw.counters.tokens_per_second(), 1),
             "rss_mb": round(mem.rss / 2**20, 1),
             "cpu_pct": round(self.proc.cpu_percent(), 1),
-            "backend_stats": redact(fw.backend.stats()),
-            **self.facts.status_fields(fw),
+            "backend_stats": redact(stats),
+            # the loop's jobs copied in one C-level call; the engine hold is safe to read here
+            **self.facts.status_fields(stats, list(fw.inflight.values()), fw.engine_hold.down),
             "updated_at": round(time.time(), 3),
         }
 

@@ -1,5 +1,6 @@
-"""What RQ's own worker does in its cleanup path and the fleet's worker must do itself (issue 10,
-defects 1 and 4), run by whichever worker holds the reaper lock, every CLEAN_EVERY seconds:
+"""What RQ's own worker does in its cleanup path and the fleet's worker must do itself (RQ's own
+cleanup never runs here, since no RQ worker serves these queues), run by whichever worker holds
+the reaper lock, every CLEAN_EVERY seconds:
 
 - trim RQ's registries of ended jobs (rq:finished / rq:failed / rq:canceled:<queue>): their
   scores are expiry times, and without a trim they grow for ever, one member per job;

@@ -8,7 +8,8 @@ from typing import Any
 from redis import Redis
 
 from backends.contract.keys import worker_key
-from backends.fake import FakeBackend
+from backends.fake import FakeBackend, FakeSettings
+from worker.assembly import job_hooks
 from worker.loop import FleetWorker
 from worker.settings import FleetSettings
 
@@ -27,7 +28,9 @@ def fake_worker(url: str, name: str, *, slots: int = 4, fail_after: int | None =
     in `backend={...}`, e.g. step_delay)."""
     backend = {"type": "fake", "slots": slots, **settings.pop("backend", {})}
     s = FleetSettings(redis_url=url, name=name, backend=backend, **settings)
-    fw = FleetWorker(s, FakeBackend(s.backend, fail_after=fail_after), worker_client(url), name)
+    assert isinstance(s.backend, FakeSettings)  # the type set above, unless `backend` named another
+    fw = FleetWorker(s, FakeBackend(s.backend, fail_after=fail_after), worker_client(url), name,
+                     hooks=job_hooks(s))
     if alive is not None:
         alive.set(worker_key(name), "{}", px=600_000)
     return fw

@@ -1,5 +1,6 @@
 """How big a request a worker takes, checked before the work that a big request makes expensive
-(issue 10, defect 7): before decompressing RQ's payload, and before tokenizing.
+(so one hostile payload cannot exhaust a worker's memory): before decompressing RQ's payload,
+and before tokenizing.
 
 A producer's request is bounded too (backends.base.MAX_REQUEST_CHARS), but a plain RQ producer
 or anyone with Redis access can write any hash, and one 256 KB zlib entry can inflate to

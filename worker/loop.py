@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from redis import Redis
@@ -32,11 +32,13 @@ from redis import Redis
 from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
 from backends.contract.keys import cancel_key, job_key, queue_names, wake_key
 from backends.contract.replies import as_str
-from backends.contract.retry import OUTAGE_ERRORS, Backoff
+from backends.contract.retry import OUTAGE_ERRORS
 from worker import endings, limits, rqjobs
+from worker.assembly import job_hooks
 from worker.claim import Claimer
-from worker.counters import WorkerCounters
+from worker.counters import EngineHold, WorkerCounters
 from worker.endings import AttemptWriter, Contended
+from worker.hooks import JobHook
 from worker.link import RedisLink
 from worker.priority import ClaimPolicy
 from worker.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
@@ -68,7 +70,9 @@ class _WokenBySignal(Exception):
 
 class FleetWorker:
     def __init__(self, settings: FleetSettings, backend: Backend, redis: Redis, name: str,
-                 link: RedisLink | None = None) -> None:
+                 link: RedisLink | None = None, hooks: Sequence[JobHook] | None = None) -> None:
+        """`hooks`: what the job writes carry besides their own (worker/hooks.py); None: the
+        ones worker/assembly.py chooses for `settings`."""
         self.settings = settings
         self.backend = backend
         self.redis = redis
@@ -76,7 +80,8 @@ class FleetWorker:
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
         self.claimer = Claimer(redis, name, self.queues)
-        self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl)
+        hooks = job_hooks(settings) if hooks is None else hooks
+        self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl, hooks)
         self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues,
                                         batch_share=settings.batch_share)
         self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
@@ -90,8 +95,7 @@ class FleetWorker:
         self.jobs_ended = threading.Event()  # tells the heartbeat to refresh the status now
         self._drain_deadline: float | None = None
         self._reconcile_at = time.monotonic() + self.settings.reconcile_interval
-        self._engine_backoff = Backoff(1.0, 30.0)  # after an engine failure: pause claiming
-        self._engine_hold_until = 0.0
+        self.engine_hold = EngineHold()  # after an engine failure: pause claiming (read by the heartbeat)
         self._waiting_idle = False  # in the blocking wait on the wake list (the signal handler looks)
         self._cancel_check_at = 0.0  # next look at the running jobs' cancel flags (monotonic)
 
@@ -178,8 +182,8 @@ class FleetWorker:
             time.sleep(min(max(self.link.wait_left(), 0.01), IDLE_WAIT))
         else:
             self.counters.state = "idle"
-            if self._engine_hold_until:  # the engine failed: nothing to do until the backoff passes
-                time.sleep(min(max(self._engine_hold_until - time.monotonic(), 0.01), IDLE_WAIT))
+            if self.engine_hold.down:  # the engine failed: nothing to do until the backoff passes
+                time.sleep(min(max(self.engine_hold.seconds_left(), 0.01), IDLE_WAIT))
 
     def _guarded(self, work: Callable[[], None]) -> None:
         """One turn of the loop; a bug met by one job must not end the worker."""
@@ -207,7 +211,7 @@ class FleetWorker:
     def _claim(self) -> None:
         self._start_unstarted()
         free = self.backend.free_slots() - len(self.unstarted)
-        if free <= 0 or not self._engine_ready():
+        if free <= 0 or not self.engine_hold.ready(self.backend.probe):
             return
         limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
         claimed = self.claimer.claim(free, limits)
@@ -271,7 +275,7 @@ class FleetWorker:
         if self.redis.exists(cancel_key(job_id)):
             self._end_cancelled(job)
             return
-        # fenced: only while this worker holds it (defect 10)
+        # fenced: only while this worker holds it (the reaper may have taken it meanwhile)
         if not self.writes.start(job, self.settings.job_timeout + 60):
             log.warning("job %s was taken over before it started here; dropped", job_id)
             return
@@ -294,16 +298,6 @@ class FleetWorker:
         self.counters.jobs_failed += 1
         self.outcomes["failed"] += 1
 
-    def _engine_ready(self) -> bool:
-        """After an engine failure, claim again only once the backoff passed and it answers."""
-        if time.monotonic() < self._engine_hold_until:
-            return False
-        if self._engine_hold_until and not self.backend.probe():
-            self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
-            return False
-        self._engine_hold_until = 0.0
-        return True
-
     # -- one step ---------------------------------------------------------------------------------
 
     def _step(self) -> None:
@@ -311,7 +305,7 @@ class FleetWorker:
         # an outage); endings still to flush (a refused or finished job) go out at once
         busy = self.backend.free_slots() < self.backend.slots
         events = self.backend.step(0.05 if busy or not self.link.ready() else 0.0)
-        now = time.monotonic()  # deadlines and durations: this host's clock, never the wall (defect 9)
+        now = time.monotonic()  # deadlines, durations: this host's clock, never the wall (hosts differ)
         n_tokens = self._apply(events, now)
         self.counters.record_step(n_tokens)
         for job in self.inflight.values():
@@ -344,7 +338,7 @@ class FleetWorker:
                 job.sent, job.attempt_dirty, job.first_token_at = 0, True, None
                 job.restart_reason = ev.reason
             elif isinstance(ev, Done):
-                self._engine_backoff.reset()
+                self.engine_hold.served()
                 job.ending = endings.finished(job, ev, now, self.name, self.backend.name)
             elif isinstance(ev, Failed):
                 if ev.retryable:
@@ -356,8 +350,7 @@ class FleetWorker:
     def _retry_or_fail(self, job: ClaimedJob, reason: str) -> None:
         """The engine (not the job) failed: hand the job back for another attempt, and pause
         claiming until the engine looks healthy; after max_attempts, fail it."""
-        if time.monotonic() >= self._engine_hold_until:  # one incident fails many jobs: one step back
-            self._engine_hold_until = time.monotonic() + self._engine_backoff.next()
+        self.engine_hold.failed()
         if job.attempt - job.drains >= self.settings.max_attempts:
             job.ending = endings.gave_up(job, reason)
         else:
@@ -429,7 +422,7 @@ class FleetWorker:
 
     def _hand_back(self, job: ClaimedJob, why: str, counted: bool = True) -> None:
         """`counted=False`: not the job's or the engine's failure (a drain, a full outage buffer),
-        so it does not use up one of the job's max_attempts (defect 8)."""
+        so it does not use up one of the job's max_attempts."""
         if job.ending is None:
             self.backend.cancel(job.id)  # its late Done is ignored: the job is no longer in flight
         job.unsent.clear()

@@ -16,7 +16,8 @@ from rq.worker import Worker
 from backends.contract.connect import server_version
 from backends.contract.keys import RQ_WORKERS_SET, queue_names, worker_key
 from backends.contract.retry import OUTAGE_ERRORS
-from backends.registry import make_backend
+from backends.registry import engine_threads, make_backend
+from worker.assembly import job_hooks
 from worker.heartbeat import Heartbeat, clear_status, static_status
 from worker.link import RedisLink
 from worker.loop import BurstSummary, FleetWorker
@@ -45,7 +46,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     # pin before the model loads: llama.cpp's threads inherit the mask and the memory policy
     report = pin(settings.cpu_set(), settings.numa_node)
     log.info("worker %s: %s", name, report.summary())
-    threads = settings.backend.threads or len(os.sched_getaffinity(0))
+    threads = engine_threads(settings.backend) or len(os.sched_getaffinity(0))
     backend = make_backend(settings.backend, threads=threads)
     log.info("worker %s: backend %s ready, %d slots, %d threads", name, backend.name, backend.slots, threads)
 
@@ -57,11 +58,12 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     rq_worker.ip_address = _address(redis)
     _register_rq(rq_worker, redis)
     link = RedisLink()  # one view of Redis for the loop, the heartbeat and the reaper
+    hooks = job_hooks(settings)  # what job writes carry besides their own: the loop's and the reaper's
     reaper = Reaper(redis, name, settings.max_attempts, settings.result_ttl, link=link,
-                    hold_off=3 * settings.heartbeat_interval, queues=queues)
+                    hold_off=3 * settings.heartbeat_interval, queues=queues, hooks=hooks)
     recover_own(redis, name, reaper)
 
-    fw = FleetWorker(settings, backend, redis, name, link)
+    fw = FleetWorker(settings, backend, redis, name, link, hooks=hooks)
     fw.install_signal_handlers()
     static = static_status(name, settings, backend.name, backend.slots,
                            {"threads": threads, **report.to_dict()})

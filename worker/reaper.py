@@ -43,7 +43,9 @@ from backends.contract.keys import (
 )
 from backends.contract.lua import RELEASE_LOCK
 from backends.contract.replies import as_int, as_str
-from worker import endings, facts, housekeeping
+from worker import endings, housekeeping
+from worker.assembly import job_hooks
+from worker.hooks import Holder, Hooks, Restart
 from worker.link import RedisLink
 from worker.rqjobs import ClaimedJob, Ending
 
@@ -54,13 +56,15 @@ LOCK_MS = 10_000
 class Reaper:
     def __init__(self, redis: Redis, me: str, max_attempts: int, result_ttl: int,
                  link: RedisLink | None = None, hold_off: float = 3.0,
-                 queues: list[str] | None = None) -> None:
+                 queues: list[str] | None = None, hooks: Hooks | None = None) -> None:
         self.redis = redis
         self.me = me
         self.max_attempts = max_attempts
         self.result_ttl = result_ttl
         self.link = link
         self.hold_off = hold_off  # seconds after our own reconnect before declaring others dead
+        # what a reaped job's restart or failure carries besides its own write (worker/hooks.py)
+        self.hooks = tuple(hooks) if hooks is not None else job_hooks()
         self._requeue = redis.register_script(endings.REQUEUE_LUA)
         self._unlock = redis.register_script(RELEASE_LOCK)
         self.keeper = housekeeping.Housekeeper(redis, queues or [], result_ttl)
@@ -68,7 +72,7 @@ class Reaper:
     def dead_workers(self) -> list[str]:
         """Workers that registered or claimed (the owners index, written by the claim script) and
         whose status key expired. Never a SCAN of the keyspace: one reap costs the same with 1M
-        unrelated keys in Redis (defect 6)."""
+        unrelated keys in Redis."""
         names = {as_str(n) or "" for n in self.redis.sunion([WORKERS_SET, OWNERS_SET])}
         names.discard(self.me)
         return sorted(n for n in names if n and not self.redis.exists(worker_key(n)))
@@ -105,11 +109,13 @@ class Reaper:
                     self._fail_suspect(job_id, origin, name, used, gone, as_int(drains))
                 else:
                     self._fail(job_id, origin, name, used, died_on, as_int(drains))
-                facts.record_restart_now(self.redis, job_id, origin, used, _died(name, gone), self.me,
-                                         reaped=True, requeued=False)
+                restart = Restart(job_id, origin, used, _died(name, gone), self.me, reaped=True,
+                                  requeued=False)
+                endings.record_restart(self.redis, self.hooks, restart)
             else:  # the requeue script removes the attempt's RQ execution itself
                 attempt = endings.requeue_and_record(self.redis, self._requeue, inflight, job_id, origin,
-                                                     _died(name, gone), self.me, died_on=name, reaped=True)
+                                                     _died(name, gone), self.me, self.hooks, died_on=name,
+                                                     reaped=True)
                 if attempt >= 0:
                     log.warning("worker %s is dead: requeued %s at the front (attempt %d)", name, job_id,
                                 attempt + 1)
@@ -130,7 +136,7 @@ class Reaper:
     def _end_execution(self, job_id: str, origin: str, execution: str | None) -> None:
         """Drop the dead attempt from RQ's wip registry so RQ does not fail it as abandoned later:
         exactly the execution its start recorded (a match on the id as a prefix would also hit
-        other jobs whose ids start with this one: defect 11)."""
+        other jobs whose ids start with this one)."""
         if execution and execution.startswith(job_id + ":"):
             with self.redis.pipeline(transaction=False) as pipe:
                 pipe.zrem(started_registry_key(origin), execution)
@@ -171,8 +177,10 @@ class Reaper:
             job.job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
         except Exception:
             job.job = None
+        holder = Holder(worker, "", self.result_ttl)  # the dead worker's backend is not known here
+
         def write(pipe: Pipeline, _job_id: str) -> None:
-            endings.write_ending(job, pipe, worker, "", self.result_ttl)
+            endings.write_ending(job, pipe, holder, self.hooks)
 
         if endings.commit_held(self.redis, inflight_key(worker), [job_id], write):
             log.warning("job %s: %s", job_id, reason)

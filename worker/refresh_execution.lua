@@ -2,7 +2,7 @@
 -- ARGV: now, ttl, wip member, execution id
 -- RQ's Execution.heartbeat() writes unconditionally: a beat racing a job's final write (which
 -- deletes the execution) would re-create the execution with a 10-minute TTL. This refreshes it
--- only while it exists (issue 10: every key ends with a TTL or is removed, promptly).
+-- only while it exists (every key ends with a TTL or is removed, promptly).
 -- Returns 1 if refreshed, 0 if the execution is gone.
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])

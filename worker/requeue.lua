@@ -3,8 +3,8 @@
 -- none), owner field, drains field, counted (0: a drain hand-back, not a failure), execution field,
 -- suspect field (cleared: the next worker's start sets its own)
 -- Back to the FRONT of its queue (it already waited its turn), owner cleared and the attempt's RQ
--- execution removed in the same step (defect 5). Returns the new attempt count (or -1 if the id
--- was no longer in flight: someone else requeued or finished it).
+-- execution removed in the same step (so a lost reply leaves none). Returns the new attempt count
+-- (or -1 if the id was no longer in flight: someone else requeued or finished it).
 -- Key literals: 'rq:execution:' mirrors keys.execution_key, 'rq:executions:' keys.executions_key.
 if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return -1 end
 redis.call('LPUSH', KEYS[2], ARGV[1])

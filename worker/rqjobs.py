@@ -85,7 +85,8 @@ class ClaimedJob:
     request: GenerateRequest | None = None
     execution: Execution | None = None
     # Redis server time (ms) of the enqueue and the claim: queue_ttl compares these, never two
-    # hosts' wall clocks (defect 9); durations of the run itself use this host's monotonic clock
+    # hosts' wall clocks (they drift apart); durations of the run itself use this host's
+    # monotonic clock
     enqueued_ms: int | None = None
     claimed_ms: int | None = None
     claimed_at: float = field(default_factory=time.monotonic)
@@ -114,8 +115,8 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: flo
          claimed_ms: int | None = None) -> ClaimedJob:
     """Fetch and check a job this worker (`me`) claimed. Raises BadJob for anything refused,
     NotToRun for an id that must be dropped without a result, CancelledByRQ. A job this worker
-    already owns (a start whose reply was lost) is resumed (defect 2). `job_timeout`/`queue_ttl`
-    apply when the job sets none; `budget` bounds the request (defect 7)."""
+    already owns (a start whose reply was lost) is resumed, not dropped. `job_timeout`/`queue_ttl`
+    apply when the job sets none; `budget` bounds the request (worker/limits.py)."""
     fields = [ATTEMPT_FIELD, OWNER_FIELD, DRAINS_FIELD, EXECUTION_FIELD, FINAL_FIELD]
     try:
         raw_attempt, owner, drains, execution, final = redis.hmget(job_key(job_id), fields)
@@ -253,7 +254,8 @@ def _clip(value: Any) -> str:
 
 def mark_started(claimed: ClaimedJob, worker_name: str, ttl: int, pipe: Any) -> None:
     """Started status + an RQ execution in the queue's wip registry (what `rq info` shows). A
-    start again (its first reply was lost) replaces the first start's execution (defect 5)."""
+    start again (its first reply was lost) replaces the first start's execution (RQ's wip registry
+    keeps one per attempt)."""
     job = claimed.job
     assert job is not None
     earlier = claimed.execution.composite_key if claimed.execution is not None else None

@@ -5,6 +5,13 @@ Loaded from `worker-config.json`, overridden by `FLEET_*` environment variables 
 its priority rules: backends/contract/settings.py). Unknown keys and bad values fail at start with
 pydantic's message, which names the key. One file configures the whole fleet, so the gateway's
 section is checked here too, with the gateway's own model.
+
+The `backend` section is merged key by key across sources (a FLEET_BACKEND__SLOTS beside the file's
+section), with one rule: the section's engine is the `type` of the highest-priority source that
+names one, and a lower source whose section was written for another engine gives only the keys
+every backend has (slots, sampling, fallback). So FLEET_BACKEND__TYPE=llama-server over a file set
+up for llama-cpp leaves the file's kv_unified, n_batch, ... out; a key of another engine in the
+same source as the type (or in one that does not switch it) stops the worker, naming key and type.
 """
 
 from __future__ import annotations
@@ -14,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from backends.contract.settings import ProducerSettings, SettingsError, config_path, load
-from backends.registry import BackendSettings, BackendType
+from backends.registry import DEFAULT_TYPE, SHARED_KEYS, BackendSettings, BackendType, LlamaCppSection
 from dispatcher.gateway.settings import GatewaySettings
 
 __all__ = ["BackendSettings", "BackendType", "FleetSettings", "SettingsError", "config_path",
@@ -28,7 +36,7 @@ class FleetSettings(ProducerSettings):
     model_config = SettingsConfigDict(extra="forbid")
 
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.@-]+$", description="worker name")
-    backend: BackendSettings = Field(default_factory=BackendSettings)
+    backend: BackendSettings = Field(default_factory=LlamaCppSection)
     cpus: str | None = Field(None, description="CPU list to pin to, e.g. '0-3,8'")
     numa_node: int | None = Field(None, ge=0)
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
@@ -57,6 +65,57 @@ class FleetSettings(ProducerSettings):
 
     def cpu_set(self) -> list[int] | None:
         return parse_cpu_list(self.cpus) if self.cpus else None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources = super().settings_customise_sources(
+            settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings)
+        return (OneEngine(settings_cls, sources),)
+
+
+class OneEngine(PydanticBaseSettingsSource):
+    """`sources` (highest priority first) merged as pydantic-settings merges them, but for the
+    rule on `backend` in this module's docstring."""
+
+    def __init__(self, settings_cls: type[BaseSettings],
+                 sources: tuple[PydanticBaseSettingsSource, ...]) -> None:
+        super().__init__(settings_cls)
+        self.sources = sources
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ takes whole sources
+
+    def __call__(self) -> dict[str, Any]:
+        states = [source() for source in self.sources]
+        sections = [s.get("backend") for s in states]
+        engines: list[object] = []  # each source's engine: its own type, else that of those below
+        engine: object = DEFAULT_TYPE
+        for section in reversed(sections):
+            if isinstance(section, dict) and "type" in section:
+                engine = section["type"]
+            engines.append(engine)
+        engines.reverse()
+        merged: dict[str, Any] = {}
+        for state, section, own in reversed(list(zip(states, sections, engines, strict=True))):
+            if isinstance(section, dict) and own != engines[0]:
+                state = {**state, "backend": {k: v for k, v in section.items() if k in SHARED_KEYS}}
+            merged = _deep_merge(merged, state)
+        return merged
+
+
+def _deep_merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
+    out = dict(low)
+    for key, value in high.items():
+        below = out.get(key)
+        out[key] = _deep_merge(below, value) if isinstance(value, dict) and isinstance(below, dict) else value
+    return out
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *,

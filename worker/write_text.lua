@@ -1,8 +1,8 @@
 -- KEYS: job hash, stream
 -- ARGV: worker name, owner field, attempt field, attempt, first index, maxlen, text1, text2, ...
 -- Text deltas (and a restart's new attempt number) are written only while this worker owns the
--- job (defect 10); the attempt number only ever goes up. Returns how many deltas were written,
--- or -1 (not the owner).
+-- job (a worker the reaper took it from writes nothing); the attempt number only ever goes up.
+-- Returns how many deltas were written, or -1 (not the owner).
 if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[1] then return -1 end
 local attempt = tonumber(ARGV[4])
 local stored = tonumber(redis.call('HGET', KEYS[1], ARGV[3]) or '0') or 0

@@ -96,13 +96,14 @@ class ProducerSettings(FileAndEnvSettings):
 
 
 class EngineSettings(BaseModel):
-    """What every backend's settings have: job concurrency, context per job, sampling defaults."""
+    """What every backend's settings have: which engine, its concurrency, its sampling defaults.
+    Each backend narrows `type` to its own name and adds only the keys it reads, so a key of
+    another engine is refused rather than ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
+    type: str = Field(description="the engine; each backend's model fixes it to its own name")
     slots: int = Field(16, ge=1, le=256, description="sequences decoded together in one context")
-    n_ctx_per_seq: int = Field(1024, ge=64, description="max prompt + generated tokens of one job; with "
-                               "per-slot KV streams, the KV cells of each slot and prefix entry")
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
 
 

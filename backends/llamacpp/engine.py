@@ -1,9 +1,10 @@
 """In-process llama.cpp: up to `slots` jobs decoded together in ONE context (continuous batching).
 
 `LlamaCppBackend` is the Backend protocol over three parts (see the package docstring): the
-`Scheduler` plans each step, the `KvBookkeeper` tracks sequence ids and what their KV holds, the
-`Executor` runs plans on llama.cpp. What is left here is the glue: tokenizing a request,
-turning sampled tokens into events and the finish rules, and the engine's counters.
+`Scheduler` plans each step and moves the jobs on by what it sampled (finish rules, drafts), the
+`KvBookkeeper` tracks sequence ids and what their KV holds, the `Executor` runs plans on
+llama.cpp. Calls go one way: engine -> scheduler -> bookkeeper, engine -> executor. What is left
+here is the glue: tokenizing a request, plan -> executor -> scheduler.update, and the events.
 
 KV layout (backend.kv_unified):
 - false (default): every sequence id has its own KV stream of n_ctx_per_seq cells. A slot's
@@ -28,14 +29,14 @@ import time
 
 import llama_cpp as ll
 
-from backends.base import Done, Event, Failed, JobRejected, Token
-from backends.contract.schema import FinishReason, GenerateRequest
+from backends.base import Done, Event
+from backends.contract.schema import GenerateRequest
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.sampling import check_format
-from backends.llamacpp.scheduler import DecodeCall, Scheduler, check_n_batch
-from backends.llamacpp.state import ActiveJob
+from backends.llamacpp.scheduler import Scheduler, check_n_batch
+from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
 
 
@@ -69,22 +70,13 @@ class LlamaCppBackend:
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self.kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
                                n_batch=self.n_batch, per_slot=self.per_slot,
-                               invariant=settings.batch_invariant, window=self.model.n_swa,
-                               pos_min=self._oldest_position)
+                               invariant=settings.batch_invariant, window=self.model.n_swa)
         self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
                                    draft_max=settings.draft_max)
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
                                  per_slot=self.per_slot)
         self._finished: list[Event] = []
-        self.prompt_tokens_prefilled = 0
-        self.tokens_generated = 0
-        self.draft_tokens = 0  # proposed by prompt lookup (speculation.py) ...
-        self.draft_accepted = 0  # ... and kept
         self.grammar_rejections = 0
-
-    def _oldest_position(self, seq_id: int) -> int:
-        """The oldest position a sequence's sliding-window layers still hold (-1: none)."""
-        return int(ll.llama_memory_seq_pos_min(self.model.memory, seq_id))
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -112,14 +104,16 @@ class LlamaCppBackend:
         job = self.scheduler.active.get(job_id)
         if job is not None and job.done is None:
             job.done = Done(job_id, "cancelled", len(job.tokens), job.generated)
-            self._release(job)
+            self.scheduler.release(job)  # its KV operations go with the next plan
+            self.executor.close_sequence(job.seq_id)
+            self._finished.append(job.done)
 
     def step(self, timeout: float = 0.0) -> list[Event]:
         events, self._finished = self._finished, []
         if not self.scheduler.active:
             self._start_waiting()
         if self.scheduler.active:
-            events.extend(self._decode_step())
+            self._decode_step(events)
             self._start_waiting()  # slots freed this step go to waiting jobs at once
         elif timeout > 0 and not events:
             time.sleep(min(timeout, 0.01))
@@ -134,11 +128,11 @@ class LlamaCppBackend:
             "prefixes": len(self.kv.prefixes),
             "steps": self.scheduler.steps,
             "decode_calls": self.executor.decode_calls,
-            "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
+            "prompt_tokens_prefilled": self.scheduler.prompt_tokens_prefilled,
             "prompt_tokens_reused": self.kv.reused_tokens,
-            "tokens_generated": self.tokens_generated,
-            "draft_tokens": self.draft_tokens,
-            "draft_accepted": self.draft_accepted,
+            "tokens_generated": self.scheduler.tokens_generated,
+            "draft_tokens": self.scheduler.draft_tokens,
+            "draft_accepted": self.scheduler.draft_accepted,
             "grammar_rejections": self.grammar_rejections,
             "deferred_admissions": self.scheduler.deferred_admissions,
             "decode_seconds": round(self.executor.decode_seconds, 3),
@@ -146,108 +140,40 @@ class LlamaCppBackend:
 
     def close(self) -> None:
         for job in list(self.scheduler.active.values()):
-            self._release(job)
+            self.scheduler.release(job)
+            self.executor.close_sequence(job.seq_id)
         self.executor.close()
         self.model.close()
 
-    # -- slots ----------------------------------------------------------------------------------
-
-    def _start_waiting(self) -> None:
-        started = self.scheduler.start_waiting()
-        self.executor.apply(self.kv.take_ops())  # prefix copies, in the order they were decided
-        for job in started:
-            self.executor.open(job)
-
-    def _release(self, job: ActiveJob, keep_kv: bool = True) -> None:
-        """Free a finished/cancelled/failed job's slot at once (and its KV, see KvBookkeeper)."""
-        self.scheduler.release(job, keep_kv)
-        self.executor.close_sequence(job.seq_id)
-        self.executor.apply(self.kv.take_ops())
-        if job.done is not None:
-            self._finished.append(job.done)
-
     # -- one step -------------------------------------------------------------------------------
 
-    def _decode_step(self) -> list[Event]:
-        events: list[Event] = []
-        for call in self.scheduler.plan_step().calls:
+    def _start_waiting(self) -> None:
+        if self.scheduler.can_start():
+            self.executor.prepare(self.scheduler.admission_round(self.executor.oldest_held()))
+
+    def _decode_step(self, events: list[Event]) -> None:
+        plan = self.scheduler.plan_step()
+        self.executor.prepare(plan)
+        for call in plan.calls:
             rc = self.executor.run(call)
             if rc != 0:
-                self._fail(call, rc, events)
-                continue
-            if call.decoders and not call.prompts:  # what the draft budget weighs (speculation.py)
-                self.scheduler.costs.record(call.n_rows(), call.decoder_rows(),
-                                            self.executor.last_decode_seconds)
-            for job in call.decoders:
-                self._verify(job, call.drafts.get(job.seq_id, ()), events)
-            for job, count in call.prompts:
-                job.n_past += count
-                self.prompt_tokens_prefilled += count
-                if job.n_past == len(job.tokens):
-                    self._sample(job, events)
-        for job in [j for j in self.scheduler.active.values() if j.done is not None]:
-            self._release(job)
-        events.extend(self._finished)
-        self._finished = []
-        return events
+                self._settle(self.scheduler.call_failed(call, rc), events)
+            else:
+                sampled = self.executor.sample(call)
+                self._settle(self.scheduler.update(call, sampled, self.executor.last_decode_seconds), events)
+        for job in self.scheduler.end_step():
+            self.executor.close_sequence(job.seq_id)
+            assert job.done is not None
+            events.append(job.done)
 
-    def _verify(self, job: ActiveJob, draft: list[int] | tuple[()], events: list[Event]) -> None:
-        """A decoder's step: sample its next token; with a draft, keep sampling the draft rows
-        while each draft token is what was sampled before it (so the text is the one decoding
-        one token at a time gives), then drop the KV of the rows not kept."""
-        job.n_past += 1
-        self._sample(job, events)
-        kept = 0
-        while kept < len(draft) and job.done is None and job.next_token == draft[kept]:
-            kept += 1
-            job.n_past += 1  # the draft token's KV is already in place
-            self._sample(job, events, kept)
-        if draft:
-            self.draft_tokens += len(draft)
-            self.draft_accepted += kept
-            if job.ngrams is not None:
-                job.ngrams.record(len(draft), kept)
-            if kept < len(draft):
-                self.kv.drop_tail(job)
-                self.executor.apply(self.kv.take_ops())
-
-    def _sample(self, job: ActiveJob, events: list[Event], draft_index: int = 0) -> None:
-        try:
-            tok = self.executor.sample(job, draft_index)
-        except JobRejected as e:  # its grammar has no way on
-            job.done = None
-            self._release(job, keep_kv=False)
-            events.append(Failed(job.job_id, str(e)))
-            return
-        if self.model.is_eog(tok):
-            self._finish(job, "stop", events)
-            return
-        job.generated += 1
-        job.output.append(tok)
-        self.tokens_generated += 1
-        delta = job.text.feed(self.model.piece(tok))
-        if delta:
-            events.append(Token(job.job_id, delta))
-        if job.text.stopped or self.executor.sampler(job).grammar_complete:
-            self._finish(job, "stop", events)
-        elif job.generated >= job.sampling.max_tokens or job.n_past + 1 >= self.n_ctx_per_seq:
-            self._finish(job, "length", events)
-        else:
-            job.next_token = tok
-
-    def _finish(self, job: ActiveJob, reason: FinishReason, events: list[Event]) -> None:
-        tail = "" if job.text.stopped else job.text.finish()
-        if tail:
-            events.append(Token(job.job_id, tail, n_tokens=0))
-        job.done = Done(job.job_id, reason, len(job.tokens), job.generated)
-        sampler = self.executor.sampler(job)
-        self.grammar_rejections += sampler.rejections
-        if sampler.top_logprobs is not None:  # the end-of-generation token is not output
-            job.done.extra["logprobs"] = sampler.logprobs[: job.generated]
-
-    def _fail(self, call: DecodeCall, rc: int, events: list[Event]) -> None:
-        why = "KV cache full" if rc == 1 else f"llama_decode failed (rc={rc})"
-        for job in self.scheduler.failed(call, rc):
-            job.done = None
-            self._release(job, keep_kv=False)
-            events.append(Failed(job.job_id, f"{why}; job not completed", retryable=rc == 1))
+    def _settle(self, update: CallUpdate, events: list[Event]) -> None:
+        events.extend(update.events)
+        for job in update.finished:
+            assert job.done is not None
+            sampler = self.executor.sampler(job)
+            self.grammar_rejections += sampler.rejections
+            if sampler.top_logprobs is not None:  # the end-of-generation token is not output
+                job.done.extra["logprobs"] = sampler.logprobs[: job.generated]
+        for seq_id in update.released:
+            self.executor.close_sequence(seq_id)
+        self.executor.apply(update.kv_ops)

@@ -1,10 +1,13 @@
-"""Runs the scheduler's plans on llama.cpp: fills the batch, calls llama_decode, applies the KV
-bookkeeper's operations (llama_memory_seq_rm / seq_cp) and samples with one chain per sequence.
+"""Runs the scheduler's plans on llama.cpp: applies the KV operations a plan or an update carries
+(llama_memory_seq_rm / seq_cp), opens the new jobs' sampler chains, fills the batch, calls
+llama_decode and samples with one chain per sequence.
 
-It decides nothing about who runs; what it owns is the mechanics: where each row goes in the
-batch, where a sequence's logits are, the throw-away rows that top up an equal-width ubatch and
-how a copy is done in each KV layout. Per step it writes the batch in place (no per-row objects)
-and samples with one `SequenceSampler` per sequence (sampling.py: chains, grammars, logprobs).
+It decides nothing about who runs or what a token means; what it owns is the mechanics: where
+each row goes in the batch, where a sequence's logits are, the throw-away rows that top up an
+equal-width ubatch, how a copy is done in each KV layout, and which rows to sample (a draft row
+only while the draft held so far: `Sampled`). Per step it writes the batch in place (no per-row
+objects) and samples with one `SequenceSampler` per sequence (sampling.py: chains, grammars,
+logprobs).
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ from collections.abc import Sequence
 
 import llama_cpp as ll
 
+from backends.base import JobRejected
 from backends.llamacpp.kv import KvOp, Remove
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.sampling import Candidates, SequenceSampler, TopCandidates
-from backends.llamacpp.scheduler import DecodeCall
-from backends.llamacpp.state import ActiveJob
+from backends.llamacpp.scheduler import DecodeCall, StepPlan
+from backends.llamacpp.state import ActiveJob, Sampled
 
 
 class Executor:
     def __init__(self, model: LoadedModel, *, n_batch: int, n_streams: int, per_slot: bool) -> None:
         self.model = model
         self.per_slot = per_slot
+        self._n_streams = n_streams
         self._ctx = model.ctx
         self._memory = model.memory
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
@@ -44,6 +49,19 @@ class Executor:
         self.last_decode_seconds = 0.0
 
     # -- KV and sampler chains --------------------------------------------------------------------
+
+    def prepare(self, plan: StepPlan) -> None:
+        """What a plan does before its calls: its KV operations, then the new jobs' chains."""
+        self.apply(plan.kv_ops)
+        for job in plan.started:
+            self.open(job)
+
+    def oldest_held(self) -> list[int]:
+        """Per sequence id, the oldest position its sliding-window layers still hold (-1: none);
+        empty when no layer keeps only its window (nothing to read)."""
+        if not self.model.n_swa:
+            return []
+        return [int(ll.llama_memory_seq_pos_min(self._memory, s)) for s in range(self._n_streams)]
 
     def apply(self, ops: list[KvOp]) -> None:
         for op in ops:
@@ -72,10 +90,42 @@ class Executor:
         assert sampler is not None
         return sampler
 
-    def sample(self, job: ActiveJob, draft_index: int = 0) -> int:
-        """The job's next token, from its row of the last decode (draft_index i: the row that fed
-        its i-th draft token, see speculation.py)."""
-        return self.sampler(job).sample(self._ctx, self._logits_row[job.seq_id] + draft_index)
+    def sample(self, call: DecodeCall) -> Sampled:
+        """What the call's rows give: each decoder's next token and its draft rows, each
+        finished prompt's first token."""
+        out = Sampled()
+        drafts = call.drafts
+        for job in call.decoders:
+            self._sample_rows(job.seq_id, drafts.get(job.seq_id), out)
+        for job, count in call.prompts:
+            if job.n_past + count == len(job.tokens):
+                self._sample_rows(job.seq_id, None, out)
+        return out
+
+    def _sample_rows(self, seq_id: int, draft: Sequence[int] | None, out: Sampled) -> None:
+        """The sequence's next token; with a draft, the row after each draft token too while the
+        token sampled before is that draft token (draft row i fed draft token i, speculation.py).
+        The rows after a mismatch or an end of generation say nothing: they are not sampled."""
+        sampler = self._samplers[seq_id]
+        assert sampler is not None
+        row, ctx, model = self._logits_row[seq_id], self._ctx, self.model
+        try:
+            tok = sampler.sample(ctx, row)
+            piece = None if model.is_eog(tok) else model.piece(tok)
+            rows = [(tok, piece)]
+            if draft:
+                for i, proposed in enumerate(draft, 1):
+                    if tok != proposed or piece is None:
+                        break
+                    tok = sampler.sample(ctx, row + i)
+                    piece = None if model.is_eog(tok) else model.piece(tok)
+                    rows.append((tok, piece))
+        except JobRejected as e:  # its grammar has no way on (a job with a grammar never drafts)
+            out.rejected[seq_id] = str(e)
+            return
+        out.rows[seq_id] = rows
+        if sampler.grammar_complete:
+            out.grammar_complete.add(seq_id)
 
     # -- one llama_decode -------------------------------------------------------------------------
 

@@ -8,14 +8,16 @@ it ends (kept cells would widen the span every row's attention scans: measured 1
 16 users with ~600-token jobs, docs/bench.md).
 
 The bookkeeper decides; it never calls llama.cpp. What it wants done to the KV cache (drop a
-sequence's tail, copy a prefix) is queued as `KvOp`s that the executor applies, in order, before
-the next decode (`take_ops`).
+sequence's tail, copy a prefix) is queued as `KvOp`s; the scheduler hands them to the executor
+in its plans and updates (`take_ops`), which applies them in order before the next decode. What
+it needs to know of llama.cpp's state (how far back a windowed sequence still reaches) it is
+given as data, `oldest_held`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -65,8 +67,7 @@ class Reuse:
 
 class KvBookkeeper:
     def __init__(self, *, slots: int, prefix_cache: int, n_ctx: int, n_batch: int, per_slot: bool,
-                 invariant: bool = False, window: int = 0,
-                 pos_min: Callable[[int], int] | None = None) -> None:
+                 invariant: bool = False, window: int = 0) -> None:
         self.slots = slots
         self.n_streams = slots + prefix_cache
         self.n_ctx = n_ctx  # cells of the unified pool (checked by fits() only when not invariant)
@@ -74,10 +75,11 @@ class KvBookkeeper:
         self.per_slot = per_slot
         self.invariant = invariant  # batch_invariant: reuse only KV computed as if alone (invariance.py)
         # sliding-window layers that keep only their window (0: none, or kept whole): reused KV
-        # needs the `window` positions before the reuse's end, and pos_min(seq_id) says how far
-        # back a sequence's KV still reaches (llama_memory_seq_pos_min)
+        # needs the `window` positions before the reuse's end, and oldest_held[seq_id] says how
+        # far back a sequence's KV still reaches (llama_memory_seq_pos_min, -1: holds nothing),
+        # read for each admission round (Scheduler.start_waiting)
         self.window = window
-        self._pos_min = pos_min
+        self.oldest_held: Sequence[int] = ()
         self._free_seq_ids = list(range(slots))
         self._free_prefix_ids = list(range(slots, self.n_streams))
         self.prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
@@ -88,7 +90,7 @@ class KvBookkeeper:
         self._changing: set[int] = set()  # sequence ids that queued ops will change
 
     def take_ops(self) -> list[KvOp]:
-        """The KV operations decided since the last call, in order; the executor applies them."""
+        """The KV operations decided since the last call, in order (for the executor)."""
         ops, self._ops = self._ops, []
         self._changing.clear()
         return ops
@@ -196,15 +198,15 @@ class KvBookkeeper:
                 best = (n, source, kind)
         return best
 
-
     def _window_held(self, seq_id: int, n: int) -> bool:
         """Does `seq_id` still hold the window the token at position n attends to? (Windowed
         layers recycle a sequence's cells once its own tokens have moved past them.)"""
-        if not self.window or self._pos_min is None:
+        if not self.window:
             return True
-        if seq_id in self._changing:  # llama.cpp cannot tell yet what it will hold
+        # not read, or queued operations will change what was read
+        if seq_id in self._changing or seq_id >= len(self.oldest_held):
             return False
-        return self._pos_min(seq_id) <= max(0, n - self.window)
+        return self.oldest_held[seq_id] <= max(0, n - self.window)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

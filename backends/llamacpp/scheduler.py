@@ -1,4 +1,5 @@
-"""The engine's scheduling policy, without llama.cpp: who gets a slot, and what each step decodes.
+"""The engine's scheduling policy, without llama.cpp: who gets a slot, what each step decodes,
+and what the sampled tokens do to each job (`update`, with the rules of updates.py).
 
 Each step is a `StepPlan`: one or more `DecodeCall`s (one `llama_decode` each) holding the next
 token of every decoding job plus, within the token budget (n_batch), chunks of newcomers'
@@ -19,6 +20,10 @@ new jobs join between steps.
   number of rows (`span`, `width`): llama.cpp cuts a per-stream batch into ubatches of
   consecutive ids with equal rows, and a row's kernels depend on its ubatch.
 
+A plan also carries what the executor does before its calls: the KV operations the bookkeeper
+queued since the executor last got some, and the jobs that just got a slot (their sampler
+chains). Between steps an admission round is a plan with no calls.
+
 Admission: a job waits for a free slot and, in the unified pool, for room for its reservation
 (prompt + max_tokens, capped by n_ctx_per_seq); it keeps its place in line. Preemption (taking a
 slot back from a running job) is not done yet: it would be a decision made here.
@@ -26,15 +31,16 @@ slot back from a running job) is not done yet: it would be a decision made here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from backends.base import JobRejected
+from backends.base import Failed, JobRejected
 from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS
-from backends.llamacpp.kv import KvBookkeeper
+from backends.llamacpp.kv import KvBookkeeper, KvOp
 from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
-from backends.llamacpp.state import ActiveJob, WaitingJob
+from backends.llamacpp.state import ActiveJob, Sampled, WaitingJob
+from backends.llamacpp.updates import CallUpdate, advance
 
 
 @dataclass(slots=True)
@@ -69,7 +75,13 @@ class DecodeCall:
 
 @dataclass(slots=True)
 class StepPlan:
+    """What the executor does next: apply kv_ops, open the started jobs' samplers, run the calls."""
+
     calls: list[DecodeCall]
+    # the bookkeeper's operations queued since the executor last got some (releases, evictions,
+    # prefix copies), in order
+    kv_ops: list[KvOp] = field(default_factory=list)
+    started: list[ActiveJob] = field(default_factory=list)  # just got a slot
 
 
 class Scheduler:
@@ -81,11 +93,15 @@ class Scheduler:
         self.n_batch = n_batch
         self.n_ctx_per_seq = n_ctx_per_seq
         self.draft_max = draft_max
-        self.costs = StepCosts()  # the engine times every decoders-only call into it
+        self.costs = StepCosts()  # every decoders-only call's time goes in (update)
         self.waiting: list[WaitingJob] = []
         self.active: dict[str, ActiveJob] = {}  # admission order = prefill order
         self.deferred_admissions = 0
         self.steps = 0
+        self.prompt_tokens_prefilled = 0
+        self.tokens_generated = 0
+        self.draft_tokens = 0  # proposed by prompt lookup (speculation.py) ...
+        self.draft_accepted = 0  # ... and kept
         self._decoders_owed = False  # the last step ran newcomers only: decoders go next
 
     # -- admission --------------------------------------------------------------------------------
@@ -103,9 +119,21 @@ class Scheduler:
             )
         self.waiting.append(WaitingJob(job_id, tokens, sampling))
 
-    def start_waiting(self) -> list[ActiveJob]:
+    def can_start(self) -> bool:
+        return bool(self.waiting) and self.kv.has_free_slot()
+
+    def admission_round(self, oldest_held: Sequence[int] = ()) -> StepPlan:
+        """Start waiting jobs (see start_waiting) as a plan with no calls: the KV operations the
+        bookkeeper queued (prefix copies, evictions, earlier releases) and the jobs started."""
+        started = self.start_waiting(oldest_held)
+        return StepPlan([], self.kv.take_ops(), started)
+
+    def start_waiting(self, oldest_held: Sequence[int] = ()) -> list[ActiveJob]:
         """Give free slots to waiting jobs, first come first served; each newcomer reuses what
-        KV it can (the bookkeeper queues the copies). Returns the jobs started."""
+        KV it can (the bookkeeper queues the copies). oldest_held: per sequence id, the oldest
+        position its windowed layers still hold, read now (the bookkeeper's reuse rule needs it
+        when layers keep only their window). Returns the jobs started."""
+        self.kv.oldest_held = oldest_held
         started: list[ActiveJob] = []
         while self.waiting and self.kv.has_free_slot():
             waiting = self.waiting[0]
@@ -141,8 +169,78 @@ class Scheduler:
         decoding = [j for j in self.active.values() if j.next_token is not None]
         prefilling = [j for j in self.active.values() if j.next_token is None]
         if self.per_slot:
-            return StepPlan(self._invariant_calls(decoding, prefilling))
-        return StepPlan([self._pooled_call(decoding, prefilling)])
+            return StepPlan(self._invariant_calls(decoding, prefilling), self.kv.take_ops())
+        return StepPlan([self._pooled_call(decoding, prefilling)], self.kv.take_ops())
+
+    def update(self, call: DecodeCall, sampled: Sampled, seconds: float = 0.0) -> CallUpdate:
+        """Move the call's jobs on by what it sampled (`seconds`: its decode time): prompt
+        progress, draft acceptance and the finish rules of updates.py."""
+        out = CallUpdate()
+        events = out.events
+        rows, whole, n_ctx = sampled.rows, sampled.grammar_complete, self.n_ctx_per_seq
+        if call.decoders and not call.prompts:  # what the draft budget weighs (speculation.py)
+            self.costs.record(call.n_rows(), call.decoder_rows(), seconds)
+        for job in call.decoders:
+            seq_id = job.seq_id
+            got = rows.get(seq_id)
+            if got is None:
+                self._reject(job, sampled.rejected[seq_id], out)
+                continue
+            before = job.generated
+            draft = call.drafts.get(seq_id, ())
+            job.n_past += 1
+            kept = advance(job, got, draft, seq_id in whole, n_ctx, events)
+            self.tokens_generated += job.generated - before
+            if draft:
+                self.draft_tokens += len(draft)
+                self.draft_accepted += kept
+                if job.ngrams is not None:
+                    job.ngrams.record(len(draft), kept)
+                if kept < len(draft):
+                    self.kv.drop_tail(job)
+            if job.done is not None:
+                out.finished.append(job)
+        for job, count in call.prompts:
+            job.n_past += count
+            self.prompt_tokens_prefilled += count
+            if job.n_past == len(job.tokens):  # its last row gave the first token
+                got = rows.get(job.seq_id)
+                if got is None:
+                    self._reject(job, sampled.rejected[job.seq_id], out)
+                    continue
+                advance(job, got, (), job.seq_id in whole, n_ctx, events)
+                self.tokens_generated += job.generated  # its first: 0 or 1
+                if job.done is not None:
+                    out.finished.append(job)
+        out.kv_ops = self.kv.take_ops()
+        return out
+
+    def call_failed(self, call: DecodeCall, rc: int) -> CallUpdate:
+        """The call's llama_decode returned rc != 0: the jobs it fails (see failed) are freed."""
+        why = "KV cache full" if rc == 1 else f"llama_decode failed (rc={rc})"
+        out = CallUpdate()
+        for job in self.failed(call, rc):
+            self._drop(job, out)
+            out.events.append(Failed(job.job_id, f"{why}; job not completed", retryable=rc == 1))
+        out.kv_ops = self.kv.take_ops()
+        return out
+
+    def end_step(self) -> list[ActiveJob]:
+        """Free the slots of the jobs that ended this step (admission order); their KV operations
+        go with the next plan."""
+        ended = [j for j in self.active.values() if j.done is not None]
+        for job in ended:
+            self.release(job)
+        return ended
+
+    def _reject(self, job: ActiveJob, why: str, out: CallUpdate) -> None:
+        self._drop(job, out)
+        out.events.append(Failed(job.job_id, why))
+
+    def _drop(self, job: ActiveJob, out: CallUpdate) -> None:
+        job.done = None
+        self.release(job, keep_kv=False)
+        out.released.append(job.seq_id)
 
     def failed(self, call: DecodeCall, rc: int) -> list[ActiveJob]:
         """The jobs to fail when `call` returned rc != 0. rc 1: no KV slot for the batch.

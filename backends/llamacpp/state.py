@@ -1,5 +1,5 @@
-"""The plain state the scheduler and the KV bookkeeper work on: a job waiting for a slot, and a
-job holding one (a llama.cpp sequence id). No llama.cpp here."""
+"""The plain state the scheduler and the KV bookkeeper work on: a job waiting for a slot, a job
+holding one (a llama.cpp sequence id), and what the executor sampled for a job. No llama.cpp here."""
 
 from __future__ import annotations
 
@@ -42,3 +42,15 @@ class ActiveJob:
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV this job's sequence holds, in position order."""
         return (self.tokens + self.output)[: self.n_past]
+
+
+@dataclass(slots=True)
+class Sampled:
+    """What a call's rows gave (executor -> scheduler), by sequence id. A job's rows: its next
+    token, then one per draft row verified, each with its bytes (None: an end of generation).
+    The executor samples the row after a draft token only while the token before equals it and
+    is no end of generation; which of them the job keeps is the scheduler's rule (updates.py)."""
+
+    rows: dict[int, list[tuple[int, bytes | None]]] = field(default_factory=dict)
+    grammar_complete: set[int] = field(default_factory=set)  # after the job's only row (no drafts)
+    rejected: dict[int, str] = field(default_factory=dict)  # the job's grammar had no way on: no rows

@@ -1,5 +1,7 @@
 """Reading and steering a batch: status (with the lines running now), list, cancel, and the
-results in OpenAI's batch output format, streamed line by line from the batch record."""
+results in OpenAI's batch output format, streamed line by line from the batch record. Each is a
+plan (dispatcher/plans.py): the functions without `_plan` run it on a sync client (the CLI), the
+gateway runs the plans on its async client."""
 
 from __future__ import annotations
 
@@ -10,105 +12,129 @@ from typing import Any, TextIO
 
 from redis import Redis
 
-from backends.contract.keys import (
-    BATCHES_INDEX,
-    OWNER_FIELD,
-    batch_key,
-    batch_lines_key,
-    cancel_key,
-    inflight_key,
-    job_key,
-)
-from backends.contract.lua import lua_script
+from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, inflight_key
 from backends.contract.replies import as_str
 from dispatcher.batch import record
 from dispatcher.gateway.core import JobUpdate
 from dispatcher.gateway.openai_bodies import Reply
+from dispatcher.plans import Plan, ask, cmd, gather, run
 
 SCAN_COUNT = 1000
 CANCEL_CHUNK = 500  # line keys per cancel script: Redis is never held longer than this many lines
 
-# KEYS, ARGV and replies: each script's header.
-_CANCEL_LINES = lua_script("dispatcher.batch", "cancel_lines.lua")  # one chunk of queued lines
-_MARK_CANCELLING = lua_script("dispatcher.batch", "mark_cancelling.lua")  # -> cancelling
 
-
-def running(redis: Redis, batch_id: str) -> int:
+def running_plan(batch_id: str) -> Plan[int]:
     """Lines of the batch that workers hold right now (in-flight lists are small: one per worker).
     A job id names its batch exactly (parse_job_id), so batch `a` never counts lines of `a-2`."""
-    n = 0
-    for key in redis.scan_iter(inflight_key("*"), count=500):
-        for job_id in redis.lrange(key, 0, -1):
-            parsed = record.parse_job_id(as_str(job_id) or "")
-            n += parsed is not None and parsed[0] == batch_id
-    return n
+    n, cursor = 0, 0
+    while True:
+        cursor, keys = yield from ask(cmd("scan", cursor, match=inflight_key("*"), count=500))
+        for key in keys:
+            for job_id in (yield from ask(cmd("lrange", key, 0, -1))):
+                parsed = record.parse_job_id(as_str(job_id) or "")
+                n += parsed is not None and parsed[0] == batch_id
+        if int(cursor) == 0:
+            return n
 
 
 def status(redis: Redis, batch_id: str, *, with_running: bool = True) -> dict[str, Any] | None:
-    state = record.read_state(redis, batch_id)
+    return run(redis, status_plan(batch_id, with_running=with_running))
+
+
+def status_plan(batch_id: str, *, with_running: bool = True) -> Plan[dict[str, Any] | None]:
+    state = yield from record.read_state_plan(batch_id)
     if state is not None and with_running:
-        state["running"] = running(redis, batch_id) if state["state"] in record.ACTIVE_STATES else 0
+        active = state["state"] in record.ACTIVE_STATES
+        state["running"] = (yield from running_plan(batch_id)) if active else 0
     return state
 
 
 def list_batches(redis: Redis, limit: int = 100, owner: str | None = None) -> list[dict[str, Any]]:
+    return run(redis, list_plan(limit, owner))
+
+
+def list_plan(limit: int = 100, owner: str | None = None) -> Plan[list[dict[str, Any]]]:
     """Newest first (only `owner`'s when given); ids whose record expired leave the index."""
+    ids = [as_str(raw) or "" for raw in (yield from ask(cmd("zrevrange", BATCHES_INDEX, 0, -1)))]
+    readable = [i for i in ids if record.BATCH_ID_PATTERN.fullmatch(i)]  # no other key is read
+    raws = dict(zip(readable, (yield from gather([cmd("hgetall", batch_key(i)) for i in readable])),
+                    strict=True))
     out: list[dict[str, Any]] = []
-    for raw in redis.zrevrange(BATCHES_INDEX, 0, -1):
-        batch_id = as_str(raw) or ""
-        state = record.read_state(redis, batch_id)
+    gone = []
+    for batch_id in ids:
+        state = record.decode_state(batch_id, raws.get(batch_id) or {})
         if state is None:
-            redis.zrem(BATCHES_INDEX, batch_id)
+            gone.append(record.forget_call(batch_id))
         elif len(out) < limit and (owner is None or state.get("owner") == owner):
             out.append(state)
+    yield from gather(gone)
     return out
 
 
 def cancel(redis: Redis, batch_id: str, job_timeout: int = 600, chunk: int = CANCEL_CHUNK) -> str:
+    return run(redis, cancel_plan(batch_id, job_timeout, chunk))
+
+
+def cancel_plan(batch_id: str, job_timeout: int = 600, chunk: int = CANCEL_CHUNK) -> Plan[str]:
     """Queued lines count as cancelled at once (their queue entries stay behind as tombstones the
     claim script drops); running ones get the cancel signal of any fleet job (they stop at their
     next step and are recorded as cancelled). Only this batch's own lines are touched, read from
-    its lines hash in chunks of `chunk`, so no queue is scanned. Returns the batch state after."""
+    its lines hash in chunks of `chunk`, so no queue is scanned. Returns the batch state after;
+    KeyError for an unknown batch."""
     if not record.BATCH_ID_PATTERN.fullmatch(batch_id):
         raise KeyError(batch_id)
-    meta, lines = batch_key(batch_id), batch_lines_key(batch_id)
-    before = as_str(redis.register_script(_MARK_CANCELLING)(keys=[meta], args=[int(time.time())]))
+    before = yield from record.mark_cancelling_plan(batch_id, time.time())
     if before is None:
         raise KeyError(batch_id)
     if before in record.FINAL_STATES:
         return before
-    script = redis.register_script(_CANCEL_LINES)
-    fixed: list[Any] = [int(time.time()), job_timeout + 60, record.line_job_id(batch_id, ""), job_key(""),
-                        inflight_key(""), cancel_key(""), OWNER_FIELD]
     cursor = 0
     while True:
-        cursor, fields = redis.hscan(lines, cursor, count=chunk)
-        assert isinstance(fields, dict)
+        cursor, fields = yield from ask(cmd("hscan", batch_lines_key(batch_id), cursor, count=chunk))
         queued = [as_str(k) or "" for k, v in fields.items() if (as_str(v) or "")[:1] == "q"]
         for start in range(0, len(queued), chunk):  # HSCAN's count is a hint
-            script(keys=[meta, lines], args=[*fixed, *queued[start:start + chunk]])
-        if cursor == 0:
+            yield from ask(record.cancel_lines_call(batch_id, queued[start:start + chunk], time.time(),
+                                                    job_timeout))
+        if int(cursor) == 0:
             break
-    record.settle(redis, batch_id, time.time())
-    return as_str(redis.hget(meta, "state")) or "?"
+    yield from ask(record.settle_call(batch_id, time.time()))
+    return as_str((yield from ask(cmd("hget", batch_key(batch_id), "state")))) or "?"
 
 
-def _lines(redis: Redis, batch_id: str) -> Iterator[tuple[str, record.LineState]]:
-    """Every line once (HSCAN may repeat a field while the hash grows or rehashes)."""
-    seen: set[str] = set()
-    for raw_key, value in redis.hscan_iter(batch_lines_key(batch_id), count=SCAN_COUNT):
-        key = as_str(raw_key) or ""
-        if key not in seen:
-            seen.add(key)
-            yield key, record.decode_line(value)
+class ResultPages:
+    """A batch's ended lines as OpenAI batch output objects, read from its lines hash a page
+    (HSCAN) at a time: `page_plan()` until `done`. Every line comes once (HSCAN may repeat a field
+    while the hash grows or rehashes); queued lines are left out."""
+
+    def __init__(self, batch_id: str, model: str = "") -> None:
+        self.batch_id = batch_id
+        self.model = model
+        self.cursor = 0
+        self.done = False
+        self._seen: set[str] = set()
+
+    def page_plan(self) -> Plan[list[tuple[bool, dict[str, Any]]]]:
+        """The next page: (is_error, output object) per line."""
+        key = batch_lines_key(self.batch_id)
+        cursor, fields = yield from ask(cmd("hscan", key, self.cursor, count=SCAN_COUNT))
+        self.cursor, self.done = int(cursor), int(cursor) == 0
+        out = []
+        for raw_key, value in fields.items():
+            line_key = as_str(raw_key) or ""
+            if line_key in self._seen:
+                continue
+            self._seen.add(line_key)
+            line = record.decode_line(value)
+            if line.state != "q":
+                out.append((line.state != "d", output_object(self.batch_id, line_key, line, self.model)))
+        return out
 
 
 def result_lines(redis: Redis, batch_id: str, model: str) -> Iterator[tuple[bool, dict[str, Any]]]:
-    """(is_error, OpenAI batch output object) per ended line, in the record's order; queued
-    lines are left out."""
-    for key, line in _lines(redis, batch_id):
-        if line.state != "q":
-            yield line.state != "d", output_object(batch_id, key, line, model)
+    """(is_error, OpenAI batch output object) per ended line, in the record's order."""
+    pages = ResultPages(batch_id, model)
+    while not pages.done:
+        yield from run(redis, pages.page_plan())
 
 
 def output_object(batch_id: str, key: str, line: record.LineState, model: str) -> dict[str, Any]:

@@ -5,7 +5,8 @@
 
 A creator is the hash of the caller's API key (`anonymous` without keys): a file is visible only
 to its creator. The limits (files and bytes per creator) are checked in the script that stores the
-file, so two uploads at once cannot both pass them.
+file, so two uploads at once cannot both pass them. Each operation is a plan (dispatcher/plans.py)
+the gateway runs on its async client; the plain functions run it on a sync one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from redis import Redis
 from backends.contract.keys import creator_files_key, file_key
 from backends.contract.lua import lua_script
 from backends.contract.replies import as_str
+from dispatcher.plans import Eval, Plan, ask, cmd, run
 
 FILE_ID_PATTERN = re.compile(r"file-[0-9a-f]{24}")  # what new_file_id makes
 ANONYMOUS = "anonymous"
@@ -60,6 +62,11 @@ class FileLimitReached(Exception):
 
 def store(redis: Redis, file_id: str, creator: str, filename: str, content: bytes,
           limits: FileLimits) -> dict[str, Any]:
+    return run(redis, store_plan(file_id, creator, filename, content, limits))
+
+
+def store_plan(file_id: str, creator: str, filename: str, content: bytes,
+               limits: FileLimits) -> Plan[dict[str, Any]]:
     """Keep the file for `limits.ttl` seconds; returns its metadata. Raises FileLimitReached (429
     for the number of files, 413 for the bytes) without writing anything."""
     meta: dict[str, Any] = {"filename": filename, "purpose": "batch", "bytes": len(content),
@@ -67,8 +74,8 @@ def store(redis: Redis, file_id: str, creator: str, filename: str, content: byte
     args: list[Any] = [limits.ttl, limits.max_files, limits.max_bytes, len(content), file_key(""), file_id]
     for name, value in [*meta.items(), ("content", content)]:
         args += [name, value]
-    reply = [as_str(x) or "" for x in redis.register_script(_STORE)(
-        keys=[file_key(file_id), creator_files_key(creator)], args=args)]
+    raw = yield from ask(Eval(_STORE, [file_key(file_id), creator_files_key(creator)], args))
+    reply = [as_str(x) or "" for x in raw]
     if reply[0] == "files":
         raise FileLimitReached(429, f"you keep {reply[1]} files, the most allowed (gateway.max_files "
                                f"{limits.max_files}); delete some (DELETE /v1/files/<id>) or wait until "
@@ -81,25 +88,37 @@ def store(redis: Redis, file_id: str, creator: str, filename: str, content: byte
 
 
 def read_meta(redis: Redis, file_id: str, creator: str) -> dict[str, Any] | None:
+    return run(redis, read_meta_plan(file_id, creator))
+
+
+def read_meta_plan(file_id: str, creator: str) -> Plan[dict[str, Any] | None]:
     """The file's metadata if `creator` made it (anyone else: None, as for an unknown id)."""
     if not FILE_ID_PATTERN.fullmatch(file_id):
         return None
-    raw = redis.hmget(file_key(file_id), list(META_FIELDS))
+    raw = yield from ask(cmd("hmget", file_key(file_id), list(META_FIELDS)))
     meta = dict(zip(META_FIELDS, (as_str(v) for v in raw), strict=True))
     return meta if meta["filename"] is not None and meta["owner"] == creator else None
 
 
 def read_content(redis: Redis, file_id: str, creator: str) -> bytes | None:
+    return run(redis, read_content_plan(file_id, creator))
+
+
+def read_content_plan(file_id: str, creator: str) -> Plan[bytes | None]:
     if not FILE_ID_PATTERN.fullmatch(file_id):
         return None
-    owner, content = redis.hmget(file_key(file_id), ["owner", "content"])
+    owner, content = yield from ask(cmd("hmget", file_key(file_id), ["owner", "content"]))
     if as_str(owner) != creator or content is None:
         return None
     return content if isinstance(content, bytes) else str(content).encode()
 
 
 def delete(redis: Redis, file_id: str, creator: str) -> bool:
+    return run(redis, delete_plan(file_id, creator))
+
+
+def delete_plan(file_id: str, creator: str) -> Plan[bool]:
     if not FILE_ID_PATTERN.fullmatch(file_id):
         return False
-    script = redis.register_script(_DELETE)
-    return bool(script(keys=[file_key(file_id), creator_files_key(creator)], args=[file_id, creator]))
+    reply = yield from ask(Eval(_DELETE, [file_key(file_id), creator_files_key(creator)], [file_id, creator]))
+    return bool(reply)

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from dispatcher.batch.record import Kind, line_key
-from dispatcher.client import validate_request
 from dispatcher.gateway.core import ApiError, field_named
 from dispatcher.gateway.openai_bodies import job_fields
+from dispatcher.rules import validate_request
 
 URLS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
 LINE_FIELDS = ("custom_id", "method", "url", "body")

@@ -13,6 +13,9 @@ turns `q` into d/f/x and counts it), and the batch ends when every enqueued line
 Results outlive the jobs (whose RQ results expire after result_ttl): the ending is copied here, in
 the worker's own final MULTI, as {"t": text, "f": finish, "p": prompt tokens, "c": completion
 tokens, "at": unix time[, "lp": logprobs]} or {"e": reason, "at": ...}.
+
+Every write to a batch's record goes through this module, as plans (dispatcher/plans.py) that the
+CLI runs on its sync client and the gateway on its async one.
 """
 
 from __future__ import annotations
@@ -20,15 +23,27 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from redis import Redis
 from redis.client import Pipeline
 
-from backends.contract.keys import BATCH_JOB_PREFIX, batch_key, batch_lines_key
+from backends.contract.keys import (
+    BATCH_JOB_PREFIX,
+    BATCHES_INDEX,
+    OWNER_FIELD,
+    batch_key,
+    batch_lines_key,
+    cancel_key,
+    inflight_key,
+    job_key,
+    open_batches_key,
+)
 from backends.contract.lua import lua_script, queue_script
 from backends.contract.replies import as_str
+from dispatcher.plans import Call, Eval, Plan, Round, ask, cmd, run
 
 BATCH_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # RQ job ids allow only [A-Za-z0-9_-]
 KEY_CHARS = 16
@@ -46,6 +61,9 @@ SETTLE = lua_script("dispatcher.batch", "settle_function.lua", "settle.lua")
 START = lua_script("dispatcher.batch", "settle_function.lua", "start.lua")
 # One line ended: queued -> d/f/x, counted, then settle.
 RECORD_END = lua_script("dispatcher.batch", "settle_function.lua", "record_end.lua")
+CREATE = lua_script("dispatcher.batch", "create.lua")  # the batch record, unless it exists
+MARK_CANCELLING = lua_script("dispatcher.batch", "mark_cancelling.lua")  # -> cancelling
+CANCEL_LINES = lua_script("dispatcher.batch", "cancel_lines.lua")  # one chunk of queued lines
 
 
 
@@ -116,9 +134,66 @@ def record_end(pipe: Pipeline | Redis, job_id: str, result: dict[str, Any] | Non
     return True
 
 
-def settle(redis: Redis | Pipeline, batch_id: str, now: float) -> Any:
-    script = redis.register_script(SETTLE)
-    return script(keys=[batch_key(batch_id), batch_lines_key(batch_id)], args=[int(now)], client=redis)
+def settle(redis: Redis, batch_id: str, now: float) -> Any:
+    return run(redis, ask(settle_call(batch_id, now)))
+
+
+def settle_call(batch_id: str, now: float) -> Eval:
+    """End the batch if every enqueued line has ended."""
+    return Eval(SETTLE, [batch_key(batch_id), batch_lines_key(batch_id)], [int(now)])
+
+
+def create_plan(batch_id: str, pool: str, fingerprint: str, expire_at: int, now: float, cap: int,
+                lines: int, fields: dict[str, Any]) -> Plan[list[str]]:
+    """Create the record unless it exists (create.lua's reply, as text)."""
+    args: list[Any] = [batch_id, fingerprint, expire_at, int(now), cap, lines, batch_key("")]
+    for name, value in fields.items():
+        args += [name, value]
+    reply = yield from ask(Eval(CREATE, [batch_key(batch_id), BATCHES_INDEX, open_batches_key(pool)], args))
+    return [as_str(x) or "" for x in reply]
+
+
+def queued_calls(batch_id: str, lines: Iterable[tuple[str, Kind, str]], expire_at: int) -> list[Call]:
+    """Lines (key, kind, custom_id) recorded as queued and counted: run them in the MULTI that
+    enqueues their jobs."""
+    lines_key = batch_lines_key(batch_id)
+    calls: list[Call] = [cmd("hset", lines_key, key, queued_value(kind, custom_id))
+                         for key, kind, custom_id in lines]
+    return [*calls, cmd("hincrby", batch_key(batch_id), "enqueued", len(calls)),
+            cmd("expireat", lines_key, expire_at)]
+
+
+def start_plan(batch_id: str, now: float) -> Plan[str]:
+    """Every line is enqueued: the batch is in progress (or already over, if they all ran)."""
+    state = yield from ask(Eval(START, [batch_key(batch_id), batch_lines_key(batch_id)], [int(now)]))
+    return as_str(state) or "?"
+
+
+def mark_cancelling_plan(batch_id: str, now: float) -> Plan[str | None]:
+    """validating / in_progress -> cancelling; the state before (None: no such batch)."""
+    before = yield from ask(Eval(MARK_CANCELLING, [batch_key(batch_id)], [int(now)]))
+    return as_str(before)
+
+
+def cancel_lines_call(batch_id: str, keys: list[str], now: float, job_timeout: int) -> Eval:
+    """Cancel these queued lines (one bounded chunk): cancel_lines.lua."""
+    fixed: list[Any] = [int(now), job_timeout + 60, line_job_id(batch_id, ""), job_key(""), inflight_key(""),
+                        cancel_key(""), OWNER_FIELD]
+    return Eval(CANCEL_LINES, [batch_key(batch_id), batch_lines_key(batch_id)], [*fixed, *keys])
+
+
+def record_failed_plan(batch_id: str, fields: dict[str, Any], retention: int, now: int) -> Plan[None]:
+    """A batch refused before any line was enqueued: its record, state failed, kept `retention`."""
+    key = batch_key(batch_id)
+    yield Round([cmd("hset", key, mapping={"state": "failed", "failed_at": now, "created_at": now, **fields}),
+                 cmd("expire", key, retention),
+                 cmd("zadd", BATCHES_INDEX, {batch_id: now}),
+                 cmd("expire", BATCHES_INDEX, retention, gt=True)], transaction=True)
+
+
+def forget_call(batch_id: str) -> Call:
+    """Drop an expired batch from the index."""
+    return cmd("zrem", BATCHES_INDEX, batch_id)
 
 
 INT_FIELDS = ("total", "enqueued", "completed", "failed", "cancelled", "invalid", "prompt_tokens",
@@ -127,11 +202,19 @@ INT_FIELDS = ("total", "enqueued", "completed", "failed", "cancelled", "invalid"
 
 
 def read_state(redis: Redis, batch_id: str) -> dict[str, Any] | None:
+    return run(redis, read_state_plan(batch_id))
+
+
+def read_state_plan(batch_id: str) -> Plan[dict[str, Any] | None]:
     """The batch's state hash, decoded (numbers as ints, `metadata`/`errors` as JSON); None if unknown
     or not a batch id (so no other key, like a batch's lines hash, is ever read as a batch)."""
     if not BATCH_ID_PATTERN.fullmatch(batch_id):
         return None
-    raw = redis.hgetall(batch_key(batch_id))
+    raw = yield from ask(cmd("hgetall", batch_key(batch_id)))
+    return decode_state(batch_id, raw)
+
+
+def decode_state(batch_id: str, raw: dict[Any, Any]) -> dict[str, Any] | None:
     if not raw:
         return None
     out: dict[str, Any] = {as_str(k) or "": as_str(v) for k, v in raw.items()}

@@ -5,6 +5,9 @@ in the batch's lines hash (dispatcher/batch/record.py). Running the same submiss
 crash or Ctrl-C asks the hash which keys it already has and enqueues only the others, so no
 line runs twice, whether its job is still in Redis or already finished and expired. One
 submitter at a time holds the batch's lock.
+
+The submission is one plan (dispatcher/plans.py): `submit_batch` runs it on a sync client (the
+CLI), the gateway on its async one (`submit_plan`).
 """
 
 from __future__ import annotations
@@ -18,17 +21,15 @@ from itertools import islice
 from typing import Any
 
 from redis import Redis
-from redis.exceptions import WatchError
-from rq import Queue
 
-from backends.contract.connect import MIN_REDIS_VERSION, server_version
-from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, batch_lock_key, open_batches_key
+from backends.contract.connect import server_version
+from backends.contract.keys import batch_key, batch_lines_key, batch_lock_key, queue_name
 from backends.contract.lua import RELEASE_LOCK, lua_script
 from backends.contract.replies import as_str
 from dispatcher.batch import record
 from dispatcher.batch.lines import BatchLine, Scan, scan, valid_lines
-from dispatcher.client import Fleet, rq_queues
-from dispatcher.durability import push_wake
+from dispatcher.plans import Call, Eval, Guarded, Plan, ask, cmd, run
+from dispatcher.rules import PreparedJob, prepare, wake_plan
 
 CHUNK = 500  # lines per MULTI
 LOCK_MS = 20_000
@@ -37,8 +38,7 @@ BATCH_JOB_RESULT_TTL = 600  # a line's own RQ result: the batch record keeps the
 MAX_WINDOW = 30 * 86400  # bounds keep every TTL (window + retention) well inside Redis' range
 MAX_RETENTION = 365 * 86400
 
-# KEYS, ARGV and replies: each script's header.
-_CREATE = lua_script("dispatcher.batch", "create.lua")  # the batch record, unless it exists
+# KEYS, ARGV and replies: the script's header.
 _REFRESH = lua_script("dispatcher.batch", "refresh_lock.lua")  # only while we own the lock
 
 
@@ -93,13 +93,24 @@ def new_batch_id() -> str:
     return "batch_" + secrets.token_hex(12)
 
 
+ProgressFn = Callable[[int, int], None]
+
+
 def submit_batch(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterable[str]], *,
-                 skip_invalid: bool = False, chunk: int = CHUNK,
-                 progress: Callable[[int, int], None] | None = None,
+                 skip_invalid: bool = False, chunk: int = CHUNK, progress: ProgressFn | None = None,
                  checked: Scan | None = None) -> SubmitReport:
     """Check all lines of `open_lines()` (called twice: check, then enqueue), then enqueue the
     missing ones. Raises BatchRefused when a line is bad (unless skip_invalid) or the id is taken
     by another input. `progress(done, total)` after each chunk."""
+    found = check(spec, open_lines, skip_invalid=skip_invalid, checked=checked)
+    kw = redis.connection_pool.connection_kwargs
+    server_version(redis, f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}")  # RedisTooOld
+    return run(redis, submit_plan(spec, open_lines, found, chunk=chunk, progress=progress))
+
+
+def check(spec: BatchSpec, open_lines: Callable[[], Iterable[str]], *, skip_invalid: bool = False,
+          checked: Scan | None = None) -> Scan:
+    """The scan of the lines, or BatchRefused (a bad id, window or retention, bad lines)."""
     if not record.BATCH_ID_PATTERN.fullmatch(spec.batch_id):
         raise BatchRefused(f"batch id {spec.batch_id!r} must be 1-64 characters from A-Z a-z 0-9 _ -")
     if not (0 < spec.window <= MAX_WINDOW and 0 < spec.retention <= MAX_RETENTION):
@@ -110,28 +121,41 @@ def submit_batch(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterabl
         raise BatchRefused(f"{found.invalid} bad line(s); nothing was enqueued", found)
     if not found.valid:
         raise BatchRefused("no valid line to run", found)
+    return found
+
+
+def submit_plan(spec: BatchSpec, open_lines: Callable[[], Iterable[str]], found: Scan, *,
+                chunk: int = CHUNK, progress: ProgressFn | None = None) -> Plan[SubmitReport]:
+    """Create the record, then (holding the batch's lock) enqueue the lines `found` checked."""
     now = time.time()
     deadline = int(now) + spec.window + spec.retention
-    created = _create(redis, spec, found, now, deadline)
+    created = yield from _create_plan(spec, found, now, deadline)
     token = secrets.token_hex(8)
-    if not redis.set(batch_lock_key(spec.batch_id), token, nx=True, px=LOCK_MS):
+    lock = batch_lock_key(spec.batch_id)
+    if not (yield from ask(cmd("set", lock, token, nx=True, px=LOCK_MS))):
         raise BatchRefused(f"batch {spec.batch_id} is being submitted by another process; try again "
                            f"in {LOCK_MS // 1000}s if that one died")
-    refresh = redis.register_script(_REFRESH)
-    lock = batch_lock_key(spec.batch_id)
-    enqueued = 0
+    release = Eval(RELEASE_LOCK, [lock], [token])
     try:
-        state = as_str(redis.hget(batch_key(spec.batch_id), "state")) or "?"
+        enqueued = 0
+        state = as_str((yield from ask(cmd("hget", batch_key(spec.batch_id), "state")))) or "?"
         if state == "validating":
-            enqueued = _enqueue(redis, spec, open_lines, chunk, deadline, found.valid, progress,
-                                lambda: bool(refresh(keys=[lock], args=[token, LOCK_MS])))
-            state = _start(redis, spec.batch_id)
-    finally:
-        redis.register_script(RELEASE_LOCK)(keys=[lock], args=[token])
+            enqueued = yield from _enqueue(spec, open_lines, chunk, deadline, found.valid, progress, token)
+            state = yield from record.start_plan(spec.batch_id, time.time())
+    except GeneratorExit:
+        raise  # the driver went away: nothing can be sent now (the lock expires by itself)
+    except BaseException:
+        yield from ask(release)
+        raise
+    yield from ask(release)
     return SubmitReport(spec.batch_id, found, created, enqueued, state)
 
 
 def _create(redis: Redis, spec: BatchSpec, found: Scan, now: float, deadline: int) -> bool:
+    return run(redis, _create_plan(spec, found, now, deadline))
+
+
+def _create_plan(spec: BatchSpec, found: Scan, now: float, deadline: int) -> Plan[bool]:
     fields: dict[str, Any] = {
         "state": "validating", "pool": spec.pool, "priority": spec.priority, "window": spec.window,
         "retention": spec.retention, "endpoint": spec.endpoint, "input": spec.input_name,
@@ -141,11 +165,8 @@ def _create(redis: Redis, spec: BatchSpec, found: Scan, now: float, deadline: in
         "metadata": json.dumps(spec.metadata or {}), **spec.extra,
     }
     cap = -1 if spec.max_open_lines is None else spec.max_open_lines
-    args: list[Any] = [spec.batch_id, found.fingerprint, deadline, int(now), cap, found.valid, batch_key("")]
-    for name, value in fields.items():
-        args += [name, value]
-    reply = [as_str(x) or "" for x in redis.register_script(_CREATE)(
-        keys=[batch_key(spec.batch_id), BATCHES_INDEX, open_batches_key(spec.pool)], args=args)]
+    reply = yield from record.create_plan(spec.batch_id, spec.pool, found.fingerprint, deadline, now, cap,
+                                          found.valid, fields)
     if reply[0] == "created":
         return True
     if reply[0] == "full":
@@ -155,32 +176,31 @@ def _create(redis: Redis, spec: BatchSpec, found: Scan, now: float, deadline: in
     return False
 
 
-def _enqueue(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterable[str]], chunk: int,
-             deadline: int, total: int, progress: Callable[[int, int], None] | None,
-             still_ours: Callable[[], bool]) -> int:
+def _enqueue(spec: BatchSpec, open_lines: Callable[[], Iterable[str]], chunk: int, deadline: int,
+             total: int, progress: ProgressFn | None, token: str) -> Plan[int]:
+    """Each chunk's missing lines: their jobs and their `q` marks in one MULTI that runs only
+    while the batch is still validating (a cancel meanwhile stops the enqueueing)."""
     meta, lines_key = batch_key(spec.batch_id), batch_lines_key(spec.batch_id)
-    created_at = int(as_str(redis.hget(meta, "created_at")) or time.time())
-    fleet = Fleet(redis=redis, pool=spec.pool, result_ttl=BATCH_JOB_RESULT_TTL, job_timeout=spec.job_timeout)
-    queue = _recording_queue(redis, spec)
+    lock = batch_lock_key(spec.batch_id)
+    created_at = int(as_str((yield from ask(cmd("hget", meta, "created_at")))) or time.time())
+    queue = queue_name(spec.pool, spec.priority)
     enqueued = seen = 0
     lines = valid_lines(open_lines())
     while batch := list(islice(lines, chunk)):
-        if not still_ours():
+        if not (yield from ask(Eval(_REFRESH, [lock], [token, LOCK_MS]))):
             raise BatchRefused(f"lost the submit lock of batch {spec.batch_id} (another submitter?)")
-        present = redis.hmget(lines_key, [line.key for line in batch])
+        present = yield from ask(cmd("hmget", lines_key, [line.key for line in batch]))
         missing = [line for line, value in zip(batch, present, strict=True) if value is None]
         # lines may wait in the queue until the completion window ends, not longer
         queue_ttl = max(1, created_at + spec.window - int(time.time()))
-        recorded = queue.connection.pipeline(transaction=True)
+        calls: list[Call] = []
         for line in missing:
-            _prepared(fleet, spec, line, queue_ttl).enqueue(queue, recorded)
-            recorded.hset(lines_key, line.key, record.queued_value(line.kind, line.custom_id))
-        recorded.hincrby(meta, "enqueued", len(missing))
-        recorded.expireat(lines_key, deadline)
-        if not _apply_while_validating(redis, meta, recorded.command_stack):
+            calls += _prepared(spec, line, queue_ttl).enqueue_calls(queue)
+        calls += record.queued_calls(spec.batch_id, [(x.key, x.kind, x.custom_id) for x in missing], deadline)
+        if (yield Guarded(meta, "state", "validating", calls)) is None:
             break  # cancelled meanwhile: enqueue nothing more
         if missing:
-            push_wake(redis, spec.pool)
+            yield from wake_plan(spec.pool)
         enqueued += len(missing)
         seen += len(batch)
         if progress is not None:
@@ -188,46 +208,8 @@ def _enqueue(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterable[st
     return enqueued
 
 
-def _recording_queue(redis: Redis, spec: BatchSpec) -> Queue:
-    """The batch's RQ queue on a client that never connects (a path that cannot exist, so any
-    unexpected I/O fails loudly): RQ's enqueue writes are recorded, then replayed in a MULTI that
-    runs only while the batch is still validating."""
-    recorder = Redis(unix_socket_path="/nonexistent/llama-fleet-rq-recorder")
-    queue = rq_queues(spec.pool, recorder)[spec.priority]
-    # HELLO, not INFO (@dangerous, refused to the documented ACL user); RQ only picks LPOS by it
-    kw = redis.connection_pool.connection_kwargs
-    where = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}"  # for the message only
-    queue.redis_server_version = server_version(redis, where) or MIN_REDIS_VERSION
-    return queue
-
-
-def _apply_while_validating(redis: Redis, meta: str, commands: list[Any]) -> bool:
-    """Run the recorded commands in one MULTI, only while the batch is `validating`: WATCH makes a
-    cancel between the check and EXEC abort the MULTI (then the state is read again). Other writes
-    to the state hash (a worker counting an ended line) abort it too: it is then retried."""
-    while True:
-        with redis.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(meta)
-                if as_str(pipe.hget(meta, "state")) != "validating":
-                    return False
-                pipe.multi()
-                for args, options in commands:
-                    pipe.execute_command(*args, **options)
-                pipe.execute()
-                return True
-            except WatchError:
-                continue
-
-
-def _prepared(fleet: Fleet, spec: BatchSpec, line: BatchLine, queue_ttl: int) -> Any:
-    job = fleet._prepare(None, spec.priority, queue_ttl, None, dict(line.request))
+def _prepared(spec: BatchSpec, line: BatchLine, queue_ttl: int) -> PreparedJob:
+    job = prepare(None, spec.priority, dict(line.request), job_timeout=spec.job_timeout,
+                  result_ttl=BATCH_JOB_RESULT_TTL, queue_ttl=queue_ttl)
     job.job_id = record.line_job_id(spec.batch_id, line.key)
     return job
-
-
-def _start(redis: Redis, batch_id: str) -> str:
-    """All lines enqueued: the batch is in progress (or already over, if they all ran meanwhile)."""
-    script = redis.register_script(record.START)
-    state = script(keys=[batch_key(batch_id), batch_lines_key(batch_id)], args=[int(time.time())])
-    return as_str(state) or "?"

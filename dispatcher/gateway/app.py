@@ -2,6 +2,9 @@
 
     app = create_app(load_serve_settings())      # or: uvicorn --factory dispatcher.gateway.app:app_from_env
 
+Every route reaches Redis through that AsyncFleet's one async client and its bounded connection
+pool: jobs and their streams, batches and files (batch_api.py), /metrics and /dashboard.
+
 GET /health is open (Redis reachable and at least one live worker); every other route needs a
 bearer key when `gateway.api_keys` is set. Keys are compared in constant time and never logged.
 
@@ -21,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
+from redis.asyncio import Redis as AsyncRedis
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
@@ -235,22 +239,22 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/api/ps", guarded(ollama_api.ps)),
         Route("/api/version", ollama_api.version),  # Ollama clients probe it before anything else
         *batch_api.routes(guarded),
-        *observability_routes(settings),
+        *observability_routes(settings, lambda: app.state.gateway.fleet.redis),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error},
-                     middleware=[Middleware(RequestGuard, settings=settings.gateway)])
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error},
+                    middleware=[Middleware(RequestGuard, settings=settings.gateway)])
+    return app
 
 
-def observability_routes(settings: ServeSettings) -> list[Route | Mount]:
-    """GET /metrics (Prometheus) and /dashboard, read with a sync client in Starlette's thread
-    pool. With API keys set, /metrics needs a key; the dashboard page loads without one (so a
-    browser can type a key in) and its JSON API needs one. Prompts are shown to key holders, or
-    with keys off only when `gateway.dashboard_prompts` is set."""
-    from backends.contract.connect import redis_from_url
+def observability_routes(settings: ServeSettings, redis: Callable[[], AsyncRedis]) -> list[Route | Mount]:
+    """GET /metrics (Prometheus) and /dashboard, read with `redis()`: the gateway's one async
+    client, which exists once the app has started. With API keys set, /metrics needs a key; the
+    dashboard page loads without one (so a browser can type a key in) and its JSON API needs one.
+    Prompts are shown to key holders, or with keys off only when `gateway.dashboard_prompts` is
+    set."""
     from dispatcher.observe.dashboard import bearer_check, dashboard_app
     from dispatcher.observe.metrics import metrics_route
 
-    redis = redis_from_url(settings.redis_url)
     metrics = metrics_route(redis, settings.pool)
     keys = [k.get_secret_value() for k in settings.gateway.api_keys]
     dashboard = dashboard_app(redis, settings.pool, show_prompts=settings.gateway.dashboard_prompts,

@@ -11,7 +11,8 @@ the ids file-out-<batch> / file-err-<batch>.
 Every file and batch records its creator (a hash of the caller's API key, `anonymous` without
 keys); a caller sees, reads and cancels only what it created: anything else is 404, as an unknown
 id. An id is checked against the pattern this gateway makes before any Redis key is built from it.
-Batch work runs on a synchronous Redis client in a thread, so the event loop never waits on it.
+Batch work runs on the gateway's one async Redis client, as the plans of dispatcher/batch (those
+that build or decode many lines do that work in a thread, so the event loop goes on serving).
 """
 
 from __future__ import annotations
@@ -20,22 +21,19 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
-from redis import Redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from backends.contract.connect import redis_from_url
-from backends.contract.keys import BATCHES_INDEX, batch_key
-from backends.contract.replies import as_str
 from dispatcher.batch import control, files, record
 from dispatcher.batch.lines import URLS, safe_text, scan, split_lines
 from dispatcher.batch.multipart import UploadRefused, read_upload
-from dispatcher.batch.submit import BatchQueueFull, BatchRefused, BatchSpec, new_batch_id, submit_batch
+from dispatcher.batch.submit import BatchQueueFull, BatchRefused, BatchSpec, check, new_batch_id, submit_plan
 from dispatcher.gateway.core import ApiError, Gateway, read_json_object
+from dispatcher.plans import Plan, run_async
 
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")  # what new_batch_id and default_batch_id make
 RESULT_FILE_ID = re.compile(r"file-(out|err)-(batch_[0-9a-f]{24})")
@@ -43,15 +41,13 @@ WINDOW = re.compile(r"([0-9]{1,3})h")  # ASCII digits only: int() takes other sc
 MAX_WINDOW_HOURS = 168
 MAX_METADATA = 16
 OUT, ERR = "file-out-", "file-err-"
+T = TypeVar("T")
 
 
-def _redis(request: Request) -> Redis:
-    state = request.app.state
-    if getattr(state, "batch_redis", None) is None:
-        gw: Gateway = state.gateway
-        state.batch_redis = redis_from_url(gw.settings.redis_url, socket_connect_timeout=5, socket_timeout=30)
-    client: Redis = state.batch_redis
-    return client
+async def _run(request: Request, plan: Plan[T], *, offload: bool = False) -> T:
+    """The plan, on the gateway's Redis client (the one its AsyncFleet uses)."""
+    gw: Gateway = request.app.state.gateway
+    return await run_async(gw.fleet.redis, plan, offload=offload)
 
 
 def _creator(request: Request) -> str:
@@ -96,8 +92,8 @@ async def create_file(request: Request) -> Response:
     file_id = files.new_file_id()
     keep = files.FileLimits(limits.file_ttl, limits.max_files, limits.max_file_storage)
     try:
-        meta = await asyncio.to_thread(files.store, _redis(request), file_id, _creator(request),
-                                       upload.filename or "upload.jsonl", upload.content, keep)
+        name = upload.filename or "upload.jsonl"
+        meta = await _run(request, files.store_plan(file_id, _creator(request), name, upload.content, keep))
     except files.FileLimitReached as e:
         raise ApiError(e.status, e.message, param="file", code="file_limit_reached") from None
     return JSONResponse(_file_object(file_id, meta, limits.file_ttl))
@@ -111,24 +107,24 @@ def _file_object(file_id: str, meta: dict[str, Any], ttl: int) -> dict[str, Any]
             "status_details": None}
 
 
-def _owned_batch(redis: Redis, batch_id: str, creator: str) -> dict[str, Any] | None:
+def _owned_batch(batch_id: str, creator: str) -> Plan[dict[str, Any] | None]:
     """The batch's state if `creator` made it through this API; None for anyone else."""
     if not BATCH_ID.fullmatch(batch_id):
         return None
-    state = control.status(redis, batch_id, with_running=False)
+    state = yield from control.status_plan(batch_id, with_running=False)
     return state if state is not None and state.get("owner") == creator else None
 
 
-def _read_file_meta(redis: Redis, file_id: str, creator: str) -> dict[str, Any]:
+def _read_file_meta(file_id: str, creator: str) -> Plan[dict[str, Any]]:
     result = RESULT_FILE_ID.fullmatch(file_id)
     if result:
-        state = _owned_batch(redis, result.group(2), creator)
+        state = yield from _owned_batch(result.group(2), creator)
         if state is None:
             raise _no_file(file_id)
         name = "output" if result.group(1) == "out" else "error"
         return {"filename": f"{result.group(2)}_{name}.jsonl", "purpose": "batch_output", "bytes": 0,
                 "created_at": state.get("completed_at") or 0}
-    meta = files.read_meta(redis, file_id, creator)
+    meta = yield from files.read_meta_plan(file_id, creator)
     if meta is None:
         raise _no_file(file_id)
     return meta
@@ -137,18 +133,18 @@ def _read_file_meta(redis: Redis, file_id: str, creator: str) -> dict[str, Any]:
 async def get_file(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     file_id = request.path_params["file_id"]
-    meta = await asyncio.to_thread(_read_file_meta, _redis(request), file_id, _creator(request))
+    meta = await _run(request, _read_file_meta(file_id, _creator(request)))
     return JSONResponse(_file_object(file_id, meta, gw.settings.gateway.file_ttl))
 
 
 async def file_content(request: Request) -> Response:
-    file_id, creator, redis = request.path_params["file_id"], _creator(request), _redis(request)
+    file_id, creator = request.path_params["file_id"], _creator(request)
     result = RESULT_FILE_ID.fullmatch(file_id)
     if result:
-        await asyncio.to_thread(_read_file_meta, redis, file_id, creator)  # 404 unless the caller's batch
-        lines = _result_file(redis, result.group(2), errors=result.group(1) == "err")
-        return StreamingResponse(lines, media_type="application/jsonl")  # iterated in a thread
-    content = await asyncio.to_thread(files.read_content, redis, file_id, creator)
+        await _run(request, _read_file_meta(file_id, creator))  # 404 unless the caller's batch
+        lines = _result_file(request, result.group(2), errors=result.group(1) == "err")
+        return StreamingResponse(lines, media_type="application/jsonl")
+    content = await _run(request, files.read_content_plan(file_id, creator))
     if content is None:
         raise _no_file(file_id)
     return Response(content, media_type="application/jsonl")
@@ -156,16 +152,22 @@ async def file_content(request: Request) -> Response:
 
 async def delete_file(request: Request) -> Response:
     file_id = request.path_params["file_id"]
-    if not await asyncio.to_thread(files.delete, _redis(request), file_id, _creator(request)):
+    if not await _run(request, files.delete_plan(file_id, _creator(request))):
         raise _no_file(file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-def _result_file(redis: Redis, batch_id: str, errors: bool) -> Iterator[bytes]:
-    model = as_str(redis.hget(batch_key(batch_id), "model")) or ""
-    for is_error, obj in control.result_lines(redis, batch_id, model):
-        if is_error == errors:
-            yield (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+async def _result_file(request: Request, batch_id: str, errors: bool) -> AsyncIterator[bytes]:
+    """The output (or error) file, a page of the batch's lines at a time; building a page's
+    objects runs in a thread."""
+    state = await _run(request, record.read_state_plan(batch_id))
+    pages = control.ResultPages(batch_id, (state or {}).get("model") or "")
+    while not pages.done:
+        page = await _run(request, pages.page_plan(), offload=True)
+        text = "".join(json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n"
+                       for is_error, obj in page if is_error == errors)
+        if text:
+            yield text.encode()
 
 
 # -- batches ----------------------------------------------------------------------------------------
@@ -227,10 +229,10 @@ async def create_batch(request: Request) -> Response:
                        code="invalid_value")
     window = window_seconds(body.get("completion_window", "24h"))
     metadata = checked_metadata(body.get("metadata"))
-    redis, creator, limits = _redis(request), _creator(request), gw.settings.gateway
+    creator, limits = _creator(request), gw.settings.gateway
     content = None
     if isinstance(file_id, str):
-        content = await asyncio.to_thread(files.read_content, redis, file_id, creator)
+        content = await _run(request, files.read_content_plan(file_id, creator))
     if content is None:
         raise _no_file(file_id, param="input_file_id")
     lines = split_lines(content.decode("utf-8", "replace"))
@@ -249,7 +251,9 @@ async def create_batch(request: Request) -> Response:
     try:
         if mismatched or found.invalid or not found.valid:
             raise BatchRefused("bad lines", found)
-        await asyncio.to_thread(submit_batch, redis, spec, lambda: lines, checked=found)
+        check(spec, lambda: lines, checked=found)
+        await gw.fleet.check_server()
+        await _run(request, submit_plan(spec, lambda: lines, found), offload=True)
     except BatchQueueFull as e:
         raise ApiError(429, f"{e} (gateway.max_batch_queue)", code="batch_queue_full",
                        headers={"Retry-After": str(max(60, limits.retry_after))}) from None
@@ -260,31 +264,23 @@ async def create_batch(request: Request) -> Response:
                            "param": "url", "line": None})
         if not errors:
             errors.append({"code": "invalid_request", "message": str(e), "param": None, "line": None})
-        await asyncio.to_thread(_record_failed, redis, spec, errors)
-    state = await asyncio.to_thread(control.status, redis, spec.batch_id)
+        await _run(request, _record_failed(spec, errors))
+    state = await _run(request, control.status_plan(spec.batch_id))
     assert state is not None
     return JSONResponse(batch_object(state))
 
 
-def _record_failed(redis: Redis, spec: BatchSpec, errors: list[dict[str, Any]]) -> None:
+def _record_failed(spec: BatchSpec, errors: list[dict[str, Any]]) -> Plan[None]:
     """A batch refused at validation, as OpenAI shows one: status failed, errors per line."""
-    now = int(time.time())
-    key = batch_key(spec.batch_id)
-    with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(key, mapping={"state": "failed", "failed_at": now, "created_at": now,
-                                "endpoint": spec.endpoint, "window": spec.window,
-                                "input_file_id": spec.extra.get("input_file_id", ""),
-                                "owner": spec.extra.get("owner", ""),
-                                "errors": json.dumps(errors), "metadata": json.dumps(spec.metadata or {})})
-        pipe.expire(key, spec.retention)
-        pipe.zadd(BATCHES_INDEX, {spec.batch_id: now})
-        pipe.expire(BATCHES_INDEX, spec.retention, gt=True)
-        pipe.execute()
+    fields = {"endpoint": spec.endpoint, "window": spec.window,
+              "input_file_id": spec.extra.get("input_file_id", ""), "owner": spec.extra.get("owner", ""),
+              "errors": json.dumps(errors), "metadata": json.dumps(spec.metadata or {})}
+    return record.record_failed_plan(spec.batch_id, fields, spec.retention, int(time.time()))
 
 
 async def get_batch(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
-    state = await asyncio.to_thread(_owned_batch, _redis(request), batch_id, _creator(request))
+    state = await _run(request, _owned_batch(batch_id, _creator(request)))
     if state is None:
         raise _no_batch(batch_id)
     return JSONResponse(batch_object(state))
@@ -292,11 +288,11 @@ async def get_batch(request: Request) -> Response:
 
 async def cancel_batch(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    batch_id, redis = request.path_params["batch_id"], _redis(request)
-    if await asyncio.to_thread(_owned_batch, redis, batch_id, _creator(request)) is None:
+    batch_id = request.path_params["batch_id"]
+    if await _run(request, _owned_batch(batch_id, _creator(request))) is None:
         raise _no_batch(batch_id)
     try:
-        await asyncio.to_thread(control.cancel, redis, batch_id, gw.settings.job_timeout)
+        await _run(request, control.cancel_plan(batch_id, gw.settings.job_timeout))
     except KeyError:
         raise _no_batch(batch_id) from None
     return await get_batch(request)
@@ -308,7 +304,7 @@ async def list_batches(request: Request) -> Response:
     except ValueError:
         raise ApiError(400, "limit must be an integer", param="limit", code="invalid_value") from None
     after = request.query_params.get("after")
-    states = await asyncio.to_thread(control.list_batches, _redis(request), 1000, _creator(request))
+    states = await _run(request, control.list_plan(1000, _creator(request)))
     if after:
         ids = [s["id"] for s in states]
         states = states[ids.index(after) + 1:] if after in ids else []

@@ -1,8 +1,9 @@
 """The web dashboard: a Starlette app with one page and a small JSON API the page polls.
 
-Mount it in the gateway with `Mount("/dashboard", app=dashboard_app(redis, pool, ...))`, or run it
-alone with `fleet dashboard`. No build step, no CDN: the page, its CSS and its JS (hand-written
-SVG charts) are package data in dispatcher/observe/static/.
+Mount it in the gateway with `Mount("/dashboard", app=dashboard_app(redis, pool, ...))` (its async
+client, or a callable returning it), or run it alone with `fleet dashboard` (a sync client). No
+build step, no CDN: the page, its CSS and its JS (hand-written SVG charts) are package data in
+dispatcher/observe/static/.
 
 Who sees what (docs/observability.md): with `authorize` (the gateway's API keys) the JSON API
 needs a key (the page sends the one typed into it as `Authorization: Bearer`), and a key holder
@@ -18,15 +19,14 @@ from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
-from redis import Redis
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from dispatcher.observe import history, snapshot
+from dispatcher.plans import ClientSource, run_on
 
 STATIC = files("dispatcher.observe") / "static"
 JOBS_LIMIT = 200
@@ -58,7 +58,7 @@ def redacted(record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "params": shown, "redacted": True}
 
 
-def dashboard_app(redis: Redis, pool: str, *, with_metrics: bool = False, show_prompts: bool = False,
+def dashboard_app(redis: ClientSource, pool: str, *, with_metrics: bool = False, show_prompts: bool = False,
                   authorize: Authorize | None = None) -> Starlette:
     """The dashboard as an ASGI app; its links are relative, so any mount path works."""
     page = (STATIC / "index.html").read_text(encoding="utf-8")
@@ -82,7 +82,7 @@ def dashboard_app(redis: Redis, pool: str, *, with_metrics: bool = False, show_p
     async def api_status(request: Request) -> Response:
         if (no := refused(request)) is not None:
             return no
-        return JSONResponse(await run_in_threadpool(snapshot.snapshot, redis, pool))
+        return JSONResponse(await run_on(redis, snapshot.snapshot_plan(pool)))
 
     async def api_jobs(request: Request) -> Response:
         if (no := refused(request)) is not None:
@@ -95,7 +95,7 @@ def dashboard_app(redis: Redis, pool: str, *, with_metrics: bool = False, show_p
         except ValueError:
             return JSONResponse({"error": "limit must be a number"}, status_code=400)
         limit = max(1, min(limit, JOBS_LIMIT))
-        records = await run_in_threadpool(history.listing, redis, pool, kind, limit)
+        records = await run_on(redis, history.listing_plan(pool, kind, limit))
         return JSONResponse([visible(r) for r in records])
 
     async def api_job(request: Request) -> Response:
@@ -104,7 +104,7 @@ def dashboard_app(redis: Redis, pool: str, *, with_metrics: bool = False, show_p
         job_id = request.path_params["job_id"]
         record: dict[str, Any] | None = None
         if JOB_ID.fullmatch(job_id):
-            record = await run_in_threadpool(history.get, redis, job_id)
+            record = await run_on(redis, history.get_plan(job_id))
         if record is None:
             return JSONResponse({"error": "no such job (unknown, or its history expired)"}, status_code=404)
         return JSONResponse(visible(record))

@@ -3,12 +3,15 @@ exporter: any number of exporters / gateways show the same numbers, and a restar
 makes a counter go backwards because counters live in Redis, written with HINCRBY).
 
 Serve with `fleet metrics --port 9400`, or mount `metrics_route(redis, pool)` (a Starlette
-Route) / `metrics_app(redis, pool)` (plain ASGI) in the gateway at GET /metrics.
+Route) / `metrics_app(redis, pool)` (plain ASGI) in the gateway at GET /metrics. A scrape is one
+plan (`scrape_plan`, dispatcher/plans.py): the sync collector runs it on a sync client, the route
+on whichever client it is given (the gateway's async one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import make_asgi_app, start_http_server
@@ -19,6 +22,7 @@ from redis import Redis
 
 from backends.contract.keys import histogram_key
 from dispatcher.observe import schema, snapshot
+from dispatcher.plans import ClientSource, Plan, cmd, gather, run, run_on
 
 P = "llama_fleet_"
 # every metric family this exporter writes (the Grafana dashboard test checks against the output)
@@ -30,32 +34,59 @@ COUNTERS = {
 }
 
 
+@dataclass
+class PoolReading:
+    pool: str
+    queues: list[dict[str, Any]]
+    counters: dict[str, int]
+    workers: list[dict[str, Any]]
+    histograms: dict[str, dict[str, Any]]
+
+
+def scrape_plan(default_pool: str) -> Plan[list[PoolReading]]:
+    """Workers, queues, counters and histograms of every known pool."""
+    pools = yield from snapshot.pools_plan(default_pool)
+    everyone = yield from snapshot.workers_plan(with_counters=True, include_dead=True)
+    out = []
+    for pool in pools:
+        counters = yield from snapshot.pool_counters_plan(pool)
+        queues = yield from snapshot.queues_plan(pool)
+        replies = yield from gather([cmd("hgetall", histogram_key(m, pool)) for m in schema.HISTOGRAMS])
+        histograms = {m: {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+                      for m, raw in zip(schema.HISTOGRAMS, replies, strict=True)}
+        ws = [w for w in everyone if w.get("pool", default_pool) == pool]
+        out.append(PoolReading(pool, queues, counters, ws, histograms))
+    return out
+
+
+def metric_families(readings: list[PoolReading]) -> list[Metric]:
+    families = Families()
+    for r in readings:
+        families.add_pool(r.pool, r.queues, r.counters)
+        families.add_workers(r.pool, r.workers)
+        families.add_histograms(r.pool, r.histograms)
+    return list(families.all())
+
+
 class FleetCollector(Collector):
-    """Reads workers, queues, counters and histograms of every known pool on each collect()."""
+    """Reads every known pool on each collect() (a sync client)."""
 
     def __init__(self, redis: Redis, pool: str) -> None:
         self.redis = redis
         self.pool = pool
 
     def collect(self) -> Iterator[Metric]:
-        pools = snapshot.pools(self.redis, self.pool)
-        everyone = snapshot.workers(self.redis, with_counters=True, include_dead=True)
-        families = Families()
-        for pool in pools:
-            ws = [w for w in everyone if w.get("pool", self.pool) == pool]
-            counters = snapshot.pool_counters(self.redis, pool)
-            families.add_pool(pool, snapshot.queues(self.redis, pool), counters)
-            families.add_workers(pool, ws)
-            families.add_histograms(pool, self._histograms(pool))
-        yield from families.all()
+        yield from metric_families(run(self.redis, scrape_plan(self.pool)))
 
-    def _histograms(self, pool: str) -> dict[str, dict[str, Any]]:
-        with self.redis.pipeline(transaction=False) as pipe:
-            for metric in schema.HISTOGRAMS:
-                pipe.hgetall(histogram_key(metric, pool))
-            replies = pipe.execute()
-        return {m: {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
-                for m, raw in zip(schema.HISTOGRAMS, replies, strict=True)}
+
+class Scraped(Collector):
+    """Metrics already read (one exposition of an async scrape)."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.metrics
 
 
 class Families:
@@ -157,18 +188,19 @@ def metrics_app(redis: Redis, pool: str) -> Any:
     return make_asgi_app(registry(redis, pool))
 
 
-def metrics_route(redis: Redis, pool: str, path: str = "/metrics") -> Any:
-    """A Starlette Route for the gateway: `routes.append(metrics_route(redis, pool))`. The sync
-    Redis reads run in Starlette's thread pool, off the event loop."""
+def metrics_route(redis: ClientSource, pool: str, path: str = "/metrics") -> Any:
+    """A Starlette Route for the gateway: `routes.append(metrics_route(redis, pool))`, on a sync or
+    an async client (or a callable returning one). Sync reads and the encoding run in Starlette's
+    thread pool, off the event loop."""
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
 
-    reg = registry(redis, pool)
-
     async def endpoint(request: Request) -> Response:
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(Scraped(metric_families(await run_on(redis, scrape_plan(pool)))))
         body = await run_in_threadpool(encoder, reg)
         return Response(body, media_type=content_type)
 

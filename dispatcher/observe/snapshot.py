@@ -1,6 +1,9 @@
 """One read of the fleet for `fleet status`, the metrics exporter and the dashboard: live workers
 (their status hashes), queues (depth, oldest job's age, running, failed in the last hour), the
-pool's monotonic counters and totals. Two pipelined round trips plus one per worker set."""
+pool's monotonic counters and totals. Two pipelined round trips plus one per worker set.
+
+Each read is a plan (dispatcher/plans.py): the functions without `_plan` run it on a sync client
+(`fleet status`), the gateway runs the plans on its async client."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from backends.contract.keys import (
 from backends.contract.replies import as_str
 from backends.contract.schema import PRIORITIES
 from dispatcher.observe import schema
+from dispatcher.plans import Plan, ask, cmd, gather, run
 
 FAILED_WINDOW = 3600.0  # "failed in the last hour"
 
@@ -46,18 +50,22 @@ def _counters(raw: dict[Any, Any]) -> dict[str, int]:
 
 
 def workers(redis: Redis, with_counters: bool = False, include_dead: bool = False) -> list[dict[str, Any]]:
+    return run(redis, workers_plan(with_counters, include_dead))
+
+
+def workers_plan(with_counters: bool = False, include_dead: bool = False) -> Plan[list[dict[str, Any]]]:
     """Live workers (status hash present, "up": true), sorted by name; `with_counters` adds each
     name's monotonic counters under "counters". Registered names whose hash expired (dead, not
     yet reaped) are left out, or listed as {"name", "up": false} with `include_dead`."""
-    names = sorted(as_str(n) or "" for n in redis.smembers(WORKERS_SET))
+    names = sorted(as_str(n) or "" for n in (yield from ask(cmd("smembers", WORKERS_SET))))
     if not names:
         return []
-    with redis.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.hgetall(worker_key(name))
-            if with_counters:
-                pipe.hgetall(worker_counters_key(name))
-        replies = pipe.execute()
+    calls = []
+    for name in names:
+        calls.append(cmd("hgetall", worker_key(name)))
+        if with_counters:
+            calls.append(cmd("hgetall", worker_counters_key(name)))
+    replies = yield from gather(calls)
     step = 2 if with_counters else 1
     out = []
     for i, name in enumerate(names):
@@ -75,22 +83,23 @@ def workers(redis: Redis, with_counters: bool = False, include_dead: bool = Fals
     return out
 
 
-def pools(redis: Redis, default: str) -> list[str]:
-    return sorted({default, *(as_str(p) or "" for p in redis.smembers(POOLS_SET))} - {""})
+def pools_plan(default: str) -> Plan[list[str]]:
+    members = yield from ask(cmd("smembers", POOLS_SET))
+    return sorted({default, *(as_str(p) or "" for p in members)} - {""})
 
 
-def queues(redis: Redis, pool: str, now: float | None = None) -> list[dict[str, Any]]:
+def queues_plan(pool: str, now: float | None = None) -> Plan[list[dict[str, Any]]]:
     now = time.time() if now is None else now
-    with redis.pipeline(transaction=False) as pipe:
-        for p in PRIORITIES:
-            name = queue_name(pool, p)
-            pipe.llen(queue_key(name))
-            pipe.lindex(queue_key(name), 0)  # claims pop the head: it is the oldest waiting job
-            pipe.zcard(started_registry_key(name))
-            pipe.zcount(history_failed_key(name), now - FAILED_WINDOW, "+inf")
-            pipe.zcard(finished_registry_key(name))
-            pipe.zcard(failed_registry_key(name))
-        replies = pipe.execute()
+    calls = []
+    for p in PRIORITIES:
+        name = queue_name(pool, p)
+        calls += [cmd("llen", queue_key(name)),
+                  cmd("lindex", queue_key(name), 0),  # claims pop the head: it is the oldest waiting job
+                  cmd("zcard", started_registry_key(name)),
+                  cmd("zcount", history_failed_key(name), now - FAILED_WINDOW, "+inf"),
+                  cmd("zcard", finished_registry_key(name)),
+                  cmd("zcard", failed_registry_key(name))]
+    replies = yield from gather(calls)
     rows = []
     heads: list[str] = []
     for i, p in enumerate(PRIORITIES):
@@ -101,10 +110,7 @@ def queues(redis: Redis, pool: str, now: float | None = None) -> list[dict[str, 
                      "failed_1h": failed_1h, "finished": finished, "failed": failed,
                      "oldest_age_s": None})
     if any(heads):
-        with redis.pipeline(transaction=False) as pipe:
-            for head in heads:
-                pipe.hget(job_key(head), "enqueued_at")
-            enqueued = pipe.execute()
+        enqueued = yield from gather([cmd("hget", job_key(head), "enqueued_at") for head in heads])
         for row, at in zip(rows, enqueued, strict=True):
             row["oldest_age_s"] = _age(as_str(at), now)
     return rows
@@ -122,16 +128,20 @@ def _age(rq_time: str | None, now: float) -> float | None:
         return None
 
 
-def pool_counters(redis: Redis, pool: str) -> dict[str, int]:
-    return _counters(redis.hgetall(pool_counters_key(pool)))
+def pool_counters_plan(pool: str) -> Plan[dict[str, int]]:
+    return _counters((yield from ask(cmd("hgetall", pool_counters_key(pool)))))
 
 
 def snapshot(redis: Redis, pool: str, with_counters: bool = False) -> dict[str, Any]:
+    return run(redis, snapshot_plan(pool, with_counters))
+
+
+def snapshot_plan(pool: str, with_counters: bool = False) -> Plan[dict[str, Any]]:
     """Everything `fleet status` shows (JSON-ready)."""
     now = time.time()
-    ws = [w for w in workers(redis, with_counters) if w.get("pool", pool) == pool]
-    qs = queues(redis, pool, now)
-    counters = pool_counters(redis, pool)
+    ws = [w for w in (yield from workers_plan(with_counters)) if w.get("pool", pool) == pool]
+    qs = yield from queues_plan(pool, now)
+    counters = yield from pool_counters_plan(pool)
     return {"pool": pool, "at": round(now, 3), "workers": ws, "queues": qs,
             "totals": totals(ws, qs, counters), "counters": counters}
 

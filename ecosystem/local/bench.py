@@ -117,8 +117,9 @@ class Bench:
             extra.update(kv.partition("=")[::2] for kv in self.cfg.worker_settings)
             if n > 1:
                 extra["cpus"] = format_cpu_list(cores[i * per:(i + 1) * per] or cores)
-            started.append(start_worker(redis_url, f"bench-{tag}-{i}", self.logs, backend__threads=per,
-                                        timeout=180, **extra))
+            if backend.get("type") == "llama-cpp":  # another engine refuses a thread count
+                extra.setdefault("backend__threads", per)
+            started.append(start_worker(redis_url, f"bench-{tag}-{i}", self.logs, timeout=180, **extra))
         return started
 
     def _slots(self) -> int:

@@ -140,7 +140,7 @@ def start_worker(redis_url: str, name: str, log_dir: Path, *, wait: bool = True,
     log = log_dir / f"{name}.log"
     log_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dispatcher.cli", "worker", *(args or [])],
+        [sys.executable, "-m", "ecosystem.cli", "worker", *(args or [])],
         env=worker_env(redis_url, name, config=config, **settings),
         stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )

@@ -1,19 +1,18 @@
-"""CLI glue for Kubernetes: the options of `fleet ecosystem --format kubernetes` and
-`fleet scale --suggest` (the worker count the queues call for, by the ScaledObject's formula)."""
+"""Kubernetes: the options of `fleet ecosystem --format kubernetes` and `fleet scale --suggest`
+(the worker count the queues call for, by the ScaledObject's formula)."""
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from ecosystem.kubernetes import KubernetesOptions, render_kubernetes
+from ecosystem.cli.options import config_option, json_option
+from ecosystem.kubernetes import KubernetesOptions, render_kubernetes, suggest_scale
 from ecosystem.planner import Plan
-from ecosystem.sizing import Throughput, queue_target_per_worker, workers_needed
 from worker.settings import FleetSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -82,19 +81,17 @@ def write_kubernetes(plan: Plan, settings: FleetSettings, config_file: Path | No
 
 
 @click.command("scale")
-@click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
-              help="worker-config.json (default: $FLEET_CONFIG or ./worker-config.json)")
+@config_option()
 @click.option("--suggest", is_flag=True, required=True,
               help="Print the worker count the queue depth and TTFT target call for.")
 @click.option("--cores", type=click.IntRange(min=1), default=None,
               help="Cores per worker [default: the live workers' mean, else 2].")
-@click.option("--json", "as_json", is_flag=True)
+@json_option()
 @scaling_options
 def scale_command(config: str | None, suggest: bool, cores: int | None, as_json: bool, ttft_target: float,
                   tokens_per_s: float | None, min_workers: int, max_workers: int) -> None:
     """Suggest a worker count from the pool's queue depth (the KEDA ScaledObject's formula)."""
     from backends.contract.connect import redis_from_url
-    from dispatcher import status as fleet_status
     from worker.settings import SettingsError, load_settings
 
     try:
@@ -102,24 +99,16 @@ def scale_command(config: str | None, suggest: bool, cores: int | None, as_json:
     except SettingsError as e:
         raise click.ClickException(str(e)) from None
     redis = redis_from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=10)
-    snap = fleet_status.snapshot(redis, settings.pool)
-    queued = sum(int(q["depth"]) for q in snap["queues"])
-    live = snap["workers"]
-    if cores is None:
-        threads = [int(w.get("threads") or 0) for w in live if w.get("threads")]
-        cores = math.ceil(sum(threads) / len(threads)) if threads else 2
-    tokens_per_job = settings.backend.sampling.max_tokens or 128
-    throughput = (Throughput(tokens_per_s, tokens_per_job) if tokens_per_s
-                  else Throughput.measured(cores, tokens_per_job))
-    target = queue_target_per_worker(throughput.jobs_per_s, ttft_target)
-    suggested = workers_needed(queued, target, min_workers, max_workers)
-    row = {"queued": queued, "live_workers": len(live), "target_per_worker": target,
-           "jobs_per_s_per_worker": round(throughput.jobs_per_s, 3), "ttft_target_s": ttft_target,
-           "suggested_workers": suggested}
+    s = suggest_scale(redis, settings, cores, ttft_target, tokens_per_s, min_workers, max_workers)
     if as_json:
-        click.echo(json.dumps(row))
+        click.echo(json.dumps(s.row()))
         return
-    click.echo(f"{queued} queued, {len(live)} live worker(s); one worker starts ~{target} queued jobs "
-               f"within {ttft_target:g}s ({throughput.jobs_per_s:.2f} jobs/s)")
-    click.echo(f"suggested workers: {suggested}  (= ceil({queued} / {target}) within "
+    target = s.target_per_worker
+    click.echo(f"{s.queued} queued, {s.live_workers} live worker(s); one worker starts ~{target} queued jobs "
+               f"within {ttft_target:g}s ({s.jobs_per_s:.2f} jobs/s)")
+    click.echo(f"suggested workers: {s.suggested_workers}  (= ceil({s.queued} / {target}) within "
                f"[{min_workers}, {max_workers}], as the KEDA ScaledObject computes)")
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(scale_command)

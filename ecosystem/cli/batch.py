@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from redis import Redis
@@ -26,30 +24,9 @@ from dispatcher.batch.submit import (
     default_batch_id,
     submit_batch,
 )
+from ecosystem.cli.options import config_option, friendly_errors, json_option, settings_and_redis
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-F = TypeVar("F", bound=Callable[..., Any])
-config_option = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
-                             help="worker-config.json (default: $FLEET_CONFIG or ./worker-config.json)")
-
-
-def friendly_errors(func: F) -> F:
-    """dispatcher.cli's readable errors, imported when the command runs: dispatcher.cli imports
-    this module while it registers its commands."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from dispatcher.cli import friendly_errors as readable
-
-        return readable(func)(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def settings_and_redis(config: str | None) -> Any:
-    from dispatcher.cli import settings_and_redis as connect
-
-    return connect(config)
 
 
 def parse_duration(text: str) -> int:
@@ -67,7 +44,7 @@ def batch() -> None:
 
 @batch.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@config_option
+@config_option()
 @click.option("--id", "batch_id", default=None, help="batch id (default: from the file's lines, so a "
               "re-run resumes the same batch)")
 @click.option("--priority", type=click.Choice(["high", "default", "low"]), default="low")
@@ -118,9 +95,9 @@ def _endpoint(kinds: set[Any]) -> str:
 
 @batch.command()
 @click.argument("batch_id")
-@config_option
+@config_option()
 @click.option("--wait", is_flag=True, help="show progress until the batch ends")
-@click.option("--json", "as_json", is_flag=True)
+@json_option()
 @friendly_errors
 def status(batch_id: str, config: str | None, wait: bool, as_json: bool) -> None:
     """State and counts of a batch."""
@@ -149,8 +126,8 @@ def _known(redis: Redis, batch_id: str) -> dict[str, Any]:
 
 
 @batch.command(name="list")
-@config_option
-@click.option("--json", "as_json", is_flag=True)
+@config_option()
+@json_option()
 @friendly_errors
 def list_(config: str | None, as_json: bool) -> None:
     """Batches, newest first."""
@@ -171,7 +148,7 @@ def list_(config: str | None, as_json: bool) -> None:
 
 @batch.command()
 @click.argument("batch_id")
-@config_option
+@config_option()
 @friendly_errors
 def cancel(batch_id: str, config: str | None) -> None:
     """Drop the batch's queued lines and stop its running ones."""
@@ -185,7 +162,7 @@ def cancel(batch_id: str, config: str | None) -> None:
 
 @batch.command()
 @click.argument("batch_id")
-@config_option
+@config_option()
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option("--errors", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="failed and cancelled lines go here (default: into the output file)")

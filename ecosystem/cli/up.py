@@ -1,4 +1,4 @@
-"""`fleet up` and `fleet down` (added to the `fleet` group by ecosystem.cli.register)."""
+"""`fleet up` and `fleet down`: the planned workers on this machine under supervisord."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.contract.redact import redact_url
-from ecosystem.cli import make_plan, plan_options, plan_settings
+from ecosystem.cli.ecosystem import make_plan, plan_options, plan_settings
 from ecosystem.private_redis import RedisSetupError
 from ecosystem.render import RenderOptions, default_command
 from ecosystem.up import Interrupted, Launch, RunDir, UpError, down
@@ -52,7 +52,7 @@ def _note(text: str) -> None:
     "(slower writes); everysec may lose the last second.",
 )
 def up_command(
-    config: Path | None,
+    config: str | None,
     daemon: bool,
     run_dir: Path | None,
     start_timeout: float,
@@ -149,3 +149,8 @@ def down_command(run_dir: Path | None, timeout: float | None) -> None:
         f"fleet down: {len(state.get('workers', []))} worker(s){redis} stopped "
         f"(supervisord pid {state['pid']}); logs in {run.root}"
     )
+
+
+def register(cli: click.Group) -> None:
+    for command in (up_command, down_command):
+        cli.add_command(command)

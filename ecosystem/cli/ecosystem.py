@@ -1,5 +1,5 @@
-"""`fleet plan` and `fleet ecosystem` (+ `up`/`down` from up_cli); dispatcher/cli.py adds them with
-`register(cli)`."""
+"""Placement: `fleet plan` and `fleet ecosystem` (PM2, supervisord, systemd or Kubernetes), and the
+plan options that `fleet up` shares."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any, Literal, TypeVar
 import click
 from pydantic import ValidationError
 
-from ecosystem.kubernetes_cli import kubernetes_options, write_kubernetes
+from ecosystem.cli.kubernetes import kubernetes_options, write_kubernetes
+from ecosystem.cli.options import config_option, json_option
 from ecosystem.planner import Plan, PlanError, Workers, plan
 from ecosystem.render import FORMATS, Format, RenderOptions, default_command, render
 from ecosystem.topology import read_topology
@@ -67,19 +68,14 @@ def plan_options(func: F) -> F:
             type=click.Path(file_okay=False, path_type=Path),
             help="Read topology from a recorded sysfs tree instead of this machine's /sys.",
         ),
-        click.option(
-            "--config",
-            "config",
-            type=click.Path(dir_okay=False, path_type=Path),
-            help="worker-config.json (default: $FLEET_CONFIG, else ./worker-config.json if present).",
-        ),
+        config_option(may_be_absent=True),
     ]
     for option in reversed(options):
         func = option(func)
     return func
 
 
-def plan_settings(config: Path | None) -> tuple[FleetSettings, Path | None]:
+def plan_settings(config: str | None) -> tuple[FleetSettings, Path | None]:
     """The settings the workers will read (for slots and drain grace) and the config's path.
     A config that does not exist here (rendering for another host) gives defaults and a warning."""
     path = config_path(config)
@@ -118,6 +114,7 @@ def make_plan(
             reserve_cores=reserve_cores,
             smt=smt,
             name_prefix=name_prefix,
+            engine_threads=settings.backend.type == "llama-cpp",
         )
     except PlanError as e:
         raise click.ClickException(f"{e} [{topology.summary()}]") from None
@@ -125,8 +122,8 @@ def make_plan(
 
 @click.command("plan")
 @plan_options
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan_command(config: Path | None, as_json: bool, **plan_args: Any) -> None:
+@json_option("Print the plan as JSON.")
+def plan_command(config: str | None, as_json: bool, **plan_args: Any) -> None:
     """Show how workers would be placed on this machine's cores and NUMA nodes."""
     settings, _ = plan_settings(config)
     result = make_plan(settings=settings, **plan_args)
@@ -180,7 +177,7 @@ def plan_command(config: Path | None, as_json: bool, **plan_args: Any) -> None:
 @kubernetes_options
 def ecosystem_command(
     fmt: Format | Literal["kubernetes"],
-    config: Path | None,
+    config: str | None,
     output: Path | None,
     command: str | None,
     cwd: Path | None,
@@ -247,9 +244,5 @@ def _write(path: Path, text: str) -> None:
 
 
 def register(cli: click.Group) -> None:
-    """Add `plan`, `ecosystem`, `scale`, `up` and `down` to the `fleet` group."""
-    from ecosystem.kubernetes_cli import scale_command
-    from ecosystem.up_cli import down_command, up_command  # imports this module
-
-    for command in (plan_command, ecosystem_command, scale_command, up_command, down_command):
+    for command in (plan_command, ecosystem_command):
         cli.add_command(command)

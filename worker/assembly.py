@@ -1,0 +1,21 @@
+"""Which hooks (worker/hooks.py) a worker's writes carry: one line per concern.
+
+`fleet worker` (worker/main.py) and the in-process worker (worker/inprocess.py) are built with
+these; a FleetWorker or Reaper made without hooks gets them too, so every way of making a worker
+writes the same records.
+"""
+
+from __future__ import annotations
+
+from worker.batch_hook import BatchRecord
+from worker.facts import Facts
+from worker.hooks import JobHook
+from worker.settings import FleetSettings
+
+
+def job_hooks(settings: FleetSettings | None = None) -> tuple[JobHook, ...]:
+    """The hooks, in the order they queue (`settings` None: every concern on, as by default)."""
+    hooks: list[JobHook] = [BatchRecord()]  # a batch line's ending into its batch's record
+    if settings is None or settings.observe:
+        hooks.append(Facts())  # counters, histograms, job history (`observe: false` turns it off)
+    return tuple(hooks)
