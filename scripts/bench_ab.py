@@ -52,13 +52,13 @@ def run_bench(name: str, fleet: Path, env_pairs: tuple[str, ...], args: tuple[st
         raise click.ClickException(f"{name}: fleet bench failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
                                    f"\n{proc.stderr[-3000:]}")
     data = json.loads(out.read_text())
-    fleet = next(s for s in data["summary"] if s["role"] == "fleet" and s["users"] == users)
+    ours = next(s for s in data["summary"] if s["role"] == "fleet" and s["users"] == users)
     peer = next(s for s in data["summary"] if s["role"] != "fleet" and s["users"] == users)
-    cpu_fleet = sum(fleet["cpu_s_per_1k_tokens"].values())
-    return {"variant": name, "seconds": round(time.monotonic() - started, 1), "fleet_tok_s": fleet["tok_s"],
-            "peer_tok_s": peer["tok_s"], "ratio": round(fleet["tok_s"] / peer["tok_s"], 3),
-            "fleet_ttft_p95_ms": fleet["ttft_p95_ms"], "peer_ttft_p95_ms": peer["ttft_p95_ms"],
-            "fleet_cpu_s_per_1k": round(cpu_fleet, 2), "errors": fleet["errors"], "json": str(out)}
+    cpu_fleet = sum(ours["cpu_s_per_1k_tokens"].values())
+    return {"variant": name, "seconds": round(time.monotonic() - started, 1), "fleet_tok_s": ours["tok_s"],
+            "peer_tok_s": peer["tok_s"], "ratio": round(ours["tok_s"] / peer["tok_s"], 3),
+            "fleet_ttft_p95_ms": ours["ttft_p95_ms"], "peer_ttft_p95_ms": peer["ttft_p95_ms"],
+            "fleet_cpu_s_per_1k": round(cpu_fleet, 2), "errors": ours["errors"], "json": str(out)}
 
 
 @click.command()

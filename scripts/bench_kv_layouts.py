@@ -56,11 +56,11 @@ PROBE = r"""
 import json, sys, time, psutil
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
-from backends.registry import BackendSettings
+from backends.llamacpp_settings import LlamaCppSettings
 from backends.base import Token
 cfg = json.loads(sys.argv[1])
 me = psutil.Process()
-b = LlamaCppBackend(BackendSettings(slots=cfg["slots"], prefix_cache=cfg["prefix_cache"], **cfg["layout"]),
+b = LlamaCppBackend(LlamaCppSettings(slots=cfg["slots"], prefix_cache=cfg["prefix_cache"], **cfg["layout"]),
                     threads=cfg["threads"])
 out = {"uss_loaded_mib": me.memory_full_info().uss / 2**20}
 def run(users, jobs):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import pytest
+from pydantic import BaseModel
 from redis import Redis
 
 from backends.contract.schema import SamplingDefaults
@@ -301,7 +302,9 @@ def test_the_readme_documents_every_backend_key() -> None:
 
 def test_engine_models_stand_alone() -> None:
     """The engines' own models (what the engine code takes) refuse foreign keys too."""
-    for model, foreign in [(LlamaCppSettings, "endpoint"), (LlamaServerSettings, "n_ctx_per_seq"),
-                           (OllamaSettings, "threads"), (FakeSettings, "model")]:
+    cases: list[tuple[type[BaseModel], str]] = [
+        (LlamaCppSettings, "endpoint"), (LlamaServerSettings, "n_ctx_per_seq"),
+        (OllamaSettings, "threads"), (FakeSettings, "model")]
+    for model, foreign in cases:
         with pytest.raises(ValueError, match=foreign):
             model.model_validate({foreign: 1})

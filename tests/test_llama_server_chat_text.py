@@ -20,9 +20,10 @@ import pytest
 
 from backends.base import Done, Event, Failed, Token
 from backends.contract.schema import GenerateRequest
+from backends.http_settings import LlamaServerSettings
 from backends.llama_server import LlamaServerBackend
 from backends.llamacpp.model import LoadedModel
-from backends.registry import BackendSettings
+from backends.registry import backend_settings
 from ecosystem.local.llama_server import start_llama_server
 from tests.real_servers import LlamaServer, llama_server
 
@@ -68,8 +69,9 @@ class Recording(httpx.HTTPTransport):
 
 
 def backend_on(server: LlamaServer, transport: httpx.BaseTransport | None = None) -> LlamaServerBackend:
-    return LlamaServerBackend(BackendSettings(type="llama-server", endpoint=server.url, connect_timeout=10),
-                              transport=transport)
+    settings = backend_settings({"type": "llama-server", "endpoint": server.url, "connect_timeout": 10})
+    assert isinstance(settings, LlamaServerSettings)
+    return LlamaServerBackend(settings, transport=transport)
 
 
 def chat(messages: list[dict[str, str]], **kw: object) -> GenerateRequest:
