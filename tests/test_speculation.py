@@ -58,10 +58,13 @@ def test_greedy_text_is_the_same_with_and_without_speculation_alone_and_batched(
     assert alone_on == alone_off
     assert batched_on == batched_off
     assert off["draft_tokens"] == 0
-    # the copying prompts do get drafts, most of them kept, and fewer steps than tokens
+    # the copying prompts do get drafts, most of them kept, and kept drafts save steps: alone, each
+    # kept token is a step not taken. How far a job drafts is weighed against what calls cost on
+    # this CPU (StepCosts), so the saving is measured against the drafts kept, not a fixed share
     kept, drafted = count(on, "draft_accepted"), count(on, "draft_tokens")
     assert kept > 80 and kept > drafted // 2, (kept, drafted)
-    assert count(on, "steps") < count(off, "steps") * 0.8, (on["steps"], off["steps"])
+    saved = count(off, "steps") - count(on, "steps")
+    assert saved >= kept * 9 // 10, (on["steps"], off["steps"], kept)
 
 
 def count(stats: dict[str, object], key: str) -> int:
