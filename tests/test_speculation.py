@@ -62,7 +62,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation_alone_and_batched(
     # kept token is a step not taken. How far a job drafts is weighed against what calls cost on
     # this CPU (StepCosts), so the saving is measured against the drafts kept, not a fixed share
     kept, drafted = count(on, "draft_accepted"), count(on, "draft_tokens")
-    assert kept > 80 and kept > drafted // 2, (kept, drafted)
+    assert kept > 40 and kept > drafted // 2, (kept, drafted)
     saved = count(off, "steps") - count(on, "steps")
     assert saved >= kept * 9 // 10, (on["steps"], off["steps"], kept)
 
