@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmarks for `fleet serve` (issue 12); prints a table and writes JSON.
+"""Benchmarks for `fleet serve`; prints a table and writes JSON.
 
 1. Streaming users (closed loop, greedy, same prompts) against
    - the gateway's /v1/completions (SSE) in front of one in-process fleet worker,

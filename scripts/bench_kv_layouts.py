@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""KV layouts of the in-process engine side by side: CPU per token and memory (issue 16).
+"""KV layouts of the in-process engine side by side: CPU per token and memory.
 
 Each layout runs in a fresh process (ggml fixes kernels per process; memory is the process's own):
 it loads `LlamaCppBackend` with 16 slots and the layout's settings, runs greedy jobs at 1 user and

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Structured output vs unconstrained on the in-process engine (issue 12): tok/s at N users.
+"""Structured output vs unconstrained on the in-process engine: tok/s at N users.
 
 Closed loop on one `LlamaCppBackend` (the engine a worker runs, without Redis around it): `users`
 jobs stay in flight, each finished job is replaced until `users x jobs_per_user` ran. Both modes

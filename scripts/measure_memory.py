@@ -10,7 +10,7 @@ memory; then `fleet down`. llama.cpp's own buffer sizes (KV cache, CPU_REPACK co
 compute and output buffers) come from its log, captured while loading the same engine with the
 same settings in a throwaway process.
 
-The goal being checked (issue 5): weights are shared through mmap, so an extra worker costs at
+The goal being checked: weights are shared through mmap, so an extra worker costs at
 most its KV cache + 60 MiB of USS.
 """
 

@@ -1,4 +1,4 @@
-"""Test helpers for issue 10's defects: a TCP proxy in front of a real redis-server that loses the
+"""Test helpers for lossy links: a TCP proxy in front of a real redis-server that loses the
 reply to a chosen command (the command reaches Redis and applies; the client's connection is cut
 before the reply), and a driver for in-process workers (worker/inprocess.py) turn by turn."""
 

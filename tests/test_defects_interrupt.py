@@ -1,4 +1,4 @@
-"""Issue 10, defect 12: an interrupted producer cancels its job unless told to detach: Ctrl-C on
+"""An interrupted producer cancels its job unless told to detach: Ctrl-C on
 `fleet submit --stream`, a stream() generator closed early, a `with` block left by an exception.
 The worker runs in this process (fake engine) on a thread; the CLI is a real subprocess."""
 

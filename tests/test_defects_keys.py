@@ -1,5 +1,5 @@
-"""Issue 10, defect 1: every key the fleet or RQ writes for a job ends with a TTL or is removed,
-and RQ's registries of ended jobs are trimmed; defect 11: the private Redis offers
+"""Every key the fleet or RQ writes for a job ends with a TTL or is removed,
+and RQ's registries of ended jobs are trimmed; the private Redis offers
 `appendfsync always`."""
 
 from __future__ import annotations

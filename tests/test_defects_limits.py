@@ -1,4 +1,4 @@
-"""Issue 10, defect 7: request size is bounded before decompressing and before tokenizing, by the
+"""Request size is bounded before decompressing and before tokenizing, by the
 worker's context budget; such jobs fail at once (attempt 1, no retry) and the worker serves on.
 The producer bounds a request's total text too. In-process workers, real redis-server."""
 

@@ -1,4 +1,4 @@
-"""Issue 10, defect 4: RQ's own tools against the stream rules. Supported: `rq requeue` /
+"""RQ's own tools against the stream rules. Supported: `rq requeue` /
 FailedJobRegistry.requeue (a new attempt number), RQ's job.cancel() on a queued job (a final
 `cancelled` entry) and on a running one (it stops, and stays cancelled)."""
 

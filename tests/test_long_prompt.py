@@ -1,4 +1,4 @@
-"""A 3,000-token prompt admitted next to 8 decoding streams, on the real model (issue 16).
+"""A 3,000-token prompt admitted next to 8 decoding streams, on the real model.
 
 Chunked prefill must keep the decoders moving: every engine step while the long prompt prefills
 gives each of the 8 streams its next token and carries at most one chunk (n_batch tokens) of the

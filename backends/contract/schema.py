@@ -18,7 +18,7 @@ from backends.contract import schema_limits
 MAX_TOKENS_LIMIT = 8192
 MAX_PROMPT_CHARS = 1_000_000
 # All of a request's text together (prompt, or every message): 256 messages of MAX_PROMPT_CHARS
-# each would otherwise pass (issue 10, defect 7). Workers bound it further by their context.
+# each would otherwise pass. Workers bound it further by their context.
 MAX_REQUEST_CHARS = 1_000_000
 MAX_SCHEMA_CHARS = 32_768  # a JSON schema for structured output, serialized
 MAX_TOP_LOGPROBS = 20
