@@ -32,13 +32,16 @@ from rq.utils import now
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENQUEUED_MS_META,
+    FAIR_TTL,
     FINAL_FIELD,
     JOB_FUNCTION,
     cancel_key,
     canceled_registry_key,
+    fair_key,
     job_key,
     queue_key,
     stream_key,
+    tenant_queue_name,
     wake_key,
 )
 from backends.contract.lua import lua_script
@@ -101,11 +104,18 @@ class PreparedJob:
 
     def enqueue_calls(self, queue: str, enqueued_ms: int | None = None) -> list[Call]:
         """RQ's enqueue writes (run them in one MULTI): the queue joins RQ's set of queues, the
-        job hash, the id at the queue's tail."""
-        job = self.rq_job(queue, enqueued_ms)
-        return [cmd("sadd", Queue.redis_queues_keys, queue_key(queue)),
-                cmd("hset", job_key(self.job_id), mapping=job.to_dict()),
-                cmd("rpush", queue_key(queue), self.job_id)]
+        job hash, the id at the queue's tail. A tenant's job waits in its tenant's queue beside
+        `queue`, and the tenant joins the queue's fair share (worker/claim.lua)."""
+        tenant = self.payload.get("tenant")
+        target = tenant_queue_name(queue, tenant)
+        job = self.rq_job(target, enqueued_ms)
+        calls: list[Call] = [cmd("sadd", Queue.redis_queues_keys, queue_key(target)),
+                             cmd("hset", job_key(self.job_id), mapping=job.to_dict()),
+                             cmd("rpush", queue_key(target), self.job_id)]
+        if target != queue:
+            calls += [cmd("zadd", fair_key(queue), {tenant: 0}, nx=True),
+                      cmd("expire", fair_key(queue), FAIR_TTL)]
+        return calls
 
 
 def prepare(prompt: str | None, priority: str, fields: dict[str, Any], *, job_timeout: int,

@@ -1,7 +1,8 @@
 -- KEYS: inflight, owners set, the worker's status key, queue1..queueN (priority order)
 -- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, '1' if the
--- status key must exist, then optionally per queue the most jobs the claim may hold once it took
--- from that queue (worker/priority.py)
+-- status key must exist, tenant weights (JSON object, name -> weight > 0; 1 for a tenant not in
+-- it), then optionally per queue the most jobs the claim may hold once it took from that queue
+-- (worker/priority.py)
 -- Returns: server time (ms), ids dropped (-1: refused, the status key is missing), then id1,
 -- queue1, id2, queue2, ...
 -- A worker whose status key expired is dead to the fleet: the reaper hands back whatever it holds.
@@ -15,8 +16,17 @@
 -- Fairness: of every 8 picks, the 4th starts at the second queue (default) and the
 -- 8th at the last one (low), so lower priorities move under sustained high-priority load
 -- (FAIR_EVERY in worker/claim.py).
+-- Tenants: within one priority, the tenants with work take turns in proportion to their weights
+-- (start-time fair queueing). A tenant's jobs wait in '<queue>:<tenant>' (the default tenant's in
+-- the queue itself); 'fleet:fair:<queue>' holds each tenant with work and its virtual pass, which
+-- grows by 1/weight per job taken; the lowest pass goes next. A tenant that had no work starts
+-- at the pass of the last pick ('<fair>:clock'), so idle time earns no credit. Producers add a
+-- tenant when they enqueue; an empty tenant queue leaves the set here. Without the set (nobody
+-- named a tenant) a queue is plain FIFO. The claimed job's queue is reported as the priority's
+-- own queue: its registries, its priority and a hand-back go there.
 -- Key literals mirror backends/contract/keys.py: 'rq:queue:' QUEUE_PREFIX (stripped, 9
--- characters), 'rq:job:' job_key, 'fleet:inflight:' inflight_key, 'fleet:stream:' stream_key.
+-- characters), 'rq:job:' job_key, 'fleet:inflight:' inflight_key, 'fleet:stream:' stream_key,
+-- 'fleet:fair:' fair_key, 86400 FAIR_TTL.
 -- Nothing after an LPOP may raise: a script that errors keeps its earlier writes, so the popped
 -- id would be in no list at all. Fields a producer can write are therefore read defensively: an
 -- owner whose in-flight key is not a list holds nothing, and the attempt is set, not HINCRBY'd.
@@ -36,10 +46,45 @@ local function order(p)
   for i = 0, nq - 1 do o[#o + 1] = 3 + ((first - 1 + i) % nq) + 1 end
   return o
 end
+local ok, weights = pcall(cjson.decode, ARGV[8] or '{}')
+if not ok or type(weights) ~= 'table' then weights = {} end
+local function weight(tenant)
+  local w = tonumber(weights[tenant])
+  if w and w > 0 then return w end
+  return 1
+end
+local function list_pop(key)  -- LPOP only a list: an error after an earlier LPOP would lose its id
+  if redis.call('TYPE', key).ok ~= 'list' then return nil end
+  return redis.call('LPOP', key)
+end
+local function fair_pop(queue_key)
+  local fair = 'fleet:fair:' .. string.sub(queue_key, 10)
+  if redis.call('TYPE', fair).ok ~= 'zset' then return list_pop(queue_key) end
+  local clock_key = fair .. ':clock'
+  local clock = tonumber(redis.call('GET', clock_key) or '0') or 0
+  if redis.call('TYPE', queue_key).ok == 'list' and redis.call('LLEN', queue_key) > 0 then
+    redis.call('ZADD', fair, 'NX', clock, 'default')
+  end
+  for _ = 1, 256 do
+    local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
+    if #first == 0 then break end
+    local tenant, pass = first[1], tonumber(first[2]) or 0
+    local id = list_pop(tenant == 'default' and queue_key or (queue_key .. ':' .. tenant))
+    if id then
+      if pass < clock then pass = clock end
+      redis.call('SET', clock_key, tostring(pass), 'EX', 86400)
+      redis.call('ZADD', fair, pass + 1 / weight(tenant), tenant)
+      redis.call('EXPIRE', fair, 86400)
+      return id
+    end
+    redis.call('ZREM', fair, tenant)
+  end
+  return list_pop(queue_key)
+end
 local function pop(p, claimed)
   for _, k in ipairs(order(p)) do
-    if claimed < tonumber(ARGV[4 + k] or ARGV[1]) then
-      local id = redis.call('LPOP', KEYS[k])
+    if claimed < tonumber(ARGV[5 + k] or ARGV[1]) then
+      local id = fair_pop(KEYS[k])
       if id then return id, string.sub(KEYS[k], 10) end  -- strip 'rq:queue:'
     end
   end

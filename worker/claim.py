@@ -13,6 +13,7 @@ job (its start, its text) checks the id is still there: those writes are in work
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -42,8 +43,10 @@ FAIR_EVERY = 8  # the claim script's fairness cycle (picks)
 
 
 class Claimer:
-    def __init__(self, redis: Redis, worker_name: str, queues: list[str]) -> None:
+    def __init__(self, redis: Redis, worker_name: str, queues: list[str],
+                 weights: dict[str, float] | None = None) -> None:
         self.redis = redis
+        self.weights = json.dumps(weights or {})  # tenant -> weight, for the claim's fair share
         self.name = worker_name
         self.inflight = inflight_key(worker_name)
         # claim only while this worker's status key exists (a worker process with a heartbeat
@@ -62,7 +65,7 @@ class Claimer:
         if n <= 0:
             return []
         args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD,
-                           "1" if self.require_live else "0", *limits]
+                           "1" if self.require_live else "0", self.weights, *limits]
         keys = [self.inflight, OWNERS_SET, worker_key(self.name), *self.queue_keys]
         flat = self._claim(keys=keys, args=args)
         self.server_ms, dropped = int(flat[0]), int(flat[1])

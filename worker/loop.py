@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from redis import Redis
 
 from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
-from backends.contract.keys import cancel_key, job_key, queue_names, wake_key
+from backends.contract.keys import cancel_key, fair_key, job_key, queue_names, wake_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from worker import endings, limits, rqjobs
@@ -79,7 +79,7 @@ class FleetWorker:
         self.name = name
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
-        self.claimer = Claimer(redis, name, self.queues)
+        self.claimer = Claimer(redis, name, self.queues, weights=settings.gateway.tenant_weights())
         hooks = job_hooks(settings) if hooks is None else hooks
         self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl, hooks)
         self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues,
@@ -161,8 +161,9 @@ class FleetWorker:
     def _queues_empty(self) -> bool:
         try:
             with self.redis.pipeline(transaction=False) as pipe:
-                for key in self.claimer.queue_keys:
+                for key, queue in zip(self.claimer.queue_keys, self.queues, strict=True):
                     pipe.llen(key)
+                    pipe.zcard(fair_key(queue))  # tenants' queues with work
                 pipe.llen(self.claimer.inflight)  # e.g. a claim whose reply was lost
                 return not any(pipe.execute())
         except OUTAGE_ERRORS as e:

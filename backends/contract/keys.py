@@ -4,7 +4,7 @@ directly; they must match what RQ itself uses."""
 
 from __future__ import annotations
 
-from backends.contract.schema import PRIORITIES
+from backends.contract.schema import DEFAULT_TENANT, PRIORITIES
 
 # The one function a fleet job may name. Workers refuse (fail, never run) anything else.
 JOB_FUNCTION = "dispatcher.jobs.generate"
@@ -19,6 +19,21 @@ def queue_names(pool: str) -> list[str]:
     """A pool's queues, highest priority first (the claim order)."""
     return [queue_name(pool, p) for p in PRIORITIES]
 
+
+def tenant_queue_name(queue: str, tenant: str | None) -> str:
+    """The RQ queue a tenant's jobs of pool queue `queue` wait in: that queue itself for the
+    default tenant (and jobs naming none), `<queue>:<tenant>` for the others (claim.lua builds the
+    same names)."""
+    return queue if tenant in (None, DEFAULT_TENANT) else f"{queue}:{tenant}"
+
+
+def fair_key(queue: str) -> str:
+    """zset tenant -> virtual pass of one priority queue's tenants with work (claim.lua's fair
+    share; `<key>:clock` is the pass of the last pick). `queue`: the pool's own queue name."""
+    return f"fleet:fair:{queue}"
+
+
+FAIR_TTL = 86400  # seconds the fair-share state outlives the last enqueue or claim
 
 QUEUE_PREFIX = "rq:queue:"  # worker/claim.py's script strips these 9 characters to name the queue
 RQ_WORKERS_SET = "rq:workers"  # RQ's set of registered worker keys

@@ -23,6 +23,9 @@ MAX_REQUEST_CHARS = 1_000_000
 MAX_SCHEMA_CHARS = 32_768  # a JSON schema for structured output, serialized
 MAX_TOP_LOGPROBS = 20
 Priority = Literal["high", "default", "low"]
+# A tenant's name: it names Redis keys (its queues, its counters), so no ':' and nothing odd
+TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+DEFAULT_TENANT = "default"  # jobs that name no tenant, and the flat gateway.api_keys
 PRIORITIES: tuple[Priority, ...] = ("high", "default", "low")
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -70,6 +73,8 @@ class GenerateRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # structured output: "json" = any JSON object; a dict = a JSON Schema the text must match
     format: Literal["json"] | dict[str, Any] | None = None
+    # who asks (docs/tenants.md): fair share at the claim, usage, limits; None: the default tenant
+    tenant: str | None = Field(None, pattern=TENANT_PATTERN)
 
     @field_validator("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty", mode="before")

@@ -9,15 +9,40 @@ FLEET_GATEWAY__API_KEYS='["key-1"]', FLEET_GATEWAY__MODELS='{"gemma-3-270m": "ll
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from backends.contract.schema import MAX_TOKENS_LIMIT
+from backends.contract.schema import MAX_TOKENS_LIMIT, TENANT_PATTERN, Priority
 from backends.contract.settings import ProducerSettings, load
 
 POOL_PATTERN = r"^[A-Za-z0-9_.-]+$"
+
+
+def shown_name(name: str) -> str:
+    return name.encode("utf-8", "backslashreplace").decode()[:80]
 MIB = 1024 * 1024
+
+
+class TenantSettings(BaseModel):
+    """One tenant of `gateway.tenants` (docs/tenants.md): its keys, its share of the workers and
+    its limits; every limit is optional."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys: list[SecretStr] = Field(default_factory=list, description="bearer keys that act as this tenant")
+    weight: float = Field(1.0, gt=0, le=1000, description="share of the claims when tenants wait at one "
+                          "priority (proportional)")
+    requests_per_minute: int | None = Field(None, ge=1, description="jobs admitted per minute; 429 beyond")
+    tokens_per_minute: int | None = Field(None, ge=1, description="prompt + completion tokens per minute, "
+                                          "counted as jobs end; 429 once reached")
+    max_concurrent: int | None = Field(None, ge=1, description="jobs admitted and not ended (waiting or "
+                                       "running), across gateways; 429 beyond")
+    max_queued: int | None = Field(None, ge=0, description="jobs admitted and not started; 429 beyond")
+    max_priority: Priority = Field("high", description="highest X-Fleet-Priority the tenant may ask; a "
+                                   "higher one is lowered to it")
+    models: list[str] | None = Field(None, description="models the tenant may use; None: all")
 
 
 class GatewaySettings(BaseModel):
@@ -29,7 +54,12 @@ class GatewaySettings(BaseModel):
     max_queue: int = Field(1000, ge=0, description="jobs waiting in a pool beyond which requests get 429")
     retry_after: int = Field(1, ge=1, le=3600, description="seconds, in the Retry-After of a 429")
     api_keys: list[SecretStr] = Field(default_factory=list,
-                                      description="accepted bearer keys; empty: no authentication")
+                                      description="accepted bearer keys of the default tenant; with "
+                                      "no keys anywhere: no authentication")
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict,
+                                               description="tenant name -> its keys, weight and limits")
+    admin_keys: list[SecretStr] = Field(default_factory=list, description="operators' keys: the "
+                                        "dashboard, metrics and every tenant's data")
     models: dict[str, str] = Field(default_factory=dict,
                                    description="model name -> pool; empty: the fleet's pool, by its name")
     request_timeout: float = Field(900.0, gt=0, description="seconds a request waits for its jobs")
@@ -68,11 +98,31 @@ class GatewaySettings(BaseModel):
                                     "details to anyone who can reach it (with api_keys set, to key holders "
                                     "anyway); off: they are redacted")
 
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, TenantSettings]) -> dict[str, TenantSettings]:
+        for name in v:
+            if not re.match(TENANT_PATTERN, name):
+                raise ValueError(f"tenant name {shown_name(name)!r}: 1..64 of A-Z a-z 0-9 _ . -")
+        return v
+
+    @model_validator(mode="after")
+    def _one_owner_per_key(self) -> GatewaySettings:
+        seen: set[str] = set()
+        for keys in [self.api_keys, self.admin_keys, *(t.api_keys for t in self.tenants.values())]:
+            for key in keys:
+                if key.get_secret_value() in seen:  # the message never shows a key
+                    raise ValueError("an API key is listed twice (across api_keys, admin_keys and tenants)")
+                seen.add(key.get_secret_value())
+        return self
+
+    def tenant_weights(self) -> dict[str, float]:
+        """Tenant -> weight, for the workers' fair share (only those not of weight 1)."""
+        return {name: t.weight for name, t in self.tenants.items() if t.weight != 1.0}
+
     @field_validator("models")
     @classmethod
     def _pool_names(cls, v: dict[str, str]) -> dict[str, str]:
-        import re
-
         for model, pool in v.items():
             if not model or len(model) > 256:
                 raise ValueError(f"model name {model!r} must be 1..256 characters")

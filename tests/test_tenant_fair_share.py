@@ -1,0 +1,119 @@
+"""Fair share between tenants at the claim (worker/claim.lua), on a real redis-server: tenants with
+work at one priority take turns in proportion to their weights, whatever each has queued; idle
+time earns no credit; jobs naming no tenant are the default tenant's; crafted state loses no id;
+RQ's own tools still see ordinary queues."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from redis import Redis
+from rq import Queue
+
+from backends.contract.keys import fair_key, inflight_key, job_key, queue_key
+from dispatcher import Fleet
+from tests.reliability_checks import fleet_workers
+from worker.claim import Claimer
+
+POOL = "llm"
+QUEUE = f"{POOL}:default"
+
+
+def tenant_of(redis: Redis, raw_id: bytes) -> str:
+    origin = (redis.hget(job_key(raw_id.decode()), "origin") or b"").decode()
+    return origin[len(QUEUE) + 1:] or "default"
+
+
+def claim_order(redis: Redis, claimer: Claimer, n: int, batch: int = 4) -> list[str]:
+    """Tenants of the next `n` claims, taken `batch` at a time as a worker with free slots would."""
+    order: list[str] = []
+    while len(order) < n:
+        got = claimer.claim(min(batch, n - len(order)))
+        if not got:
+            break
+        order += [tenant_of(redis, raw) for raw, _queue in got]
+    return order
+
+
+def submit(fleet: Fleet, tenant: str | None, n: int) -> list[str]:
+    extra = {"tenant": tenant} if tenant else {}
+    return [fleet.submit(prompt=f"{tenant} {i}", max_tokens=2, **extra).id for i in range(n)]
+
+
+def test_two_tenants_alternate_whatever_one_has_queued(redis_url: str, redis: Redis) -> None:
+    fleet = Fleet(redis_url)
+    submit(fleet, "bulk", 300)
+    submit(fleet, "chat", 8)
+    order = claim_order(redis, Claimer(redis, "w", [QUEUE]), 16)
+    # chat's 8 jobs are claimed within the first 16, not after bulk's 300
+    assert Counter(order) == {"bulk": 8, "chat": 8}, order
+    assert all(order[i] != order[i + 1] for i in range(15)), order  # strict turns at equal weights
+
+
+def test_weights_share_the_claims_in_proportion(redis_url: str, redis: Redis) -> None:
+    fleet = Fleet(redis_url)
+    submit(fleet, "a", 100)
+    submit(fleet, "b", 100)
+    order = claim_order(redis, Claimer(redis, "w", [QUEUE], weights={"b": 3}), 40)
+    assert Counter(order) == {"a": 10, "b": 30}, order
+
+
+def test_jobs_without_a_tenant_are_the_default_tenants_share(redis_url: str, redis: Redis) -> None:
+    fleet = Fleet(redis_url)
+    rq = Queue(QUEUE, connection=redis, serializer="json")  # a plain RQ producer, no tenant
+    plain = [rq.enqueue("dispatcher.jobs.generate", {"prompt": f"p{i}", "max_tokens": 2}).id for i in range(20)]
+    submit(fleet, "team", 20)
+    order = claim_order(redis, Claimer(redis, "w", [QUEUE]), 20)
+    assert Counter(order) == {"default": 10, "team": 10}, order
+    # RQ's view: the tenant's queue is an RQ queue with its jobs, the pool's queue holds the rest
+    assert Queue(f"{QUEUE}:team", connection=redis).count == 10
+    assert Queue(QUEUE, connection=redis).count == 10
+    assert set(plain[10:]) == set(Queue(QUEUE, connection=redis).job_ids)
+
+
+def test_idle_time_earns_no_credit(redis_url: str, redis: Redis) -> None:
+    """A tenant that was away does not get a run of claims to "catch up" on the other's history."""
+    fleet = Fleet(redis_url)
+    claimer = Claimer(redis, "w", [QUEUE])
+    submit(fleet, "early", 200)
+    assert claim_order(redis, claimer, 60) == ["early"] * 60
+    submit(fleet, "late", 50)
+    order = claim_order(redis, claimer, 20)
+    assert Counter(order) == {"early": 10, "late": 10}, order
+
+
+def test_a_crafted_tenant_entry_loses_no_job(redis_url: str, redis: Redis) -> None:
+    """A fair-share member whose queue key is not a list (or names anything) is dropped; the
+    claim goes on and every real job is claimed exactly once."""
+    fleet = Fleet(redis_url)
+    ids = submit(fleet, "real", 5) + submit(fleet, None, 5)
+    redis.zadd(fair_key(QUEUE), {"evil": -1, "../../x": -2, "": -3})
+    redis.set(queue_key(f"{QUEUE}:evil"), "not a list")
+    claimer = Claimer(redis, "w", [QUEUE])
+    got = [raw.decode() for raw, queue in claimer.claim(16)]
+    assert sorted(got) == sorted(ids)
+    assert redis.lrange(inflight_key("w"), 0, -1) == [i.encode() for i in got]
+    assert redis.get(queue_key(f"{QUEUE}:evil")) == b"not a list"  # left as it was
+
+
+def test_fair_share_state_has_a_ttl(redis_url: str, redis: Redis) -> None:
+    fleet = Fleet(redis_url)
+    submit(fleet, "a", 3)
+    submit(fleet, "b", 3)
+    Claimer(redis, "w", [QUEUE]).claim(2)
+    for key in (fair_key(QUEUE), fair_key(QUEUE) + ":clock"):
+        assert 0 < redis.ttl(key) <= 86400, key
+
+
+def test_tenant_jobs_run_cancel_and_end_on_a_worker(redis_url: str, redis: Redis, tmp_path: Path) -> None:
+    fleet = Fleet(redis_url)
+    queued = fleet.submit(prompt="never runs", max_tokens=2, tenant="team")
+    assert queued.cancel() == "cancelled"  # off its tenant queue at once
+    assert redis.llen(queue_key(f"{QUEUE}:team")) == 0
+    jobs = [fleet.submit(prompt=f"hello {i}", max_tokens=3, tenant=t) for i, t in enumerate(["a", "b", "a"])]
+    with fleet_workers(redis_url, tmp_path / "logs") as workers:
+        workers.start("w1", backend__type="fake")
+        results = [job.result(timeout=30) for job in jobs]
+    assert [r["text"] for r in results] == ["hello 0", "hello 1", "hello 2"]
+    assert queued.result(timeout=5)["finish_reason"] == "cancelled"
