@@ -62,7 +62,8 @@ def test_weights_share_the_claims_in_proportion(redis_url: str, redis: Redis) ->
 def test_jobs_without_a_tenant_are_the_default_tenants_share(redis_url: str, redis: Redis) -> None:
     fleet = Fleet(redis_url)
     rq = Queue(QUEUE, connection=redis, serializer="json")  # a plain RQ producer, no tenant
-    plain = [rq.enqueue("dispatcher.jobs.generate", {"prompt": f"p{i}", "max_tokens": 2}).id for i in range(20)]
+    plain = [rq.enqueue("dispatcher.jobs.generate", {"prompt": f"p{i}", "max_tokens": 2}).id
+             for i in range(20)]
     submit(fleet, "team", 20)
     order = claim_order(redis, Claimer(redis, "w", [QUEUE]), 20)
     assert Counter(order) == {"default": 10, "team": 10}, order
