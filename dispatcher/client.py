@@ -74,8 +74,9 @@ class ProducerBase:
 
     def _prepare(self, prompt: str | None, priority: str, queue_ttl: int | None, job_timeout: int | None,
                  fields: dict[str, Any]) -> PreparedJob:
+        job_id = fields.pop("job_id", None)
         return prepare(prompt, priority, fields, job_timeout=job_timeout or self.job_timeout,
-                       result_ttl=self.result_ttl, queue_ttl=queue_ttl or self.queue_ttl)
+                       result_ttl=self.result_ttl, queue_ttl=queue_ttl or self.queue_ttl, job_id=job_id)
 
 
 class Fleet(ProducerBase):

@@ -16,6 +16,7 @@ carries these plans out on its own client (dispatcher/plans.py) and owns its ret
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -118,16 +119,26 @@ class PreparedJob:
         return calls
 
 
+JOB_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
 def prepare(prompt: str | None, priority: str, fields: dict[str, Any], *, job_timeout: int,
-            result_ttl: int, queue_ttl: int | None) -> PreparedJob:
-    """Validate a request (ValueError naming any bad field) and fix its job id."""
+            result_ttl: int, queue_ttl: int | None, job_id: str | None = None) -> PreparedJob:
+    """Validate a request (ValueError naming any bad field) and fix its job id (`job_id`: one
+    from new_job_id(), for a caller that reserved it before)."""
+    if job_id is not None and not JOB_ID.fullmatch(job_id):
+        raise ValueError("job_id must be 32 lowercase hex digits (new_job_id())")
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, not {priority!r}")
     if prompt is not None:
         fields["prompt"] = prompt
     request = validate_request(fields)
     return PreparedJob(
-        job_id=uuid.uuid4().hex,  # fixed before the first try: a retry never enqueues twice
+        job_id=job_id or new_job_id(),  # fixed before the first try: a retry never enqueues twice
         priority=priority,
         payload=request.model_dump(exclude_none=True, exclude_defaults=True),
         job_timeout=job_timeout, result_ttl=result_ttl, meta={"queue_ttl": queue_ttl} if queue_ttl else {},

@@ -11,11 +11,13 @@ from worker.batch_hook import BatchRecord
 from worker.facts import Facts
 from worker.hooks import JobHook
 from worker.settings import FleetSettings
+from worker.tenant_usage import TenantUsage
 
 
 def job_hooks(settings: FleetSettings | None = None) -> tuple[JobHook, ...]:
     """The hooks, in the order they queue (`settings` None: every concern on, as by default)."""
-    hooks: list[JobHook] = [BatchRecord()]  # a batch line's ending into its batch's record
+    hooks: list[JobHook] = [BatchRecord(),  # a batch line's ending into its batch's record
+                            TenantUsage()]  # admission places let go, usage counted
     if settings is None or settings.observe:
         hooks.append(Facts())  # counters, histograms, job history (`observe: false` turns it off)
     return tuple(hooks)

@@ -35,6 +35,35 @@ def fair_key(queue: str) -> str:
 
 FAIR_TTL = 86400  # seconds the fair-share state outlives the last enqueue or claim
 
+
+# A tenant's admission state (dispatcher/tenants.py, tenant_admit.lua): zsets job id -> expiry (ms)
+# of its jobs admitted and not ended, and admitted and not started; a hash per minute of requests
+# admitted and tokens used (`<prefix>:<unix minute>`, TTL 120 s)
+def tenant_open_key(tenant: str) -> str:
+    return f"fleet:tenant:{tenant}:open"
+
+
+def tenant_queued_key(tenant: str) -> str:
+    return f"fleet:tenant:{tenant}:queued"
+
+
+def tenant_rate_prefix(tenant: str) -> str:
+    return f"fleet:tenant:{tenant}:rate"
+
+
+# Usage: a hash per tenant and hour (`<hour>` = unix time // 3600) of requests, tokens, queue wait
+# and refusals by limit, kept USAGE_TTL; the zset of tenants seen (tenant -> last hour)
+def usage_prefix(tenant: str) -> str:
+    return f"fleet:usage:{tenant}"
+
+
+def usage_key(tenant: str, hour: int) -> str:
+    return f"{usage_prefix(tenant)}:{hour}"
+
+
+USAGE_TENANTS = "fleet:usage:tenants"
+USAGE_TTL = 8 * 86400
+
 QUEUE_PREFIX = "rq:queue:"  # worker/claim.py's script strips these 9 characters to name the queue
 RQ_WORKERS_SET = "rq:workers"  # RQ's set of registered worker keys
 

@@ -73,6 +73,7 @@ class BatchSpec:
     metadata: dict[str, str] | None = None
     extra: dict[str, str] = field(default_factory=dict)  # more state fields (the gateway's file ids)
     max_open_lines: int | None = None  # cap on the pool's batch lines not ended yet (None: no cap)
+    tenant: str | None = None  # whose lines: they wait in the tenant's queue and count as its usage
 
 
 @dataclass
@@ -209,7 +210,8 @@ def _enqueue(spec: BatchSpec, open_lines: Callable[[], Iterable[str]], chunk: in
 
 
 def _prepared(spec: BatchSpec, line: BatchLine, queue_ttl: int) -> PreparedJob:
-    job = prepare(None, spec.priority, dict(line.request), job_timeout=spec.job_timeout,
+    named = {"tenant": spec.tenant} if spec.tenant else {}
+    job = prepare(None, spec.priority, {**line.request, **named}, job_timeout=spec.job_timeout,
                   result_ttl=BATCH_JOB_RESULT_TTL, queue_ttl=queue_ttl)
     job.job_id = record.line_job_id(spec.batch_id, line.key)
     return job

@@ -34,7 +34,7 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dispatcher.gateway import batch_api, ollama_api, openai_api
-from dispatcher.gateway.core import ApiError, Gateway, shown
+from dispatcher.gateway.core import ApiError, Gateway, caller_keys, shown
 from dispatcher.gateway.responses import AsciiJSONResponse
 from dispatcher.gateway.settings import GatewaySettings, ServeSettings, load_serve_settings
 
@@ -48,9 +48,11 @@ def guarded(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def check(request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
-        if not gw.authorized(request.headers.get("authorization")):
+        caller = gw.identify(request.headers.get("authorization"))
+        if caller is None:
             raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        request.state.caller = caller
         return await handler(request)
 
     return check
@@ -248,20 +250,34 @@ def create_app(settings: ServeSettings) -> Starlette:
 
 def observability_routes(settings: ServeSettings, redis: Callable[[], AsyncRedis]) -> list[Route | Mount]:
     """GET /metrics (Prometheus) and /dashboard, read with `redis()`: the gateway's one async
-    client, which exists once the app has started. With API keys set, /metrics needs a key; the
-    dashboard page loads without one (so a browser can type a key in) and its JSON API needs one.
-    Prompts are shown to key holders, or with keys off only when `gateway.dashboard_prompts` is
-    set."""
+    client, which exists once the app has started. With API keys set, /metrics needs an
+    operator's key; the dashboard page loads without one (so a browser can type a key in) and its
+    JSON API needs one. Prompts are shown to operators, or with keys off only when
+    `gateway.dashboard_prompts` is set."""
     from dispatcher.observe.dashboard import bearer_check, dashboard_app
     from dispatcher.observe.metrics import metrics_route
 
     metrics = metrics_route(redis, settings.pool)
-    keys = [k.get_secret_value() for k in settings.gateway.api_keys]
+    callers = caller_keys(settings.gateway)
+    operators = [key.decode() for key, caller in callers if caller.operator]
     dashboard = dashboard_app(redis, settings.pool, show_prompts=settings.gateway.dashboard_prompts,
-                              authorize=bearer_check(keys) if keys else None)
-    if keys:
-        metrics = Route("/metrics", guarded(metrics.endpoint))
+                              authorize=bearer_check(operators) if callers else None)
+    if callers:
+        metrics = Route("/metrics", guarded(operators_only(metrics.endpoint)))
     return [metrics, Mount("/dashboard", app=dashboard)]
+
+
+def operators_only(handler: Handler) -> Handler:
+    """Behind `guarded`: 403 for a tenant's key (operators' views show every tenant)."""
+
+    @functools.wraps(handler)
+    async def check(request: Request) -> Response:
+        if not request.state.caller.operator:
+            raise ApiError(403, "this route needs an operator's key (gateway.admin_keys)",
+                           code="admin_key_required")
+        return await handler(request)
+
+    return check
 
 
 def app_from_env() -> Starlette:

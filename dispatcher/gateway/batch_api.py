@@ -28,11 +28,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from backends.contract.schema import DEFAULT_TENANT
 from dispatcher.batch import control, files, record
 from dispatcher.batch.lines import URLS, safe_text, scan, split_lines
 from dispatcher.batch.multipart import UploadRefused, read_upload
 from dispatcher.batch.submit import BatchQueueFull, BatchRefused, BatchSpec, check, new_batch_id, submit_plan
-from dispatcher.gateway.core import ApiError, Gateway, read_json_object
+from dispatcher.gateway.core import OPEN, ApiError, Caller, Gateway, read_json_object
 from dispatcher.plans import Plan, run_async
 
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")  # what new_batch_id and default_batch_id make
@@ -51,12 +52,25 @@ async def _run(request: Request, plan: Plan[T], *, offload: bool = False) -> T:
 
 
 def _creator(request: Request) -> str:
-    """The caller's identity (the guard already checked its key)."""
-    gw: Gateway = request.app.state.gateway
-    if not gw.settings.gateway.api_keys:
+    """Whose the caller's files and batches are (the guard already checked its key): a named
+    tenant's, shared by its keys; for the default tenant's keys, each key's own."""
+    caller: Caller = request.state.caller
+    if caller.tenant != DEFAULT_TENANT:
+        return caller.owner
+    if caller is OPEN:
         return files.ANONYMOUS
     _, _, token = (request.headers.get("authorization") or "").partition(" ")
     return files.creator_of(token.strip())
+
+
+def _batch_reader(request: Request) -> str | None:
+    """Whose batches the caller may read and cancel: its own; an operator (admin key) everyone's."""
+    return None if request.state.caller.admin else _creator(request)
+
+
+def _tenant(request: Request) -> str | None:
+    caller: Caller = request.state.caller
+    return None if caller.tenant == DEFAULT_TENANT else caller.tenant
 
 
 def _shown(value: object) -> str:
@@ -107,12 +121,14 @@ def _file_object(file_id: str, meta: dict[str, Any], ttl: int) -> dict[str, Any]
             "status_details": None}
 
 
-def _owned_batch(batch_id: str, creator: str) -> Plan[dict[str, Any] | None]:
-    """The batch's state if `creator` made it through this API; None for anyone else."""
+def _owned_batch(batch_id: str, creator: str | None) -> Plan[dict[str, Any] | None]:
+    """The batch's state if `creator` made it through this API (None: an operator, any batch);
+    None for anyone else."""
     if not BATCH_ID.fullmatch(batch_id):
         return None
     state = yield from control.status_plan(batch_id, with_running=False)
-    return state if state is not None and state.get("owner") == creator else None
+    mine = state is not None and (creator is None or state.get("owner") == creator)
+    return state if mine else None
 
 
 def _read_file_meta(file_id: str, creator: str) -> Plan[dict[str, Any]]:
@@ -242,11 +258,11 @@ async def create_batch(request: Request) -> Response:
                        f"{limits.max_batch_lines:,} (gateway.max_batch_lines)", param="input_file_id",
                        code="too_many_requests_in_batch")
     model = next(iter(found.models), "")
-    pool = gw.pool_for(model) if model else gw.settings.pool
+    pool = gw.pool_for(model, request.state.caller) if model else gw.settings.pool
     spec = BatchSpec(new_batch_id(), pool, "low", window, job_timeout=gw.settings.job_timeout,
                      endpoint=str(endpoint), input_name=str(file_id), metadata=metadata,
                      extra={"input_file_id": str(file_id), "owner": creator},
-                     max_open_lines=limits.max_batch_queue)
+                     max_open_lines=limits.max_batch_queue, tenant=_tenant(request))
     mismatched = found.kinds - {URLS[str(endpoint)]}
     try:
         if mismatched or found.invalid or not found.valid:
@@ -280,7 +296,7 @@ def _record_failed(spec: BatchSpec, errors: list[dict[str, Any]]) -> Plan[None]:
 
 async def get_batch(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
-    state = await _run(request, _owned_batch(batch_id, _creator(request)))
+    state = await _run(request, _owned_batch(batch_id, _batch_reader(request)))
     if state is None:
         raise _no_batch(batch_id)
     return JSONResponse(batch_object(state))
@@ -289,7 +305,7 @@ async def get_batch(request: Request) -> Response:
 async def cancel_batch(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     batch_id = request.path_params["batch_id"]
-    if await _run(request, _owned_batch(batch_id, _creator(request))) is None:
+    if await _run(request, _owned_batch(batch_id, _batch_reader(request))) is None:
         raise _no_batch(batch_id)
     try:
         await _run(request, control.cancel_plan(batch_id, gw.settings.job_timeout))
@@ -304,7 +320,7 @@ async def list_batches(request: Request) -> Response:
     except ValueError:
         raise ApiError(400, "limit must be an integer", param="limit", code="invalid_value") from None
     after = request.query_params.get("after")
-    states = await _run(request, control.list_plan(1000, _creator(request)))
+    states = await _run(request, control.list_plan(1000, _batch_reader(request)))
     if after:
         ids = [s["id"] for s in states]
         states = states[ids.index(after) + 1:] if after in ids else []

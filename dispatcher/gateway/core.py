@@ -18,13 +18,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backends.contract.keys import WORKERS_SET, queue_key, queue_names, worker_key
+from backends.contract.keys import WORKERS_SET, queue_key, queue_names, tenant_queue_name, worker_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
-from backends.contract.schema import PRIORITIES
+from backends.contract.schema import DEFAULT_TENANT, PRIORITIES
 from dispatcher.aio import AsyncFleet, AsyncFleetJob
-from dispatcher.gateway.settings import ServeSettings
+from dispatcher.gateway.settings import GatewaySettings, ServeSettings, TenantSettings
+from dispatcher.plans import run_async
+from dispatcher.rules import new_job_id
 from dispatcher.stream import JobFailed, JobRestarted, TextDeltas
+from dispatcher.tenants import LimitReached, Limits, admit_plan, release_plan
 
 if TYPE_CHECKING:  # Starlette stays out of producer-only hosts (openai_bodies imports this module)
     from starlette.requests import Request
@@ -182,6 +185,26 @@ class JobUpdate:
         return self.result is not None or self.error is not None
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who a request comes from: its tenant (the default one for the flat `api_keys` and without
+    keys); `admin`: an operator's key (`admin_keys`: every tenant's data); `operator`: may see
+    the dashboard and metrics (admin keys, and the flat `api_keys` while neither tenants nor
+    admin keys are configured, as before tenants)."""
+
+    tenant: str
+    admin: bool = False
+    operator: bool = False
+
+    @property
+    def owner(self) -> str:
+        """What the caller's files and batches are recorded under."""
+        return f"tenant:{self.tenant}"
+
+
+OPEN = Caller(DEFAULT_TENANT)  # no keys configured: everyone is the default tenant
+
+
 class Gateway:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
@@ -192,7 +215,7 @@ class Gateway:
         self.models = settings.model_pools()
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
         self.redis_up = False
-        self._keys = [k.get_secret_value().encode() for k in settings.gateway.api_keys]
+        self._keys = caller_keys(settings.gateway)
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -246,33 +269,49 @@ class Gateway:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def authorized(self, authorization: str | None) -> bool:
-        """No keys configured: open. Else `Bearer <key>` with one of the keys, compared in
-        constant time (every key is compared, so timing tells nothing about which matched)."""
+    def identify(self, authorization: str | None) -> Caller | None:
+        """No keys configured: open (the default tenant). Else the caller whose key `Bearer <key>`
+        is, compared in constant time (every key is compared, so timing tells nothing about which
+        matched); None for no valid key."""
         if not self._keys:
-            return True
+            return OPEN
         scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            return False
-        token = given.strip().encode()
-        return any([hmac.compare_digest(token, key) for key in self._keys])
+        token = given.strip().encode() if scheme.lower() == "bearer" else b""
+        found = None
+        for key, caller in self._keys:
+            if hmac.compare_digest(token, key):
+                found = caller
+        return found
 
-    def pool_for(self, model: object) -> str:
+    def tenant(self, caller: Caller) -> TenantSettings | None:
+        return self.settings.gateway.tenants.get(caller.tenant)
+
+    def pool_for(self, model: object, caller: Caller = OPEN) -> str:
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required: the name of a model this gateway serves",
                            param="model", code="missing_model")
         pool = self.models.get(model)
+        tenant = self.tenant(caller)
+        if tenant is not None and tenant.models is not None and model not in tenant.models:
+            pool = None  # a model the tenant may not use does not exist for it
         if pool is None:
+            served = sorted(self.models) if tenant is None or tenant.models is None else sorted(
+                set(self.models) & set(tenant.models))
             raise ApiError(404, f"The model '{shown(model)}' does not exist (this gateway serves: "
-                           f"{', '.join(sorted(self.models))})", param="model", code="model_not_found")
+                           f"{', '.join(served)})", param="model", code="model_not_found")
         return pool
 
-    async def submit(self, pool: str, requests: list[dict[str, Any]], priority: str) -> list[AsyncFleetJob]:
-        """Admit and enqueue a request's jobs (one per choice). 503 without a live worker for the
-        pool, 429 when more than `max_queue` jobs wait in it, 400 for a bad field."""
+    async def submit(self, pool: str, requests: list[dict[str, Any]], priority: str,
+                     caller: Caller = OPEN) -> list[AsyncFleetJob]:
+        """Admit and enqueue a request's jobs (one per choice) as `caller`'s tenant. 503 without a
+        live worker for the pool, 429 when more than `max_queue` of the tenant's jobs wait in it
+        or a tenant limit is reached, 400 for a bad field."""
         if priority not in PRIORITIES:
             raise ApiError(400, f"X-Fleet-Priority must be one of {', '.join(PRIORITIES)}, not "
                            f"'{shown(priority)}'", param="X-Fleet-Priority", code="invalid_priority")
+        tenant = self.tenant(caller)
+        if tenant is not None and PRIORITIES.index(priority) < PRIORITIES.index(tenant.max_priority):
+            priority = tenant.max_priority  # the tenant's ceiling
         if not self.live_workers.get(pool):
             await self.refresh()  # a worker may have come up since the last look
             if not self.redis_up:
@@ -281,7 +320,7 @@ class Gateway:
                 raise ApiError(503, f"no live worker serves pool '{pool}'", code="no_workers")
         fleet = self.fleet_for(pool)
         try:
-            depth = await self.queue_depth(pool, priority)
+            depth = await self.queue_depth(pool, priority, caller.tenant)
         except OUTAGE_ERRORS:
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
         limit = self.settings.gateway.max_queue
@@ -289,25 +328,72 @@ class Gateway:
             raise ApiError(429, f"pool '{pool}' has {depth} jobs waiting at priority {priority} or above "
                            f"(limit {limit}); retry later",
                            code="queue_full", headers={"Retry-After": str(self.settings.gateway.retry_after)})
+        ids = [new_job_id() for _ in requests]
+        await self._admit(caller.tenant, tenant, ids)
+        named = {} if caller.tenant == DEFAULT_TENANT else {"tenant": caller.tenant}
         jobs: list[AsyncFleetJob] = []
         try:
-            for fields in requests:
-                jobs.append(await fleet.submit(priority=priority, **fields))
+            for fields, job_id in zip(requests, ids, strict=True):
+                job_fields: dict[str, Any] = {**fields, **named, "job_id": job_id}
+                jobs.append(await fleet.submit(priority=priority, **job_fields))
         except ValueError as e:
-            await cancel_all(jobs)
+            await self._undo(caller.tenant, tenant, ids, jobs)
             raise ApiError(400, str(e), param=field_named(str(e)), code="invalid_request") from None
         except OUTAGE_ERRORS:
-            await cancel_all(jobs)
+            await self._undo(caller.tenant, tenant, ids, jobs)
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
         return jobs
 
-    async def queue_depth(self, pool: str, priority: str = PRIORITIES[-1]) -> int:
+    async def _admit(self, name: str, tenant: TenantSettings | None, ids: list[str]) -> None:
+        """Reserve the jobs under the tenant's limits (429 naming the limit, OpenAI's shape)."""
+        limits = tenant_limits(tenant)
+        if not limits.any:
+            return
+        life = (self.settings.queue_ttl or DEFAULT_RESERVATION) + self.settings.job_timeout
+        try:
+            await run_async(self.fleet.redis, admit_plan(name, ids, limits, life))
+        except LimitReached as e:
+            raise ApiError(429, str(e), code="rate_limit_exceeded", param=e.limit,
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except OUTAGE_ERRORS:
+            raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
+
+    async def _undo(self, name: str, tenant: TenantSettings | None, ids: list[str],
+                    jobs: list[AsyncFleetJob]) -> None:
+        await cancel_all(jobs)
+        if tenant_limits(tenant).any:
+            with contextlib.suppress(*OUTAGE_ERRORS):  # else they expire with their reservation
+                await run_async(self.fleet.redis, release_plan(name, ids[len(jobs):]))
+
+    async def queue_depth(self, pool: str, priority: str = PRIORITIES[-1], tenant: str | None = None) -> int:
         """Jobs waiting that a job at `priority` competes with: its own queue and the higher ones
-        (claimed first). Lower ones (a batch's lines) never delay it, so they do not count."""
+        (claimed first); for a tenant, its own queues (the claim shares each priority between the
+        tenants with work, so others' backlogs never stand in front of it). Lower ones (a batch's
+        lines) never delay it, so they do not count."""
         async with self.fleet.redis.pipeline(transaction=False) as pipe:
             for name in queue_names(pool)[:PRIORITIES.index(priority) + 1]:
-                pipe.llen(queue_key(name))
+                pipe.llen(queue_key(tenant_queue_name(name, tenant)))
             return sum(int(n) for n in await pipe.execute())
+
+
+DEFAULT_RESERVATION = 3600  # seconds a tenant's place is held for a job waiting without queue_ttl
+
+
+def tenant_limits(tenant: TenantSettings | None) -> Limits:
+    if tenant is None:
+        return Limits()
+    return Limits(max_concurrent=tenant.max_concurrent, max_queued=tenant.max_queued,
+                  requests_per_minute=tenant.requests_per_minute, tokens_per_minute=tenant.tokens_per_minute)
+
+
+def caller_keys(settings: GatewaySettings) -> list[tuple[bytes, Caller]]:
+    """Every accepted key and whose it is. The flat `api_keys` are the default tenant's, and its
+    operators' too while neither tenants nor admin keys are configured (as before tenants)."""
+    flat_operator = not settings.tenants and not settings.admin_keys
+    keys = [(k, Caller(DEFAULT_TENANT, operator=flat_operator)) for k in settings.api_keys]
+    keys += [(k, Caller(DEFAULT_TENANT, admin=True, operator=True)) for k in settings.admin_keys]
+    keys += [(k, Caller(name)) for name, t in settings.tenants.items() for k in t.api_keys]
+    return [(k.get_secret_value().encode(), caller) for k, caller in keys]
 
 
 def field_named(message: str) -> str | None:

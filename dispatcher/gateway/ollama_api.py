@@ -142,13 +142,14 @@ async def _run(request: Request, chat: bool) -> Response:
     started = time.monotonic_ns()
     body = await read_body(request)
     model = body.get("model")
-    pool = gw.pool_for(model)
+    caller = request.state.caller
+    pool = gw.pool_for(model, caller)
     fields = job_fields(body, chat)
     reply = OllamaReply(str(model), chat, started)
     if fields is None:  # Ollama loads the model and answers at once
         return JSONResponse(reply.final(None, "", done_reason="load"))
     check_limits(gw, [fields], 1, tokens_field="options.num_predict")
-    jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"))
+    jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"), caller)
     headers = {"X-Fleet-Job-Id": jobs[0].id}
     timeout = gw.settings.gateway.request_timeout
     if body.get("stream", True):

@@ -93,14 +93,15 @@ def timed_out(finals: list[JobUpdate], headers: dict[str, str]) -> ApiError | No
 async def _complete(request: Request, chat: bool) -> Response:
     gw: Gateway = request.app.state.gateway
     body = await read_body(request)
-    pool = gw.pool_for(body.get("model"))
+    caller = request.state.caller
+    pool = gw.pool_for(body.get("model"), caller)
     requests, n = job_fields(body, chat)
     check_limits(gw, requests, n)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
         raise unsupported("stream_options", "OpenAI")
     priority = request.headers.get("x-fleet-priority", "default")
-    jobs = await gw.submit(pool, per_choice(requests, n), priority)
+    jobs = await gw.submit(pool, per_choice(requests, n), priority, caller)
     reply = Reply(chat, body["model"], [j.id for j in jobs], bool(stream_options.get("include_usage")))
     headers = {"X-Fleet-Job-Id": ",".join(j.id for j in jobs)}
     timeout = gw.settings.gateway.request_timeout

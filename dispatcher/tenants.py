@@ -1,0 +1,115 @@
+"""Tenants on the producer side (docs/tenants.md): admission against a tenant's limits, and its
+usage read back.
+
+Limits that must hold across gateway processes and hosts live in Redis and change in the one
+script that admits (tenant_admit.lua): jobs admitted and not ended (`max_concurrent`), admitted
+and not started (`max_queued`), requests and tokens in this minute. A worker's hook
+(worker/tenant_usage.py) lets go of a job's places as it starts and ends and counts its tokens, in
+the same MULTI as the job's own final entry, so usage is counted exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from backends.contract.keys import (
+    USAGE_TENANTS,
+    tenant_open_key,
+    tenant_queued_key,
+    tenant_rate_prefix,
+    usage_key,
+    usage_prefix,
+)
+from backends.contract.lua import lua_script
+from backends.contract.replies import as_str
+from dispatcher.plans import Eval, Plan, ask, cmd, gather
+
+# Reserve a request's jobs against the tenant's limits, or refuse them all (KEYS, ARGV and
+# reply: the script's header).
+TENANT_ADMIT = lua_script("dispatcher", "tenant_admit.lua")
+
+USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "queue_ms", "failed")
+LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's limits as admission checks them (None: no limit)."""
+
+    max_concurrent: int | None = None
+    max_queued: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.max_concurrent, self.max_queued, self.requests_per_minute,
+                                           self.tokens_per_minute))
+
+
+class LimitReached(Exception):
+    """A request refused by one of its tenant's limits."""
+
+    def __init__(self, tenant: str, limit: str, allowed: int, current: int, retry_after: int) -> None:
+        self.tenant, self.limit, self.allowed, self.current = tenant, limit, allowed, current
+        self.retry_after = max(1, retry_after)
+        what = {"requests_per_minute": f"{current} requests this minute",
+                "tokens_per_minute": f"{current} tokens this minute",
+                "max_concurrent": f"{current} jobs admitted and not ended",
+                "max_queued": f"{current} jobs waiting to start"}[limit]
+        super().__init__(f"tenant '{tenant}' reached its {limit} limit of {allowed} ({what}); "
+                         f"retry after {self.retry_after}s")
+
+
+def admit_plan(tenant: str, job_ids: list[str], limits: Limits, lifetime_s: int) -> Plan[None]:
+    """Reserve `job_ids` under the tenant's limits; LimitReached refuses every one of them.
+    `lifetime_s`: how long a reservation lasts if the job's ending never comes."""
+    args: list[Any] = [len(job_ids), limits.max_concurrent or 0,
+                       -1 if limits.max_queued is None else limits.max_queued,
+                       limits.requests_per_minute or 0, limits.tokens_per_minute or 0, lifetime_s * 1000,
+                       *job_ids]
+    keys = [tenant_open_key(tenant), tenant_queued_key(tenant), tenant_rate_prefix(tenant),
+            usage_prefix(tenant)]
+    reply = yield from ask(Eval(TENANT_ADMIT, keys, args))
+    verdict = as_str(reply[0])
+    if verdict == "ok":
+        return
+    limit = str(verdict)
+    allowed = getattr(limits, limit)
+    raise LimitReached(tenant, limit, int(allowed), int(reply[2]), int(reply[1]))
+
+
+def release_plan(tenant: str, job_ids: list[str]) -> Plan[None]:
+    """Give back reservations of jobs that were never enqueued."""
+    if job_ids:
+        yield from gather([cmd("zrem", tenant_open_key(tenant), *job_ids),
+                           cmd("zrem", tenant_queued_key(tenant), *job_ids)])
+
+
+Usage = dict[str, dict[str, int]]  # tenant -> field -> count
+
+
+def usage_plan(tenant: str | None, since_hours: int, now: float | None = None) -> Plan[Usage]:
+    """Usage per tenant (one tenant, or every tenant seen) over the last `since_hours` hours,
+    this hour included: fields of USAGE_FIELDS and `rejected_<limit>`."""
+    hour = int((now if now is not None else time.time()) // 3600)
+    if tenant is not None:
+        tenants = [tenant]
+    else:
+        tenants = sorted(as_str(t) or "" for t in (yield from ask(cmd("zrange", USAGE_TENANTS, 0, -1))))
+    hours = range(hour - since_hours + 1, hour + 1)
+    replies = yield from gather([cmd("hgetall", usage_key(t, h)) for t in tenants for h in hours])
+    usage: Usage = {}
+    for i, t in enumerate(tenants):
+        total = {f: 0 for f in USAGE_FIELDS}
+        for raw in replies[i * len(hours):(i + 1) * len(hours)]:
+            for field, value in (raw or {}).items():
+                name = as_str(field) or ""
+                try:
+                    total[name] = total.get(name, 0) + int(value)
+                except ValueError:
+                    continue  # not a count: nothing the fleet wrote
+        usage[t] = total
+    return usage

@@ -1,0 +1,62 @@
+"""The tenants concern (a hook: worker/hooks.py): a job lets go of its tenant's admission places
+as it starts and ends, and its ending counts into the tenant's usage (requests, tokens, queue wait,
+failures: this hour's hash) and this minute's tokens (what `tokens_per_minute` admits against),
+all in the same MULTI as the job's own writes, so each is counted exactly once. Jobs naming no
+tenant count as the default tenant's. Keys: dispatcher/tenants.py, backends/contract/keys.py."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from redis.client import Pipeline
+
+from backends.contract.keys import (
+    USAGE_TENANTS,
+    USAGE_TTL,
+    tenant_open_key,
+    tenant_queued_key,
+    tenant_rate_prefix,
+    usage_key,
+)
+from backends.contract.schema import DEFAULT_TENANT
+
+if TYPE_CHECKING:
+    from worker.hooks import Holder, Restart
+    from worker.rqjobs import ClaimedJob, Ending
+
+RATE_TTL = 120  # seconds a minute's counts are kept (the admission script reads this minute's)
+
+
+def tenant_of(job: ClaimedJob) -> str:
+    return (job.request.tenant if job.request is not None else None) or DEFAULT_TENANT
+
+
+class TenantUsage:
+    def on_start(self, job: ClaimedJob, holder: Holder, pipe: Pipeline) -> None:
+        pipe.zrem(tenant_queued_key(tenant_of(job)), job.id)
+
+    def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
+        pass  # still admitted; a job the reaper fails frees its place when its reservation expires
+
+    def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
+        tenant, now = tenant_of(job), time.time()
+        pipe.zrem(tenant_open_key(tenant), job.id)
+        pipe.zrem(tenant_queued_key(tenant), job.id)
+        usage = usage_key(tenant, int(now // 3600))
+        pipe.hincrby(usage, "requests", 1)
+        result = ending.result
+        if result is None:
+            pipe.hincrby(usage, "failed", 1)
+        else:
+            prompt = int(result.get("prompt_tokens") or 0)
+            completion = int(result.get("completion_tokens") or 0)
+            pipe.hincrby(usage, "prompt_tokens", prompt)
+            pipe.hincrby(usage, "completion_tokens", completion)
+            pipe.hincrby(usage, "queue_ms", int(result.get("queue_ms") or 0))
+            rate = f"{tenant_rate_prefix(tenant)}:{int(now // 60)}"
+            pipe.hincrby(rate, "tokens", prompt + completion)
+            pipe.expire(rate, RATE_TTL)
+        pipe.expire(usage, USAGE_TTL)
+        pipe.zadd(USAGE_TENANTS, {tenant: int(now // 3600)})
+        pipe.expire(USAGE_TENANTS, USAGE_TTL)
