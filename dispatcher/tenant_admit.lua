@@ -1,6 +1,8 @@
--- KEYS: the tenant's open zset, its queued zset, its rate prefix, its usage hash prefix
+-- KEYS: the tenant's open zset, its queued zset, its rate prefix, its usage hash prefix, the zset
+-- of tenants with usage
 -- ARGV: jobs asking (n), max_concurrent (0: none), max_queued (-1: none), requests_per_minute
--- (0: none), tokens_per_minute (0: none), lifetime of a reservation (ms), then the n job ids
+-- (0: none), tokens_per_minute (0: none), lifetime of a reservation (ms), the tenant's name, then
+-- the n job ids
 -- Returns {'ok'} after reserving the n jobs (in both zsets, scored by their expiry, and counted
 -- in this minute's requests), or {limit name, seconds to wait, current count} refusing all of
 -- them (the refusal is counted in this hour's usage as 'rejected_<limit>').
@@ -18,9 +20,12 @@ local wait_minute = 60 - (t[1] % 60)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local function refuse(limit, wait, count)
-  local usage = KEYS[4] .. ':' .. math.floor(t[1] / 3600)
+  local hour = math.floor(t[1] / 3600)
+  local usage = KEYS[4] .. ':' .. hour
   redis.call('HINCRBY', usage, 'rejected_' .. limit, 1)
   redis.call('EXPIRE', usage, 691200)
+  redis.call('ZADD', KEYS[5], hour, ARGV[7])
+  redis.call('EXPIRE', KEYS[5], 691200)
   return {limit, wait, count}
 end
 local f = redis.call('HMGET', rate, 'requests', 'tokens')
@@ -30,7 +35,7 @@ if tpm > 0 and tokens >= tpm then return refuse('tokens_per_minute', wait_minute
 local open, queued = redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2])
 if maxc > 0 and open + n > maxc then return refuse('max_concurrent', 1, open) end
 if maxq >= 0 and queued + n > maxq then return refuse('max_queued', 1, queued) end
-for i = 7, 6 + n do
+for i = 8, 7 + n do
   redis.call('ZADD', KEYS[1], now + life, ARGV[i])
   redis.call('ZADD', KEYS[2], now + life, ARGV[i])
 end

@@ -69,9 +69,9 @@ def admit_plan(tenant: str, job_ids: list[str], limits: Limits, lifetime_s: int)
     args: list[Any] = [len(job_ids), limits.max_concurrent or 0,
                        -1 if limits.max_queued is None else limits.max_queued,
                        limits.requests_per_minute or 0, limits.tokens_per_minute or 0, lifetime_s * 1000,
-                       *job_ids]
+                       tenant, *job_ids]
     keys = [tenant_open_key(tenant), tenant_queued_key(tenant), tenant_rate_prefix(tenant),
-            usage_prefix(tenant)]
+            usage_prefix(tenant), USAGE_TENANTS]
     reply = yield from ask(Eval(TENANT_ADMIT, keys, args))
     verdict = as_str(reply[0])
     if verdict == "ok":

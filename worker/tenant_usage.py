@@ -49,11 +49,12 @@ class TenantUsage:
         if result is None:
             pipe.hincrby(usage, "failed", 1)
         else:
-            prompt = int(result.get("prompt_tokens") or 0)
-            completion = int(result.get("completion_tokens") or 0)
+            counts, timings = result.get("usage") or {}, result.get("timings") or {}
+            prompt = int(counts.get("prompt_tokens") or 0)
+            completion = int(counts.get("completion_tokens") or 0)
             pipe.hincrby(usage, "prompt_tokens", prompt)
             pipe.hincrby(usage, "completion_tokens", completion)
-            pipe.hincrby(usage, "queue_ms", int(result.get("queue_ms") or 0))
+            pipe.hincrby(usage, "queue_ms", int(timings.get("queue_ms") or 0))
             rate = f"{tenant_rate_prefix(tenant)}:{int(now // 60)}"
             pipe.hincrby(rate, "tokens", prompt + completion)
             pipe.expire(rate, RATE_TTL)
