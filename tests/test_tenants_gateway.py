@@ -6,6 +6,8 @@ what the results report, a plain-RQ tenant job is counted, `max_priority` and `m
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -18,7 +20,8 @@ from backends.contract.keys import job_key
 from dispatcher.plans import run
 from dispatcher.tenants import usage_plan
 from tests.gateway_harness import Gateways, wait_until_healthy
-from tests.harness import wait_for
+from tests.harness import ROOT, wait_for
+from tests.observe_helpers import cli_env
 from tests.test_hostile_batch import auth, batch_of, jsonl
 
 FAKE = {"backend__type": "fake", "backend__slots": 8}
@@ -121,7 +124,8 @@ def test_a_tenant_sees_only_its_own_and_an_operator_sees_all(workers: Any, gatew
     assert httpx.get(status, headers=auth("key-admin"), timeout=10).status_code == 200
 
 
-def test_usage_counts_what_the_results_report(redis: Redis, workers: Any, gateways: Gateways) -> None:
+def test_usage_counts_what_the_results_report(redis_url: str, redis: Redis, workers: Any,
+                                              gateways: Gateways) -> None:
     workers.start("w1", **FAKE, **SETTINGS)
     gw = gateways.start(**SETTINGS)
     wait_until_healthy(gw)
@@ -138,6 +142,15 @@ def test_usage_counts_what_the_results_report(redis: Redis, workers: Any, gatewa
     usage = wait_for(lambda: (u := run(redis, usage_plan(None, 1))).get("batchbot") and u, 10, "usage")
     assert {f: usage["gamma"][f] for f in reported} == reported and usage["gamma"]["requests"] == 3
     assert usage["batchbot"]["requests"] == 1 and usage["batchbot"]["completion_tokens"] > 0
+    # `fleet usage` reads the same counters: as JSON, and as a table
+    cli = [sys.executable, "-m", "ecosystem.cli", "usage", "--since", "1h"]
+    env = cli_env(redis_url)
+    shown = json.loads(subprocess.run([*cli, "--json", "--tenant", "gamma"], env=env, cwd=ROOT, check=True,
+                                      capture_output=True, text=True).stdout)
+    assert shown == {"gamma": usage["gamma"]}
+    table = subprocess.run(cli, env={**env, "COLUMNS": "160"}, cwd=ROOT, check=True, capture_output=True,
+                           text=True).stdout
+    assert "batchbot" in table and "gamma" in table
 
 
 def test_max_priority_and_models_hold(redis: Redis, workers: Any, gateways: Gateways) -> None:

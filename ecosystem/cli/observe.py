@@ -75,18 +75,20 @@ def metrics(config: str | None, host: str, port: int) -> None:
 @friendly_errors
 def dashboard(config: str | None, host: str, port: int, show_prompts: bool) -> None:
     """Serve the web dashboard (workers, queues, live charts, jobs) at http://HOST:PORT/. With
-    gateway.api_keys in the config, its JSON API needs one of those keys, as the gateway's does."""
+    API keys in the config, its JSON API needs an operator's key, as the gateway's does."""
     import uvicorn
 
+    from dispatcher.gateway.core import caller_keys
     from dispatcher.gateway.settings import load_serve_settings
     from dispatcher.observe.dashboard import bearer_check, dashboard_app
 
     s, redis = settings_and_redis(config)
     gateway = load_serve_settings(config).gateway
-    keys = [k.get_secret_value() for k in gateway.api_keys]
+    callers = caller_keys(gateway)
+    operators = [key.decode() for key, caller in callers if caller.operator]
     app = dashboard_app(redis, s.pool, with_metrics=True,
                         show_prompts=show_prompts or gateway.dashboard_prompts,
-                        authorize=bearer_check(keys) if keys else None)
+                        authorize=bearer_check(operators) if callers else None)
     click.echo(f"dashboard on http://{host}:{port}/ (pool {s.pool})", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
