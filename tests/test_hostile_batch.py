@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +23,7 @@ from backends.contract.replies import as_str
 from dispatcher.batch import control, record, submit
 from dispatcher.batch.lines import scan
 from dispatcher.batch.submit import BatchRefused, BatchSpec, submit_batch
-from ecosystem.local.processes import free_port
+from ecosystem.local.processes import RedisServer, free_port
 from tests.gateway_harness import Gateways, wait_until_healthy
 from tests.harness import ROOT, wait_for, worker_env
 
@@ -173,7 +174,14 @@ def _queued(redis: Redis) -> list[str]:
     return [as_str(j) or "" for j in redis.lrange(queue_key("llm:low"), 0, -1)]
 
 
-def test_cancel_takes_only_its_own_batch_in_bounded_chunks(redis: Redis, workers: Any) -> None:
+def test_cancel_takes_only_its_own_batch_in_bounded_chunks(tmp_path: Path) -> None:
+    # a private server: its command counts are this test's alone (the shared one may still serve
+    # a client an earlier test left shutting down)
+    with RedisServer.start(tmp_path / "redis") as server:
+        _cancel_in_bounded_chunks(server.client())
+
+
+def _cancel_in_bounded_chunks(redis: Redis) -> None:
     _submit(redis, "nightly", 2)
     _submit(redis, "nightly-2", 2)
     others = [j for j in _queued(redis) if j.startswith("fbatch-nightly-2-")]
