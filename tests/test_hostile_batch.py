@@ -26,6 +26,7 @@ from dispatcher.batch.submit import BatchRefused, BatchSpec, submit_batch
 from ecosystem.local.processes import RedisServer, free_port
 from tests.gateway_harness import Gateways, wait_until_healthy
 from tests.harness import ROOT, wait_for, worker_env
+from tests.reliability_checks import fleet_workers
 
 pytestmark = pytest.mark.timeout(300)
 FAKE = {"backend__type": "fake", "backend__slots": 4}
@@ -178,10 +179,11 @@ def test_cancel_takes_only_its_own_batch_in_bounded_chunks(tmp_path: Path) -> No
     # a private server: its command counts are this test's alone (the shared one may still serve
     # a client an earlier test left shutting down)
     with RedisServer.start(tmp_path / "redis") as server:
-        _cancel_in_bounded_chunks(server.client())
+        with fleet_workers(server.url, tmp_path / "logs") as workers:
+            _cancel_in_bounded_chunks(server.client(), workers)
 
 
-def _cancel_in_bounded_chunks(redis: Redis) -> None:
+def _cancel_in_bounded_chunks(redis: Redis, workers: Any) -> None:
     _submit(redis, "nightly", 2)
     _submit(redis, "nightly-2", 2)
     others = [j for j in _queued(redis) if j.startswith("fbatch-nightly-2-")]
