@@ -178,9 +178,9 @@ def _queued(redis: Redis) -> list[str]:
 def test_cancel_takes_only_its_own_batch_in_bounded_chunks(tmp_path: Path) -> None:
     # a private server: its command counts are this test's alone (the shared one may still serve
     # a client an earlier test left shutting down)
-    with RedisServer.start(tmp_path / "redis") as server:
-        with fleet_workers(server.url, tmp_path / "logs") as workers:
-            _cancel_in_bounded_chunks(server.client(), workers)
+    logs = tmp_path / "logs"
+    with RedisServer.start(tmp_path / "redis") as server, fleet_workers(server.url, logs) as workers:
+        _cancel_in_bounded_chunks(server.client(), workers)
 
 
 def _cancel_in_bounded_chunks(redis: Redis, workers: Any) -> None:
