@@ -118,3 +118,21 @@ def test_tenant_jobs_run_cancel_and_end_on_a_worker(redis_url: str, redis: Redis
         results = [job.result(timeout=30) for job in jobs]
     assert [r["text"] for r in results] == ["hello 0", "hello 1", "hello 2"]
     assert queued.result(timeout=5)["finish_reason"] == "cancelled"
+
+
+def test_slots_are_shared_so_a_newcomer_starts_at_once(redis_url: str, redis: Redis) -> None:
+    """A lone tenant leaves one slot free; once another has work, each may hold its weight's
+    share of the slots, so the newcomer's jobs take the slots the first one's jobs free."""
+    fleet = Fleet(redis_url)
+    claimer = Claimer(redis, "w", [QUEUE], weights={"b": 3}, slots=16)
+    submit(fleet, "a", 100)
+    first = claimer.claim(16, held={})
+    assert len(first) == 15  # one slot kept for whoever comes next
+    submit(fleet, "b", 20)
+    assert [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": 15})] == ["b"]
+    # a holds 15 of 16 with weight 1 of 4: until it is down to 4, every free slot goes to b
+    for a_held in (14, 10, 5):
+        got = [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": a_held, "b": 16 - a_held})]
+        assert got == (["b"] if 16 - a_held < 12 else []), (a_held, got)
+    got = [tenant_of(redis, raw) for raw, _ in claimer.claim(4, held={"a": 3, "b": 9})]
+    assert Counter(got) == {"a": 1, "b": 3}, got

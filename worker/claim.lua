@@ -1,8 +1,9 @@
 -- KEYS: inflight, owners set, the worker's status key, queue1..queueN (priority order)
 -- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, '1' if the
--- status key must exist, tenant weights (JSON object, name -> weight > 0; 1 for a tenant not in
--- it), then optionally per queue the most jobs the claim may hold once it took from that queue
--- (worker/priority.py)
+-- status key must exist, the tenants' share (JSON: {"w": {tenant: weight > 0, 1 when absent},
+-- "held": {tenant: jobs this worker runs}, "slots": its slots, "reserve": slots kept from a lone
+-- tenant}), then optionally per queue the most jobs the claim may hold once it took from that
+-- queue (worker/priority.py)
 -- Returns: server time (ms), ids dropped (-1: refused, the status key is missing), then id1,
 -- queue1, id2, queue2, ...
 -- A worker whose status key expired is dead to the fleet: the reaper hands back whatever it holds.
@@ -24,6 +25,10 @@
 -- tenant when they enqueue; an empty tenant queue leaves the set here. Without the set (nobody
 -- named a tenant) a queue is plain FIFO. The claimed job's queue is reported as the priority's
 -- own queue: its registries, its priority and a hand-back go there.
+-- Slots are shared too, or a tenant that filled them all would make a newcomer wait for its jobs
+-- to end: a tenant may hold at most its weight's share of this worker's slots among the tenants
+-- with work (queued here or running on this worker), and a lone tenant all but `reserve` of them,
+-- so another tenant's first job starts at once.
 -- Key literals mirror backends/contract/keys.py: 'rq:queue:' QUEUE_PREFIX (stripped, 9
 -- characters), 'rq:job:' job_key, 'fleet:inflight:' inflight_key, 'fleet:stream:' stream_key,
 -- 'fleet:fair:' fair_key, 86400 FAIR_TTL.
@@ -46,12 +51,32 @@ local function order(p)
   for i = 0, nq - 1 do o[#o + 1] = 3 + ((first - 1 + i) % nq) + 1 end
   return o
 end
-local ok, weights = pcall(cjson.decode, ARGV[8] or '{}')
-if not ok or type(weights) ~= 'table' then weights = {} end
+local ok, share = pcall(cjson.decode, ARGV[8] or '{}')
+if not ok or type(share) ~= 'table' then share = {} end
+local weights = type(share.w) == 'table' and share.w or {}
+local held = type(share.held) == 'table' and share.held or {}
+local slots, reserve = tonumber(share.slots) or 0, tonumber(share.reserve) or 0
 local function weight(tenant)
   local w = tonumber(weights[tenant])
   if w and w > 0 then return w end
   return 1
+end
+local function holds(tenant) return tonumber(held[tenant]) or 0 end
+-- the most `tenant` may hold, given the tenants with work in `fair` (nil: no cap)
+local function cap(fair, tenant)
+  if slots <= 0 then return nil end
+  local active, total = {}, 0
+  for t, n in pairs(held) do
+    if (tonumber(n) or 0) > 0 and not active[t] then active[t] = true; total = total + weight(t) end
+  end
+  local members = redis.call('ZRANGE', fair, 0, 255)
+  for _, t in ipairs(members) do
+    if not active[t] then active[t] = true; total = total + weight(t) end
+  end
+  local others = false
+  for t in pairs(active) do if t ~= tenant then others = true end end
+  if not others then return slots - reserve end
+  return math.max(1, math.floor(slots * weight(tenant) / total))
 end
 local function list_pop(key)  -- LPOP only a list: an error after an earlier LPOP would lose its id
   if redis.call('TYPE', key).ok ~= 'list' then return nil end
@@ -65,21 +90,31 @@ local function fair_pop(queue_key)
   if redis.call('TYPE', queue_key).ok == 'list' and redis.call('LLEN', queue_key) > 0 then
     redis.call('ZADD', fair, 'NX', clock, 'default')
   end
+  local full = {}  -- tenants at their cap, passed over in this pop
   for _ = 1, 256 do
-    local first = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
-    if #first == 0 then break end
-    local tenant, pass = first[1], tonumber(first[2]) or 0
-    local id = list_pop(tenant == 'default' and queue_key or (queue_key .. ':' .. tenant))
-    if id then
-      if pass < clock then pass = clock end
-      redis.call('SET', clock_key, tostring(pass), 'EX', 86400)
-      redis.call('ZADD', fair, pass + 1 / weight(tenant), tenant)
-      redis.call('EXPIRE', fair, 86400)
-      return id
+    local ranked = redis.call('ZRANGE', fair, 0, 255, 'WITHSCORES')
+    local tenant, pass = nil, nil
+    for i = 1, #ranked, 2 do
+      if not full[ranked[i]] then tenant, pass = ranked[i], tonumber(ranked[i + 1]) or 0; break end
     end
-    redis.call('ZREM', fair, tenant)
+    if tenant == nil then return nil end
+    local most = cap(fair, tenant)
+    if most ~= nil and holds(tenant) >= most then
+      full[tenant] = true
+    else
+      local id = list_pop(tenant == 'default' and queue_key or (queue_key .. ':' .. tenant))
+      if id then
+        if pass < clock then pass = clock end
+        redis.call('SET', clock_key, tostring(pass), 'EX', 86400)
+        redis.call('ZADD', fair, pass + 1 / weight(tenant), tenant)
+        redis.call('EXPIRE', fair, 86400)
+        held[tenant] = holds(tenant) + 1
+        return id
+      end
+      redis.call('ZREM', fair, tenant)
+    end
   end
-  return list_pop(queue_key)
+  return nil
 end
 local function pop(p, claimed)
   for _, k in ipairs(order(p)) do

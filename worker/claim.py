@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis import Redis
@@ -42,11 +42,17 @@ _CLAIM = lua_script("worker", "claim.lua")
 FAIR_EVERY = 8  # the claim script's fairness cycle (picks)
 
 
+def tenant_reserve(slots: int) -> int:
+    """Slots a lone tenant leaves free, so another tenant's first job starts at once: 1 from 4."""
+    return 1 if slots >= 4 else 0
+
+
 class Claimer:
     def __init__(self, redis: Redis, worker_name: str, queues: list[str],
-                 weights: dict[str, float] | None = None) -> None:
+                 weights: dict[str, float] | None = None, slots: int = 0) -> None:
         self.redis = redis
-        self.weights = json.dumps(weights or {})  # tenant -> weight, for the claim's fair share
+        self.weights = dict(weights or {})  # tenant -> weight, for the claim's fair share
+        self.slots = slots  # shared between tenants with work (0: claim order only)
         self.name = worker_name
         self.inflight = inflight_key(worker_name)
         # claim only while this worker's status key exists (a worker process with a heartbeat
@@ -58,14 +64,18 @@ class Claimer:
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
         self.server_ms = 0  # Redis server time of the last claim
 
-    def claim(self, n: int, limits: Sequence[int] = ()) -> list[tuple[bytes, str]]:
+    def claim(self, n: int, limits: Sequence[int] = (), held: Mapping[str, int] | None = None
+              ) -> list[tuple[bytes, str]]:
         """Up to n (raw job id, queue name) pairs, highest priority first (but see FAIR_EVERY);
-        `limits`: per queue, the most the claim may hold after taking from it. Ids stay bytes: a
-        producer may have pushed one that is not UTF-8, and it must still be failed visibly."""
+        `limits`: per queue, the most the claim may hold after taking from it; `held`: jobs this
+        worker runs, by tenant (their share of the slots). Ids stay bytes: a producer may have
+        pushed one that is not UTF-8, and it must still be failed visibly."""
         if n <= 0:
             return []
+        share = json.dumps({"w": self.weights, "held": dict(held or {}), "slots": self.slots,
+                            "reserve": tenant_reserve(self.slots)})
         args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD,
-                           "1" if self.require_live else "0", self.weights, *limits]
+                           "1" if self.require_live else "0", share, *limits]
         keys = [self.inflight, OWNERS_SET, worker_key(self.name), *self.queue_keys]
         flat = self._claim(keys=keys, args=args)
         self.server_ms, dropped = int(flat[0]), int(flat[1])

@@ -79,7 +79,8 @@ class FleetWorker:
         self.name = name
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
-        self.claimer = Claimer(redis, name, self.queues, weights=settings.gateway.tenant_weights())
+        self.claimer = Claimer(redis, name, self.queues, weights=settings.gateway.tenant_weights(),
+                               slots=backend.slots)
         hooks = job_hooks(settings) if hooks is None else hooks
         self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl, hooks)
         self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues,
@@ -215,12 +216,13 @@ class FleetWorker:
         if free <= 0 or not self.engine_hold.ready(self.backend.probe):
             return
         limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
-        claimed = self.claimer.claim(free, limits)
+        held = Counter(rqjobs.tenant_of(j) for j in self.inflight.values())
+        claimed = self.claimer.claim(free, limits, held)
         if not claimed and not self.inflight and not self.to_requeue:
             # idle: sleep on the wake list, then look again (plain-RQ producers never push it)
             if not self._wait_for_wake():
                 return
-            claimed = self.claimer.claim(free, limits)
+            claimed = self.claimer.claim(free, limits, held)
         self.unstarted.extend((raw, queue, self.claimer.server_ms) for raw, queue in claimed)
         self._start_unstarted()
 

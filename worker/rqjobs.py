@@ -40,7 +40,7 @@ from backends.contract.keys import (
     job_key,
 )
 from backends.contract.replies import as_int, as_str
-from backends.contract.schema import GenerateRequest, describe_validation_error
+from backends.contract.schema import DEFAULT_TENANT, GenerateRequest, describe_validation_error
 from worker import limits
 
 log = logging.getLogger("fleet.worker")
@@ -197,6 +197,11 @@ def _check_code(claimed: ClaimedJob, job: Job) -> None:
         raise BadJob(claimed, "refused: fleet jobs may not carry callbacks")
     if getattr(job, "webhooks", None):
         raise BadJob(claimed, "refused: fleet jobs may not carry webhooks")
+
+
+def tenant_of(job: ClaimedJob) -> str:
+    """Whose job it is (jobs naming no tenant, and jobs not loaded yet, are the default tenant's)."""
+    return (job.request.tenant if job.request is not None else None) or DEFAULT_TENANT
 
 
 def _request(claimed: ClaimedJob, job: Job) -> GenerateRequest:

@@ -19,17 +19,13 @@ from backends.contract.keys import (
     tenant_rate_prefix,
     usage_key,
 )
-from backends.contract.schema import DEFAULT_TENANT
+from worker.rqjobs import tenant_of
 
 if TYPE_CHECKING:
     from worker.hooks import Holder, Restart
     from worker.rqjobs import ClaimedJob, Ending
 
 RATE_TTL = 120  # seconds a minute's counts are kept (the admission script reads this minute's)
-
-
-def tenant_of(job: ClaimedJob) -> str:
-    return (job.request.tenant if job.request is not None else None) or DEFAULT_TENANT
 
 
 class TenantUsage:
