@@ -5,7 +5,7 @@
 -- the n job ids
 -- Returns {'ok'} after reserving the n jobs (in both zsets, scored by their expiry, and counted
 -- in this minute's requests), or {limit name, seconds to wait, current count} refusing all of
--- them (the refusal is counted in this hour's usage as 'rejected_<limit>').
+-- them (the refusal is counted in this hour's usage and the total as 'rejected_<limit>').
 -- One script, so many gateways on many hosts never admit past a limit together. Entries whose
 -- expiry passed are dropped first: a job whose ending never came (its record expired) frees its
 -- place within one lifetime. Key literals: ':<unix minute>' / ':<unix hour>' suffixes as in
@@ -21,9 +21,10 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local function refuse(limit, wait, count)
   local hour = math.floor(t[1] / 3600)
-  local usage = KEYS[4] .. ':' .. hour
-  redis.call('HINCRBY', usage, 'rejected_' .. limit, 1)
-  redis.call('EXPIRE', usage, 691200)
+  for _, usage in ipairs({KEYS[4] .. ':' .. hour, KEYS[4] .. ':total'}) do
+    redis.call('HINCRBY', usage, 'rejected_' .. limit, 1)
+    redis.call('EXPIRE', usage, 691200)
+  end
   redis.call('ZADD', KEYS[5], hour, ARGV[7])
   redis.call('EXPIRE', KEYS[5], 691200)
   return {limit, wait, count}

@@ -91,6 +91,26 @@ def release_plan(tenant: str, job_ids: list[str]) -> Plan[None]:
 Usage = dict[str, dict[str, int]]  # tenant -> field -> count
 
 
+def totals_plan() -> Plan[Usage]:
+    """Every tenant's counts since it was first seen (monotonic while it stays active within the
+    usage TTL: what Prometheus reads)."""
+    tenants = sorted(as_str(t) or "" for t in (yield from ask(cmd("zrange", USAGE_TENANTS, 0, -1))))
+    replies = yield from gather([cmd("hgetall", usage_key(t, "total")) for t in tenants])
+    return {t: _counts([raw]) for t, raw in zip(tenants, replies, strict=True)}
+
+
+def _counts(hashes: list[Any]) -> dict[str, int]:
+    total = {f: 0 for f in USAGE_FIELDS}
+    for raw in hashes:
+        for field, value in (raw or {}).items():
+            name = as_str(field) or ""
+            try:
+                total[name] = total.get(name, 0) + int(value)
+            except ValueError:
+                continue  # not a count: nothing the fleet wrote
+    return total
+
+
 def usage_plan(tenant: str | None, since_hours: int, now: float | None = None) -> Plan[Usage]:
     """Usage per tenant (one tenant, or every tenant seen) over the last `since_hours` hours,
     this hour included: fields of USAGE_FIELDS and `rejected_<limit>`."""
@@ -101,15 +121,4 @@ def usage_plan(tenant: str | None, since_hours: int, now: float | None = None) -
         tenants = sorted(as_str(t) or "" for t in (yield from ask(cmd("zrange", USAGE_TENANTS, 0, -1))))
     hours = range(hour - since_hours + 1, hour + 1)
     replies = yield from gather([cmd("hgetall", usage_key(t, h)) for t in tenants for h in hours])
-    usage: Usage = {}
-    for i, t in enumerate(tenants):
-        total = {f: 0 for f in USAGE_FIELDS}
-        for raw in replies[i * len(hours):(i + 1) * len(hours)]:
-            for field, value in (raw or {}).items():
-                name = as_str(field) or ""
-                try:
-                    total[name] = total.get(name, 0) + int(value)
-                except ValueError:
-                    continue  # not a count: nothing the fleet wrote
-        usage[t] = total
-    return usage
+    return {t: _counts(replies[i * len(hours):(i + 1) * len(hours)]) for i, t in enumerate(tenants)}

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 from rq import Queue
 
@@ -142,6 +143,14 @@ def test_usage_counts_what_the_results_report(redis_url: str, redis: Redis, work
     usage = wait_for(lambda: (u := run(redis, usage_plan(None, 1))).get("batchbot") and u, 10, "usage")
     assert {f: usage["gamma"][f] for f in reported} == reported and usage["gamma"]["requests"] == 3
     assert usage["batchbot"]["requests"] == 1 and usage["batchbot"]["completion_tokens"] > 0
+    # Prometheus (an operator's key): the same counts, by tenant
+    text = httpx.get(f"{gw.url}/metrics", headers=auth("key-admin"), timeout=10).text
+    families = {(s.name, s.labels.get("tenant"), s.labels.get("limit")): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+    assert families[("llama_fleet_tenant_requests_total", "gamma", None)] == 3
+    tokens = families[("llama_fleet_tenant_completion_tokens_total", "gamma", None)]
+    assert tokens == reported["completion_tokens"]
+    assert families[("llama_fleet_tenant_requests_total", "batchbot", None)] == 1
     # `fleet usage` reads the same counters: as JSON, and as a table
     cli = [sys.executable, "-m", "ecosystem.cli", "usage", "--since", "1h"]
     env = cli_env(redis_url)

@@ -39,21 +39,21 @@ class TenantUsage:
         tenant, now = tenant_of(job), time.time()
         pipe.zrem(tenant_open_key(tenant), job.id)
         pipe.zrem(tenant_queued_key(tenant), job.id)
-        usage = usage_key(tenant, int(now // 3600))
-        pipe.hincrby(usage, "requests", 1)
+        counts: dict[str, int] = {"requests": 1}
         result = ending.result
         if result is None:
-            pipe.hincrby(usage, "failed", 1)
+            counts["failed"] = 1
         else:
-            counts, timings = result.get("usage") or {}, result.get("timings") or {}
-            prompt = int(counts.get("prompt_tokens") or 0)
-            completion = int(counts.get("completion_tokens") or 0)
-            pipe.hincrby(usage, "prompt_tokens", prompt)
-            pipe.hincrby(usage, "completion_tokens", completion)
-            pipe.hincrby(usage, "queue_ms", int(timings.get("queue_ms") or 0))
+            used, timings = result.get("usage") or {}, result.get("timings") or {}
+            counts["prompt_tokens"] = int(used.get("prompt_tokens") or 0)
+            counts["completion_tokens"] = int(used.get("completion_tokens") or 0)
+            counts["queue_ms"] = int(timings.get("queue_ms") or 0)
             rate = f"{tenant_rate_prefix(tenant)}:{int(now // 60)}"
-            pipe.hincrby(rate, "tokens", prompt + completion)
+            pipe.hincrby(rate, "tokens", counts["prompt_tokens"] + counts["completion_tokens"])
             pipe.expire(rate, RATE_TTL)
-        pipe.expire(usage, USAGE_TTL)
+        for usage in (usage_key(tenant, int(now // 3600)), usage_key(tenant, "total")):
+            for field, n in counts.items():
+                pipe.hincrby(usage, field, n)
+            pipe.expire(usage, USAGE_TTL)
         pipe.zadd(USAGE_TENANTS, {tenant: int(now // 3600)})
         pipe.expire(USAGE_TENANTS, USAGE_TTL)

@@ -57,7 +57,9 @@ def usage_prefix(tenant: str) -> str:
     return f"fleet:usage:{tenant}"
 
 
-def usage_key(tenant: str, hour: int) -> str:
+def usage_key(tenant: str, hour: int | str) -> str:
+    """`hour`: unix time // 3600, or "total" (the same counts since the tenant was first seen:
+    what Prometheus reads)."""
     return f"{usage_prefix(tenant)}:{hour}"
 
 

@@ -23,6 +23,7 @@ from redis import Redis
 from backends.contract.keys import histogram_key
 from dispatcher.observe import schema, snapshot
 from dispatcher.plans import ClientSource, Plan, cmd, gather, run, run_on
+from dispatcher.tenants import LIMIT_NAMES, Usage, totals_plan
 
 P = "llama_fleet_"
 # every metric family this exporter writes (the Grafana dashboard test checks against the output)
@@ -34,6 +35,15 @@ COUNTERS = {
 }
 
 
+TENANT_COUNTERS = [  # usage field, metric name, help
+    ("requests", "requests", "Jobs of a tenant that ended"),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of a tenant's ended jobs"),
+    ("completion_tokens", "completion_tokens", "Completion tokens of a tenant's ended jobs"),
+    ("failed", "jobs_failed", "A tenant's jobs that failed"),
+    ("queue_ms", "queue_wait_seconds", "Seconds a tenant's ended jobs waited in the queue"),
+]
+
+
 @dataclass
 class PoolReading:
     pool: str
@@ -43,8 +53,14 @@ class PoolReading:
     histograms: dict[str, dict[str, Any]]
 
 
-def scrape_plan(default_pool: str) -> Plan[list[PoolReading]]:
-    """Workers, queues, counters and histograms of every known pool."""
+@dataclass
+class Scrape:
+    pools: list[PoolReading]
+    tenants: Usage  # tenant -> counts since first seen
+
+
+def scrape_plan(default_pool: str) -> Plan[Scrape]:
+    """Workers, queues, counters and histograms of every known pool; every tenant's usage."""
     pools = yield from snapshot.pools_plan(default_pool)
     everyone = yield from snapshot.workers_plan(with_counters=True, include_dead=True)
     out = []
@@ -56,15 +72,17 @@ def scrape_plan(default_pool: str) -> Plan[list[PoolReading]]:
                       for m, raw in zip(schema.HISTOGRAMS, replies, strict=True)}
         ws = [w for w in everyone if w.get("pool", default_pool) == pool]
         out.append(PoolReading(pool, queues, counters, ws, histograms))
-    return out
+    tenants = yield from totals_plan()
+    return Scrape(out, tenants)
 
 
-def metric_families(readings: list[PoolReading]) -> list[Metric]:
+def metric_families(scrape: Scrape) -> list[Metric]:
     families = Families()
-    for r in readings:
+    for r in scrape.pools:
         families.add_pool(r.pool, r.queues, r.counters)
         families.add_workers(r.pool, r.workers)
         families.add_histograms(r.pool, r.histograms)
+    families.add_tenants(scrape.tenants)
     return list(families.all())
 
 
@@ -122,6 +140,11 @@ class Families:
         self.health = GaugeMetricFamily(P + "backend_healthy",
                                         "1 ok, 0.5 degraded (serving from a fallback), 0 down",
                                         labels=[*w, "backend"])
+        self.tenant_counters = {
+            field: CounterMetricFamily(P + f"tenant_{name}", doc, labels=["tenant"])
+            for field, name, doc in TENANT_COUNTERS}
+        self.tenant_rejected = CounterMetricFamily(P + "tenant_rejected", "Requests a tenant limit refused",
+                                                   labels=["tenant", "limit"])
         self.histograms = {
             "queue_wait": HistogramMetricFamily(P + "queue_wait_seconds", "Enqueue to first claim",
                                                 labels=["pool"]),
@@ -164,6 +187,13 @@ class Families:
             health = {"ok": 1.0, "degraded": 0.5}.get(str(w.get("backend_health") or "ok"), 0.0)
             self.health.add_metric([*labels, str(w.get("backend", ""))], health)
 
+    def add_tenants(self, usage: Usage) -> None:
+        for tenant, counts in usage.items():
+            for field, family in self.tenant_counters.items():
+                family.add_metric([tenant], counts.get(field, 0) / (1000 if field == "queue_ms" else 1))
+            for limit in LIMIT_NAMES:
+                self.tenant_rejected.add_metric([tenant, limit], counts.get(f"rejected_{limit}", 0))
+
     def add_histograms(self, pool: str, raw: dict[str, dict[str, Any]]) -> None:
         for metric, family in self.histograms.items():
             buckets, total = schema.cumulative_buckets(metric, raw.get(metric, {}))
@@ -174,6 +204,8 @@ class Families:
         yield from (self.jobs, self.restarts, self.worker_tokens, self.worker_jobs, self.depth,
                     self.oldest, self.running, self.failed_1h, self.up, self.busy, self.slots, self.tok_s,
                     self.cpu, self.rss, self.started, self.health)
+        yield from self.tenant_counters.values()
+        yield self.tenant_rejected
         yield from self.histograms.values()
 
 
