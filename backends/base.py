@@ -90,3 +90,12 @@ class Backend(Protocol):
     def stats(self) -> dict[str, object]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """An engine that can start a job again where a dead attempt left it (the in-process one)."""
+
+    def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
+        """Admit the job to continue after `delivered` (the text its last attempt wrote); False
+        when this request cannot resume (the caller admits it to start over)."""

@@ -19,6 +19,7 @@ class WorkerCounters:
     jobs_done: int = 0
     jobs_failed: int = 0
     jobs_requeued: int = 0
+    resumed: int = 0  # new attempts that continued the text of a dead one
     tokens: int = 0
     state: str = "starting"
     # (time, tokens) of the last steps; appended in place: no copy on the loop's hot path

@@ -29,10 +29,22 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from backends.base import Backend, BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
-from backends.contract.keys import cancel_key, fair_key, job_key, queue_names, wake_key
+from backends.base import (
+    Backend,
+    BackendUnavailable,
+    Done,
+    Event,
+    Failed,
+    JobRejected,
+    Restarted,
+    Resumable,
+    Token,
+)
+from backends.contract import stream
+from backends.contract.keys import cancel_key, fair_key, job_key, queue_names, stream_key, wake_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
+from backends.contract.schema import GenerateRequest
 from worker import endings, limits, rqjobs
 from worker.assembly import job_hooks
 from worker.claim import Claimer
@@ -285,11 +297,28 @@ class FleetWorker:
         self.inflight[job_id] = job
         assert job.request is not None
         try:
-            self.backend.admit(job_id, job.request)
+            if not self._resume(job, job.request):
+                self.backend.admit(job_id, job.request)
         except JobRejected as e:
             job.ending = Ending(error=str(e))
         except BackendUnavailable as e:
             self._retry_or_fail(job, f"backend unavailable: {e}")
+
+    def _resume(self, job: ClaimedJob, request: GenerateRequest) -> bool:
+        """A new attempt of a job whose last attempt wrote text continues that text instead of
+        starting over, on an engine that can (docs/reliability.md, "Resumed streams"): the text is
+        replayed as this attempt's first delta, so a reader's stream goes on where it was."""
+        if job.attempt <= 1 or not isinstance(self.backend, Resumable):
+            return False
+        entries = self.redis.xrange(stream_key(job.id)) or []
+        delivered = stream.delivered_text((fields for _id, fields in entries), job.attempt)  # type: ignore[misc]
+        if not delivered or not self.backend.resume(job.id, request, delivered):
+            return False
+        job.text.append(delivered)
+        job.unsent.append(delivered)
+        self.counters.resumed += 1
+        log.info("job %s resumed after %d characters (attempt %d)", job.id, len(delivered), job.attempt)
+        return True
 
     def _end_cancelled(self, job: ClaimedJob) -> None:
         self._end(job, endings.cancelled(job, self.name, self.backend.name))

@@ -13,6 +13,7 @@ Workers write entries with the encoders; producers read them with `decode` and t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,3 +59,25 @@ def decode(fields: dict[bytes, bytes]) -> StreamEvent:
         seq = int(fields[b"n"]) if b"n" in fields else None
         return StreamEvent(kind, attempt, text=value, seq=seq)
     return StreamEvent(kind, attempt, data=json.loads(value))
+
+
+def delivered_text(entries: Iterable[dict[bytes, bytes]], before: int) -> str:
+    """The text the latest attempt before `before` wrote, by the readers' rules (a re-sent index
+    counted once): what a stream may have shown, and what a resumed attempt replays first."""
+    attempt, next_seq = 0, 0
+    parts: list[str] = []
+    for fields in entries:
+        try:
+            ev = decode(fields)
+        except (KeyError, ValueError, UnicodeDecodeError):
+            continue  # not an entry a worker wrote
+        if ev.kind != "text" or not attempt <= ev.attempt < before:
+            continue
+        if ev.attempt > attempt:
+            attempt, next_seq, parts = ev.attempt, 0, []
+        if ev.seq is not None:
+            if ev.seq < next_seq:
+                continue
+            next_seq = ev.seq + 1
+        parts.append(ev.text)
+    return "".join(parts)

@@ -97,13 +97,29 @@ class LlamaCppBackend:
         self.scheduler.enqueue(job_id, tokens, sampling)
         self._start_waiting()
 
+    def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
+        """Start a job again where a dead attempt left it: the prompt, then the text that attempt
+        delivered, prefilled as one prompt (prefix reuse applies), counted as output already
+        generated (max_tokens, usage), and generation goes on from there. False (the caller
+        starts it over) for structured output (the grammar's state is not rebuilt) or when the
+        text already used max_tokens."""
+        if self.free_slots() <= 0:
+            raise RuntimeError("no free slot")
+        sampling = request.sampling(self.settings.sampling)
+        more = self.model.tokenize(delivered, special=False, add_special=False)
+        if sampling.format is not None or not more or len(more) >= sampling.max_tokens:
+            return False
+        self.scheduler.enqueue(job_id, self.model.prompt_tokens(request) + more, sampling, resumed=len(more))
+        self._start_waiting()
+        return True
+
     def cancel(self, job_id: str) -> None:
         if self.scheduler.cancel_waiting(job_id):
             self._finished.append(Done(job_id, "cancelled", 0, 0))
             return
         job = self.scheduler.active.get(job_id)
         if job is not None and job.done is None:
-            job.done = Done(job_id, "cancelled", len(job.tokens), job.generated)
+            job.done = Done(job_id, "cancelled", job.prompt_tokens, job.generated)
             self.scheduler.release(job)  # its KV operations go with the next plan
             self.executor.close_sequence(job.seq_id)
             self._finished.append(job.done)

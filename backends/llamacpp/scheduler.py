@@ -109,7 +109,7 @@ class Scheduler:
     def free_slots(self) -> int:
         return self.slots - len(self.active) - len(self.waiting)
 
-    def enqueue(self, job_id: str, tokens: list[int], sampling: Sampling) -> None:
+    def enqueue(self, job_id: str, tokens: list[int], sampling: Sampling, resumed: int = 0) -> None:
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")  # the worker checks free_slots() first
         if len(tokens) + 1 > self.n_ctx_per_seq:
@@ -117,7 +117,7 @@ class Scheduler:
                 f"prompt is {len(tokens)} tokens; the context holds {self.n_ctx_per_seq} per job "
                 f"(backend.n_ctx_per_seq)"
             )
-        self.waiting.append(WaitingJob(job_id, tokens, sampling))
+        self.waiting.append(WaitingJob(job_id, tokens, sampling, resumed))
 
     def can_start(self) -> bool:
         return bool(self.waiting) and self.kv.has_free_slot()
@@ -209,7 +209,7 @@ class Scheduler:
                     self._reject(job, sampled.rejected[job.seq_id], out)
                     continue
                 advance(job, got, (), job.seq_id in whole, n_ctx, events)
-                self.tokens_generated += job.generated  # its first: 0 or 1
+                self.tokens_generated += job.generated - job.resumed  # its first: 0 or 1
                 if job.done is not None:
                     out.finished.append(job)
         out.kv_ops = self.kv.take_ops()

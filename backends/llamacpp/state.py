@@ -14,8 +14,9 @@ from backends.llamacpp.text import TextAssembler
 @dataclass(slots=True)
 class WaitingJob:
     job_id: str
-    tokens: list[int]  # the prompt
+    tokens: list[int]  # the prompt (for a resumed job, then the tokens of the text it delivered)
     sampling: Sampling
+    resumed: int = 0  # of `tokens`, the last ones a dead attempt generated: counted as output
 
 
 @dataclass(slots=True)
@@ -34,10 +35,17 @@ class ActiveJob:
     output: list[int] = field(default_factory=list)  # generated token ids (fed back into the KV)
     done: Done | None = None  # finished or cancelled: released at the end of the step
     ngrams: NgramIndex | None = None  # prompt + output, for drafts (speculation on)
+    resumed: int = 0  # the last `resumed` of `tokens` are a dead attempt's output, prefilled again
 
     @classmethod
     def start(cls, job: WaitingJob, seq_id: int, reserved: int) -> ActiveJob:
-        return cls(job.job_id, seq_id, job.tokens, job.sampling, reserved, TextAssembler(job.sampling.stop))
+        return cls(job.job_id, seq_id, job.tokens, job.sampling, reserved, TextAssembler(job.sampling.stop),
+                   generated=job.resumed, resumed=job.resumed)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's own prompt (a resumed job's delivered text counts as its output)."""
+        return len(self.tokens) - self.resumed
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV this job's sequence holds, in position order."""

@@ -65,4 +65,4 @@ def finish(job: ActiveJob, reason: FinishReason, events: list[Event]) -> None:
     tail = "" if job.text.stopped else job.text.finish()
     if tail:
         events.append(Token(job.job_id, tail, n_tokens=0))
-    job.done = Done(job.job_id, reason, len(job.tokens), job.generated)
+    job.done = Done(job.job_id, reason, job.prompt_tokens, job.generated)
