@@ -24,7 +24,8 @@
 -- at the pass of the last pick ('<fair>:clock'), so idle time earns no credit. Producers add a
 -- tenant when they enqueue; an empty tenant queue leaves the set here. Without the set (nobody
 -- named a tenant) a queue is plain FIFO. The claimed job's queue is reported as the priority's
--- own queue: its registries, its priority and a hand-back go there.
+-- own queue: its registries and its priority go by it (a hand-back finds the tenant's queue from
+-- the job's origin: requeue.lua).
 -- Slots are shared too, or a tenant that filled them all would make a newcomer wait for its jobs
 -- to end: a tenant may hold at most its weight's share of this worker's slots among the tenants
 -- with work (queued here or running on this worker), and a lone tenant all but `reserve` of them,
