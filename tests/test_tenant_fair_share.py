@@ -136,3 +136,14 @@ def test_slots_are_shared_so_a_newcomer_starts_at_once(redis_url: str, redis: Re
         assert got == (["b"] if 16 - a_held < 12 else []), (a_held, got)
     got = [tenant_of(redis, raw) for raw, _ in claimer.claim(4, held={"a": 3, "b": 9})]
     assert Counter(got) == {"a": 1, "b": 3}, got
+
+
+def test_a_full_worker_learns_who_should_give_way(redis_url: str, redis: Redis) -> None:
+    fleet = Fleet(redis_url)
+    claimer = Claimer(redis, "w", [QUEUE], slots=16)
+    submit(fleet, "a", 40)
+    assert claimer.starved({"a": 15}) == ({}, {})  # alone: nobody waits
+    submit(fleet, "b", 5)
+    want, over = claimer.starved({"a": 16})
+    assert want == {"b": 5} and over == {"a": 8}  # b may take 5 of its 8; a holds 8 above its 8
+    assert claimer.starved({"a": 8, "b": 8}) == ({}, {})

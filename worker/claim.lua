@@ -52,33 +52,7 @@ local function order(p)
   for i = 0, nq - 1 do o[#o + 1] = 3 + ((first - 1 + i) % nq) + 1 end
   return o
 end
-local ok, share = pcall(cjson.decode, ARGV[8] or '{}')
-if not ok or type(share) ~= 'table' then share = {} end
-local weights = type(share.w) == 'table' and share.w or {}
-local held = type(share.held) == 'table' and share.held or {}
-local slots, reserve = tonumber(share.slots) or 0, tonumber(share.reserve) or 0
-local function weight(tenant)
-  local w = tonumber(weights[tenant])
-  if w and w > 0 then return w end
-  return 1
-end
-local function holds(tenant) return tonumber(held[tenant]) or 0 end
--- the most `tenant` may hold, given the tenants with work in `fair` (nil: no cap)
-local function cap(fair, tenant)
-  if slots <= 0 then return nil end
-  local active, total = {}, 0
-  for t, n in pairs(held) do
-    if (tonumber(n) or 0) > 0 and not active[t] then active[t] = true; total = total + weight(t) end
-  end
-  local members = redis.call('ZRANGE', fair, 0, 255)
-  for _, t in ipairs(members) do
-    if not active[t] then active[t] = true; total = total + weight(t) end
-  end
-  local others = false
-  for t in pairs(active) do if t ~= tenant then others = true end end
-  if not others then return slots - reserve end
-  return math.max(1, math.floor(slots * weight(tenant) / total))
-end
+local weight, holds, cap, held = tenant_share(ARGV[8])
 local function list_pop(key)  -- LPOP only a list: an error after an earlier LPOP would lose its id
   if redis.call('TYPE', key).ok ~= 'list' then return nil end
   return redis.call('LPOP', key)

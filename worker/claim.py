@@ -31,13 +31,16 @@ from backends.contract.keys import (
     worker_key,
 )
 from backends.contract.lua import lua_script
+from backends.contract.replies import as_str
 
 log = logging.getLogger("fleet.worker")
 
 
 # Moves ids from the queues into the in-flight list and takes ownership, in one step, so no two
 # workers start one id and lower priorities still move (KEYS, ARGV and reply: the script's header).
-_CLAIM = lua_script("worker", "claim.lua")
+_CLAIM = lua_script("worker", "tenant_share.lua", "claim.lua")
+# Who should give way on a worker with no free slot (KEYS, ARGV and reply: the script's header).
+_STARVED = lua_script("worker", "tenant_share.lua", "starved.lua")
 
 FAIR_EVERY = 8  # the claim script's fairness cycle (picks)
 
@@ -61,6 +64,7 @@ class Claimer:
         self.refused = 0  # claims refused because the status key was missing
         self.queue_keys = [queue_key(q) for q in queues]
         self._claim = redis.register_script(_CLAIM)
+        self._starved = redis.register_script(_STARVED)
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
         self.server_ms = 0  # Redis server time of the last claim
 
@@ -72,10 +76,8 @@ class Claimer:
         pushed one that is not UTF-8, and it must still be failed visibly."""
         if n <= 0:
             return []
-        share = json.dumps({"w": self.weights, "held": dict(held or {}), "slots": self.slots,
-                            "reserve": tenant_reserve(self.slots)})
         args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD,
-                           "1" if self.require_live else "0", share, *limits]
+                           "1" if self.require_live else "0", self._share(held), *limits]
         keys = [self.inflight, OWNERS_SET, worker_key(self.name), *self.queue_keys]
         flat = self._claim(keys=keys, args=args)
         self.server_ms, dropped = int(flat[0]), int(flat[1])
@@ -91,6 +93,18 @@ class Claimer:
         self.picks += len(pairs)
         return pairs
 
+    def _share(self, held: Mapping[str, int] | None) -> str:
+        return json.dumps({"w": self.weights, "held": dict(held or {}), "slots": self.slots,
+                           "reserve": tenant_reserve(self.slots)})
+
+    def starved(self, held: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+        """On a worker with no free slot: tenants with jobs queued below their share of its slots
+        (how many more each may take), and tenants above theirs (by how many)."""
+        flat = [as_str(x) or "" if isinstance(x, bytes) else x
+                for x in self._starved(keys=self.queue_keys, args=[self._share(held)])]
+        cut = flat.index("|")
+        return _counts(flat[:cut]), _counts(flat[cut + 1:])
+
     def held_raw(self) -> list[bytes]:
         """The ids Redis says this worker holds, as stored (duplicates included)."""
         return [x if isinstance(x, bytes) else x.encode() for x in self.redis.lrange(self.inflight, 0, -1)]
@@ -98,3 +112,8 @@ class Claimer:
     def drop(self, job_id: str | bytes, pipe: Redis | Pipeline | None = None) -> None:
         """Let go of one entry without a result (a duplicate claim, or a job that already ended)."""
         (pipe or self.redis).lrem(self.inflight, 1, job_id)  # type: ignore[arg-type]
+
+
+def _counts(flat: list[Any]) -> dict[str, int]:
+    """[name, n, name, n, ...] as a dict."""
+    return {str(flat[i]): int(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}

@@ -20,6 +20,7 @@ class WorkerCounters:
     jobs_failed: int = 0
     jobs_requeued: int = 0
     resumed: int = 0  # new attempts that continued the text of a dead one
+    preempted: int = 0  # jobs handed back for another tenant's share of the slots
     tokens: int = 0
     state: str = "starting"
     # (time, tokens) of the last steps; appended in place: no copy on the loop's hot path

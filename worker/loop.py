@@ -44,7 +44,7 @@ from backends.contract import stream
 from backends.contract.keys import cancel_key, fair_key, job_key, queue_names, stream_key, wake_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
-from backends.contract.schema import GenerateRequest
+from backends.contract.schema import DEFAULT_TENANT, GenerateRequest
 from worker import endings, limits, rqjobs
 from worker.assembly import job_hooks
 from worker.claim import Claimer
@@ -60,6 +60,7 @@ log = logging.getLogger("fleet.worker")
 IDLE_WAIT = 0.25  # seconds an idle worker blocks on the wake list before polling the queues
 OUTAGE_BUFFER_ENTRIES = 16_384  # unwritten text deltas held through a Redis outage, all jobs
 CANCEL_CHECK_INTERVAL = 0.05  # seconds between looks at the running jobs' cancel flags (2 reads a job)
+GIVE_WAY_EVERY = 0.1  # seconds between looks for tenants waiting below their share of the slots
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class FleetWorker:
         self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
         # handed back once Redis allows: (job, why, counted against max_attempts)
         self.to_requeue: dict[str, tuple[ClaimedJob, str, bool]] = {}
+        self._next_give_way = 0.0  # when the loop next looks for tenants below their share
         self.unstarted: list[tuple[bytes, str, int | None]] = []  # claimed (at server ms); not started
         self.budget = limits.budget_for(settings.backend)
         self.counters = WorkerCounters()
@@ -225,10 +227,12 @@ class FleetWorker:
     def _claim(self) -> None:
         self._start_unstarted()
         free = self.backend.free_slots() - len(self.unstarted)
+        held = Counter(rqjobs.tenant_of(j) for j in self.inflight.values())
+        if free <= 0 and set(held) - {DEFAULT_TENANT}:
+            self._give_way(held)
         if free <= 0 or not self.engine_hold.ready(self.backend.probe):
             return
         limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
-        held = Counter(rqjobs.tenant_of(j) for j in self.inflight.values())
         claimed = self.claimer.claim(free, limits, held)
         if not claimed and not self.inflight and not self.to_requeue:
             # idle: sleep on the wake list, then look again (plain-RQ producers never push it)
@@ -237,6 +241,25 @@ class FleetWorker:
             claimed = self.claimer.claim(free, limits, held)
         self.unstarted.extend((raw, queue, self.claimer.server_ms) for raw, queue in claimed)
         self._start_unstarted()
+
+    def _give_way(self, held: Counter[str]) -> None:
+        """Every slot is taken and another tenant waits below its share of them: the tenants
+        above theirs hand back their newest jobs (a preemption, not a failure), which resume
+        later from the text they delivered (docs/tenants.md). Looked at every GIVE_WAY_EVERY."""
+        now = time.monotonic()
+        if now < self._next_give_way:
+            return
+        self._next_give_way = now + GIVE_WAY_EVERY
+        want, over = self.claimer.starved(held)
+        budget = sum(want.values())
+        for tenant, extra in over.items():
+            running = [j for j in self.inflight.values()
+                       if j.ending is None and rqjobs.tenant_of(j) == tenant]
+            for job in sorted(running, key=lambda j: j.claimed_at, reverse=True)[:min(extra, budget)]:
+                self._hand_back(job, f"preempted: tenant {tenant} above its share while "
+                                     f"{', '.join(sorted(want))} waited", counted=False)
+                self.counters.preempted += 1
+                budget -= 1
 
     def _wait_for_wake(self) -> bool:
         """Block up to IDLE_WAIT on the wake list; False when a stop signal cut the wait short."""
