@@ -60,7 +60,7 @@ log = logging.getLogger("fleet.worker")
 IDLE_WAIT = 0.25  # seconds an idle worker blocks on the wake list before polling the queues
 OUTAGE_BUFFER_ENTRIES = 16_384  # unwritten text deltas held through a Redis outage, all jobs
 CANCEL_CHECK_INTERVAL = 0.05  # seconds between looks at the running jobs' cancel flags (2 reads a job)
-GIVE_WAY_EVERY = 0.1  # seconds between looks for tenants waiting below their share of the slots
+GIVE_WAY_EVERY = 0.02  # seconds between looks for tenants waiting below their share of the slots
 
 
 @dataclass(frozen=True)
