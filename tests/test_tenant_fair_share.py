@@ -5,6 +5,7 @@ RQ's own tools still see ordinary queues."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from rq import Queue
 
 from backends.contract.keys import fair_key, inflight_key, job_key, queue_key
 from dispatcher import Fleet
-from tests.reliability_checks import fleet_workers
+from tests.harness import wait_for
+from tests.reliability_checks import fleet_workers, streaming
 from worker.claim import Claimer
 
 POOL = "llm"
@@ -147,3 +149,27 @@ def test_a_full_worker_learns_who_should_give_way(redis_url: str, redis: Redis) 
     want, over = claimer.starved({"a": 16})
     assert want == {"b": 5} and over == {"a": 8}  # b may take 5 of its 8; a holds 8 above its 8
     assert claimer.starved({"a": 8, "b": 8}) == ({}, {})
+
+
+def test_a_full_worker_gives_way_to_a_tenant_below_its_share(redis_url: str, redis: Redis,
+                                                             tmp_path: Path) -> None:
+    """Tenant a fills a worker; tenant b's two jobs start within a few steps, not after a's end:
+    a's newest job is handed back (not counted as a failed attempt) and ends later all the same."""
+    fleet = Fleet(redis_url)
+    long = " ".join(f"w{i}" for i in range(60))  # the fake engine says one word a step
+    with fleet_workers(redis_url, tmp_path / "logs") as workers:
+        workers.start("w1", backend__type="fake", backend__slots=4, backend__step_delay=0.1)
+        a_jobs = [fleet.submit(prompt=long, max_tokens=60, tenant="a") for _ in range(4)]
+        wait_for(lambda: len(streaming(redis, "w1")) >= 3, 30, "a's jobs running")
+        started = time.monotonic()
+        b_jobs = [fleet.submit(prompt="short one", max_tokens=2, tenant="b") for _ in range(2)]
+        b_done = [job.result(timeout=30) for job in b_jobs]
+        waited = time.monotonic() - started
+        a_done = [job.result(timeout=60) for job in a_jobs]
+    assert [r["text"] for r in b_done] == ["short one"] * 2
+    assert waited < 3.0, f"b waited {waited:.1f}s: a's jobs take 6s"  # a step is 0.1 s
+    assert all(r["text"] == long for r in a_done)
+    handed_back = [r for r in a_done if r["attempt"] > 1]
+    assert handed_back, "no job of a gave way"
+    for r in handed_back:  # a preemption is no failure: it used none of the job's attempts
+        assert redis.hget(job_key(r["job_id"]), "fleet_drains") == str(r["attempt"] - 1).encode()

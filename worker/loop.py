@@ -40,12 +40,11 @@ from backends.base import (
     Resumable,
     Token,
 )
-from backends.contract import stream
-from backends.contract.keys import cancel_key, fair_key, job_key, queue_names, stream_key, wake_key
+from backends.contract.keys import cancel_key, fair_key, job_key, queue_names, wake_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT, GenerateRequest
-from worker import endings, limits, rqjobs
+from worker import endings, handover, limits, rqjobs
 from worker.assembly import job_hooks
 from worker.claim import Claimer
 from worker.counters import EngineHold, WorkerCounters
@@ -243,23 +242,17 @@ class FleetWorker:
         self._start_unstarted()
 
     def _give_way(self, held: Counter[str]) -> None:
-        """Every slot is taken and another tenant waits below its share of them: the tenants
-        above theirs hand back their newest jobs (a preemption, not a failure), which resume
-        later from the text they delivered (docs/tenants.md). Looked at every GIVE_WAY_EVERY."""
+        """Every slot is taken: tenants above their share give way to one waiting below its own
+        (worker/handover.py), looked at every GIVE_WAY_EVERY."""
         now = time.monotonic()
         if now < self._next_give_way:
             return
         self._next_give_way = now + GIVE_WAY_EVERY
         want, over = self.claimer.starved(held)
-        budget = sum(want.values())
-        for tenant, extra in over.items():
-            running = [j for j in self.inflight.values()
-                       if j.ending is None and rqjobs.tenant_of(j) == tenant]
-            for job in sorted(running, key=lambda j: j.claimed_at, reverse=True)[:min(extra, budget)]:
-                self._hand_back(job, f"preempted: tenant {tenant} above its share while "
-                                     f"{', '.join(sorted(want))} waited", counted=False)
-                self.counters.preempted += 1
-                budget -= 1
+        for job in handover.give_way(self.inflight.values(), want, over):
+            why = f"preempted: tenant {rqjobs.tenant_of(job)} above its share while {', '.join(want)} waited"
+            self._hand_back(job, why, counted=False)
+            self.counters.preempted += 1
 
     def _wait_for_wake(self) -> bool:
         """Block up to IDLE_WAIT on the wake list; False when a stop signal cut the wait short."""
@@ -328,19 +321,16 @@ class FleetWorker:
             self._retry_or_fail(job, f"backend unavailable: {e}")
 
     def _resume(self, job: ClaimedJob, request: GenerateRequest) -> bool:
-        """A new attempt of a job whose last attempt wrote text continues that text instead of
-        starting over, on an engine that can (docs/reliability.md, "Resumed streams"): the text is
-        replayed as this attempt's first delta, so a reader's stream goes on where it was."""
-        if job.attempt <= 1 or not isinstance(self.backend, Resumable):
+        """Continue the text of the job's last attempt where the engine can: replayed as this
+        attempt's first delta, so a reader's stream goes on where it was (worker/handover.py)."""
+        if not isinstance(self.backend, Resumable) or not (text := handover.resume_text(self.redis, job)):
             return False
-        entries = self.redis.xrange(stream_key(job.id)) or []
-        delivered = stream.delivered_text((fields for _id, fields in entries), job.attempt)  # type: ignore[misc]
-        if not delivered or not self.backend.resume(job.id, request, delivered):
+        if not self.backend.resume(job.id, request, text):
             return False
-        job.text.append(delivered)
-        job.unsent.append(delivered)
+        job.text.append(text)
+        job.unsent.append(text)
         self.counters.resumed += 1
-        log.info("job %s resumed after %d characters (attempt %d)", job.id, len(delivered), job.attempt)
+        log.info("job %s resumed after %d characters (attempt %d)", job.id, len(text), job.attempt)
         return True
 
     def _end_cancelled(self, job: ClaimedJob) -> None:
@@ -512,9 +502,12 @@ class FleetWorker:
         known |= {raw for raw, _, _ in self.unstarted}
         for raw_id, copies in held.items():
             if raw_id not in known:  # claimed, but the reply never arrived: start it now
-                origin = as_str(self.redis.hget(job_key("").encode() + raw_id, "origin"))
+                origin = as_str(self.redis.hget(job_key("").encode() + raw_id, "origin")) or ""
+                # a tenant's queue is '<queue>:<tenant>': the job's queue is the priority's own
+                queue = next((q for q in self.queues if origin == q or origin.startswith(q + ":")),
+                             self.queues[0])
                 seconds, micros = self.redis.time()
-                self.unstarted.append((raw_id, origin or self.queues[0], seconds * 1000 + micros // 1000))
+                self.unstarted.append((raw_id, queue, seconds * 1000 + micros // 1000))
                 log.warning("%r is in this worker's in-flight list but never started; starting it", raw_id)
             for _ in range(copies - 1):  # the same id pushed twice: one copy runs
                 self.claimer.drop(raw_id)

@@ -1,0 +1,40 @@
+"""How a job passes between attempts and between tenants, as plain decisions the loop carries out:
+
+- `resume_text`: a new attempt of a job whose last attempt wrote text continues that text on an
+  engine that can (docs/reliability.md, "Resumed streams"); this reads what that attempt wrote;
+- `give_way`: on a full worker, which running jobs of tenants above their share of the slots go
+  back to their queue so a tenant waiting below its share starts (docs/tenants.md). They are
+  handed back as a drain is (not a failure) and resume later from the text they delivered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from redis import Redis
+
+from backends.contract import stream
+from backends.contract.keys import stream_key
+from worker.rqjobs import ClaimedJob, tenant_of
+
+
+def resume_text(redis: Redis, job: ClaimedJob) -> str:
+    """The text the job's latest earlier attempt wrote ("" for a first attempt or none)."""
+    if job.attempt <= 1:
+        return ""
+    entries: list[Any] = redis.xrange(stream_key(job.id)) or []
+    return stream.delivered_text((fields for _id, fields in entries), job.attempt)
+
+
+def give_way(running: Iterable[ClaimedJob], want: dict[str, int], over: dict[str, int]) -> list[ClaimedJob]:
+    """The jobs to hand back: of each tenant above its share by `over[t]`, its newest (least text
+    to prefill again), no more in all than the waiting tenants may take (`want`)."""
+    budget = sum(want.values())
+    out: list[ClaimedJob] = []
+    jobs = [j for j in running if j.ending is None]
+    for tenant, extra in over.items():
+        mine = sorted((j for j in jobs if tenant_of(j) == tenant), key=lambda j: j.claimed_at, reverse=True)
+        take = mine[:max(0, min(extra, budget - len(out)))]
+        out += take
+    return out
