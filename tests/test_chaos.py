@@ -8,11 +8,13 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
 
-from backends.contract.keys import ATTEMPT_FIELD, job_key
+from backends.contract import stream
+from backends.contract.keys import ATTEMPT_FIELD, job_key, stream_key
 from dispatcher import Fleet
 from tests.harness import RedisServer, wait_for
 from tests.reliability_checks import (
@@ -53,10 +55,20 @@ def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, t
         results = {job.id: job.result(timeout=180) for job in jobs}
     assert len(results) == 200
     assert_exactly_one_final(redis, [j.id for j in jobs])
+    resumed = 0
     for job_id in victims:
         assert results[job_id]["attempt"] == 2 and results[job_id]["worker"] == "w1", results[job_id]
         # a late reader skips the dead attempt: its text is exactly the final text
         assert "".join(fleet.job(job_id).stream(timeout=5)) == results[job_id]["text"]
+        # a live reader saw no restart either: the new attempt went on from the delivered text
+        raw: list[Any] = redis.xrange(stream_key(job_id)) or []
+        events = [stream.decode(fields) for _id, fields in raw]
+        delivered = stream.delivered_text((fields for _id, fields in raw), 2)
+        if delivered:
+            first = next(ev for ev in events if ev.attempt == 2 and ev.kind == "text")
+            assert first.text == delivered and results[job_id]["text"].startswith(delivered)
+            resumed += 1
+    print(f"{resumed} of the dead worker's {len(victims)} jobs resumed from their delivered text")
     assert recovery <= RECOVERY_LIMIT_S, f"recovery took {recovery:.1f}s"
     assert not redis.exists("rq:worker:w2"), "the dead worker is still registered with RQ"
 
