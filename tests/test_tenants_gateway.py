@@ -6,10 +6,12 @@ what the results report, a plain-RQ tenant job is counted, `max_priority` and `m
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +20,7 @@ from redis import Redis
 from rq import Queue
 
 from backends.contract.keys import job_key
+from dispatcher import Fleet
 from dispatcher.plans import run
 from dispatcher.tenants import usage_plan
 from tests.gateway_harness import Gateways, wait_until_healthy
@@ -187,3 +190,20 @@ def test_a_tenants_settings_refuse_what_does_not_belong(redis: Redis, gateways: 
             gateways.start(gateway__tenants=tenants)
         assert words in str(failed.value) and "dup-key" not in str(failed.value)
     assert json.dumps(TENANTS)  # the settings above are plain JSON, as FLEET_GATEWAY__TENANTS takes
+
+
+def test_the_dashboard_shows_each_tenants_usage(redis_url: str, workers: Any, gateways: Gateways,
+                                                tmp_path: Path) -> None:
+    """In headless Chromium: the gateway's dashboard lists the tenants and what they used."""
+    from tests.test_observe_views import chromium
+
+    workers.start("w1", **FAKE)
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    fleet = Fleet(redis_url)
+    for tenant, n in (("team-red", 2), ("team-blue", 1)):
+        for i in range(n):
+            fleet.submit(prompt=f"hello {i}", max_tokens=2, tenant=tenant).result(timeout=30)
+    out = chromium("--virtual-time-budget=4000", "--dump-dom", f"{gw.url}/dashboard/", profile=tmp_path / "p")
+    rows = dict(re.findall(r'<tr data-tenant="([^"]+)"><td>[^<]*</td><td class="num">(\d+)</td>', out.stdout))
+    assert rows == {"team-red": "2", "team-blue": "1"}, out.stdout[-3000:]

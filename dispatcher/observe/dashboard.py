@@ -27,6 +27,7 @@ from starlette.staticfiles import StaticFiles
 
 from dispatcher.observe import history, snapshot
 from dispatcher.plans import ClientSource, run_on
+from dispatcher.tenants import usage_plan
 
 STATIC = files("dispatcher.observe") / "static"
 JOBS_LIMIT = 200
@@ -109,11 +110,18 @@ def dashboard_app(redis: ClientSource, pool: str, *, with_metrics: bool = False,
             return JSONResponse({"error": "no such job (unknown, or its history expired)"}, status_code=404)
         return JSONResponse(visible(record))
 
+    async def api_usage(request: Request) -> Response:
+        """Every tenant's usage over the last 24 hours (docs/tenants.md)."""
+        if (no := refused(request)) is not None:
+            return no
+        return JSONResponse(await run_on(redis, usage_plan(None, 24)))
+
     routes: list[Any] = [
         Route("/", index),
         Route("/api/status", api_status),
         Route("/api/jobs", api_jobs),
         Route("/api/job/{job_id:str}", api_job),
+        Route("/api/usage", api_usage),
         Mount("/static", app=StaticFiles(packages=[("dispatcher.observe", "static")])),
     ]
     if with_metrics:

@@ -100,6 +100,16 @@ function renderQueues(s) {
     `<td class="num">${num(q.finished)}</td><td class="num">${num(q.failed)}</td></tr>`).join("");
 }
 
+function renderTenants(usage) {
+  $("#tenants tbody").innerHTML = Object.entries(usage).map(([t, c]) => {
+    const refused = Object.entries(c).filter(([k, v]) => k.startsWith("rejected_") && v)
+      .map(([k, v]) => `${num(v)} ${k.slice(9)}`).join(", ");
+    return `<tr data-tenant="${esc(t)}"><td>${esc(t)}</td><td class="num">${num(c.requests)}</td>` +
+      `<td class="num">${num(c.prompt_tokens)}</td><td class="num">${num(c.completion_tokens)}</td>` +
+      `<td class="num ${c.failed ? "failed" : ""}">${num(c.failed)}</td><td>${esc(refused || "-")}</td></tr>`;
+  }).join("");
+}
+
 function renderJobs(list) {
   const now = Date.now() / 1000;
   $("#jobs tbody").innerHTML = list.map((r) => {
@@ -158,6 +168,7 @@ async function getJSON(path) {
 
 async function pollJobs() {
   renderJobs(await getJSON(`api/jobs?kind=${jobKind}&limit=50`));
+  renderTenants(await getJSON("api/usage"));
   if (openJob) renderDetail(await getJSON(`api/job/${encodeURIComponent(openJob)}`));
 }
 
