@@ -155,3 +155,15 @@ def test_the_engine_continues_after_the_delivered_text_and_counts_it_once() -> N
         assert engine.resume("c", shaped, '{"a"') is False
     finally:
         engine.close()
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("round_", range(5))
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 5}],
+                         ids=["greedy", "seeded"])
+def test_streams_survive_a_kill_five_times_over(redis_url: str, redis: Redis, tmp_path: Path,
+                                                gateways: Gateways, sampling: dict[str, Any],
+                                                round_: int) -> None:
+    """The experiment again, five rounds each (`scripts/test -m soak`)."""
+    test_every_stream_survives_the_death_of_its_worker(redis_url, redis, tmp_path / str(round_), gateways,
+                                                       sampling)
