@@ -6,6 +6,7 @@ text, and usage counts the whole answer once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -77,8 +78,8 @@ def kill_the_busiest_mid_stream(redis_url: str, redis: Redis, tmp_path: Path, ga
         wait_for(lambda: sum(len(streaming(redis, n)) for n in w) >= 6, 120, "the streams to flow")
         busiest = max(w, key=lambda n: len(streaming(redis, n)))
         # far enough in that a greedy run started over drifts from the text already shown
-        wait_for(lambda: min(len(shown(redis, j)) for j in streaming(redis, busiest)) >= 100, 120,
-                 "the streams to have 100 characters")
+        wait_for(lambda: min((len(shown(redis, j)) for j in streaming(redis, busiest)), default=0) >= 100,
+                 120, "the streams to have 100 characters")
         os.kill(w[busiest].process.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         w[busiest].process.wait(10)
@@ -150,9 +151,19 @@ def test_the_engine_continues_after_the_delivered_text_and_counts_it_once() -> N
         assert (resumed.completion_tokens, resumed.finish_reason) == (40, "length")
         assert engine.stats()["tokens_generated"] == generated_before + 40 - delivered  # type: ignore[operator]
         assert rest  # the engine gives only the text after the delivered part (the worker replays that)
-        # structured output is not resumed (its grammar's state is not rebuilt): the caller starts over
-        shaped = GenerateRequest(prompt="A JSON object:", max_tokens=20, format="json")
-        assert engine.resume("c", shaped, '{"a"') is False
+        # structured output: the grammar is fed the delivered text first, so the whole answer
+        # still matches the schema; text the grammar refuses is not resumed (the caller starts over)
+        schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                  "required": ["name", "age"]}
+        shaped = GenerateRequest(prompt="A person as JSON:", max_tokens=60, temperature=0.0, format=schema)
+        whole, _ = run("c", None, shaped)
+        cut = whole[:len(whole) // 2]
+        rest, done = run("d", cut, shaped)
+        person = json.loads(cut + rest)
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int), cut + rest
+        assert done.finish_reason == "stop"
+        assert engine.resume("e", shaped, '{"colour": "red"') is False
+        assert engine.resume("f", shaped, "not json at all") is False
     finally:
         engine.close()
 

@@ -34,7 +34,7 @@ from backends.contract.schema import GenerateRequest
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel
-from backends.llamacpp.sampling import check_format
+from backends.llamacpp.sampling import check_format, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
 from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
@@ -100,14 +100,16 @@ class LlamaCppBackend:
     def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
         """Start a job again where a dead attempt left it: the prompt, then the text that attempt
         delivered, prefilled as one prompt (prefix reuse applies), counted as output already
-        generated (max_tokens, usage), and generation goes on from there. False (the caller
-        starts it over) for structured output (the grammar's state is not rebuilt) or when the
-        text already used max_tokens."""
+        generated (max_tokens, usage), and generation goes on from there; a grammar (structured
+        output) is fed the same tokens first. False (the caller starts it over) when the text
+        already used max_tokens, or its tokens are not the grammar's."""
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")
         sampling = request.sampling(self.settings.sampling)
         more = self.model.tokenize(delivered, special=False, add_special=False)
-        if sampling.format is not None or not more or len(more) >= sampling.max_tokens:
+        if not more or len(more) >= sampling.max_tokens:
+            return False
+        if sampling.format is not None and not grammar_takes(self.model, sampling.format, more):
             return False
         self.scheduler.enqueue(job_id, self.model.prompt_tokens(request) + more, sampling, resumed=len(more))
         self._start_waiting()

@@ -77,7 +77,7 @@ class Executor:
         if job.sampling.format is not None and self._candidates is None:
             self._candidates = Candidates(self.model.n_vocab)
         self._samplers[job.seq_id] = SequenceSampler(self.model, job.sampling, job.tokens, self._candidates,
-                                                     self._top)
+                                                     self._top, resumed=job.resumed)
 
     def close_sequence(self, seq_id: int) -> None:
         sampler = self._samplers[seq_id]

@@ -161,6 +161,29 @@ def check_format(model: LoadedModel, fmt: GrammarFormat) -> None:
     ll.llama_sampler_free(compile_grammar(model, gbnf_for(fmt)))
 
 
+def grammar_takes(model: LoadedModel, fmt: GrammarFormat, tokens: list[int]) -> bool:
+    """Whether the grammar of `fmt` accepts `tokens` one after another (a resumed job's delivered
+    text, tokenized again: its tokens may split the text otherwise than the ones sampled). Each is
+    checked before it is accepted: llama.cpp aborts the process on a token its grammar refuses."""
+    grammar = compile_grammar(model, gbnf_for(fmt))
+    try:
+        for tok in tokens:
+            if model.is_eog(tok) or not grammar_allows(grammar, tok):
+                return False
+            ll.llama_sampler_accept(grammar, tok)
+        return True
+    finally:
+        ll.llama_sampler_free(grammar)
+
+
+def grammar_allows(grammar: ll.llama_sampler_p, tok: int) -> bool:
+    """The grammar's verdict on one token, without accepting it."""
+    one = ll.llama_token_data(ll.llama_token(tok), 1.0, 0.0)
+    array = ll.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+    ll.llama_sampler_apply(grammar, ctypes.byref(array))
+    return bool(one.logit != -math.inf)
+
+
 class Candidates:
     """A reusable llama_token_data array over the whole vocabulary, filled from a logits row with
     numpy (what llama_sampler_sample does in C), for jobs that need the grammar between steps."""
@@ -250,7 +273,7 @@ class TopCandidates:
 
 class SequenceSampler:
     def __init__(self, model: LoadedModel, s: Sampling, prompt: list[int],
-                 candidates: Candidates | None, top: TopCandidates | None = None) -> None:
+                 candidates: Candidates | None, top: TopCandidates | None = None, resumed: int = 0) -> None:
         self.model = model
         self.chain = sampler_chain(s, model.n_vocab)
         if s.has_penalties():  # like llama-server: the prompt's tokens count towards the penalties
@@ -263,6 +286,8 @@ class SequenceSampler:
             self.grammar = compile_grammar(model, gbnf_for(s.format))
             self._one = ll.llama_token_data(0, 1.0, 0.0)
             self._one_array = ll.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
+            for tok in prompt[len(prompt) - resumed:] if resumed else ():  # checked by grammar_takes
+                ll.llama_sampler_accept(self.grammar, tok)
         self.top_logprobs = s.top_logprobs
         self.keeps = chain_keeps(s)
         # with penalties the chain remembers what it accepts, so it may only see the final pick;
