@@ -26,6 +26,8 @@ from backends.contract.keys import (
     FINAL_FIELD,
     OWNER_FIELD,
     OWNERS_SET,
+    QUEUE_PREFIX,
+    fair_key,
     inflight_key,
     queue_key,
     worker_key,
@@ -104,6 +106,16 @@ class Claimer:
                 for x in self._starved(keys=self.queue_keys, args=[self._share(held)])]
         cut = flat.index("|")
         return _counts(flat[:cut]), _counts(flat[cut + 1:])
+
+    def nothing_queued(self) -> bool:
+        """No job waits in this worker's queues (tenants' included) nor in its in-flight list (a
+        claim whose reply was lost). Raises on an outage: the caller cannot tell then."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for key in self.queue_keys:
+                pipe.llen(key)
+                pipe.zcard(fair_key(key.removeprefix(QUEUE_PREFIX)))  # tenants' queues with work
+            pipe.llen(self.inflight)
+            return not any(pipe.execute())
 
     def held_raw(self) -> list[bytes]:
         """The ids Redis says this worker holds, as stored (duplicates included)."""

@@ -9,14 +9,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 from redis import Redis
 
+from backends.base import Resumable
 from backends.contract import stream
 from backends.contract.keys import stream_key
+from backends.contract.schema import GenerateRequest
 from worker.rqjobs import ClaimedJob, tenant_of
+
+log = logging.getLogger("fleet.worker")
 
 
 def resume_text(redis: Redis, job: ClaimedJob) -> str:
@@ -25,6 +30,18 @@ def resume_text(redis: Redis, job: ClaimedJob) -> str:
         return ""
     entries: list[Any] = redis.xrange(stream_key(job.id)) or []
     return stream.delivered_text((fields for _id, fields in entries), job.attempt)
+
+
+def resume(redis: Redis, backend: Resumable, job: ClaimedJob, request: GenerateRequest) -> bool:
+    """Admit a new attempt to continue its last attempt's text; the text is replayed as this
+    attempt's first delta, so a reader's stream goes on where it was. False: admit it anew."""
+    text = resume_text(redis, job)
+    if not text or not backend.resume(job.id, request, text):
+        return False
+    job.text.append(text)
+    job.unsent.append(text)
+    log.info("job %s resumed after %d characters (attempt %d)", job.id, len(text), job.attempt)
+    return True
 
 
 def give_way(running: Iterable[ClaimedJob], want: dict[str, int], over: dict[str, int]) -> list[ClaimedJob]:

@@ -25,7 +25,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from redis import Redis
 
@@ -40,12 +39,13 @@ from backends.base import (
     Resumable,
     Token,
 )
-from backends.contract.keys import cancel_key, fair_key, job_key, queue_names, wake_key
+from backends.contract.keys import cancel_key, job_key, queue_names, wake_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
-from backends.contract.schema import DEFAULT_TENANT, GenerateRequest
+from backends.contract.schema import DEFAULT_TENANT
 from worker import endings, handover, limits, rqjobs
 from worker.assembly import job_hooks
+from worker.burst import BurstSummary
 from worker.claim import Claimer
 from worker.counters import EngineHold, WorkerCounters
 from worker.endings import AttemptWriter, Contended
@@ -62,18 +62,6 @@ CANCEL_CHECK_INTERVAL = 0.05  # seconds between looks at the running jobs' cance
 GIVE_WAY_EVERY = 0.02  # seconds between looks for tenants waiting below their share of the slots
 
 
-@dataclass(frozen=True)
-class BurstSummary:
-    """What `run_until_idle` did: `idle` (False: the timeout passed first), jobs let go of by
-    outcome (finished, cancelled, failed, requeued, taken over), and how long it ran."""
-
-    idle: bool
-    ended: dict[str, int]
-    seconds: float
-
-    @property
-    def total(self) -> int:
-        return sum(self.ended.values())
 
 
 class _WokenBySignal(Exception):
@@ -174,12 +162,7 @@ class FleetWorker:
 
     def _queues_empty(self) -> bool:
         try:
-            with self.redis.pipeline(transaction=False) as pipe:
-                for key, queue in zip(self.claimer.queue_keys, self.queues, strict=True):
-                    pipe.llen(key)
-                    pipe.zcard(fair_key(queue))  # tenants' queues with work
-                pipe.llen(self.claimer.inflight)  # e.g. a claim whose reply was lost
-                return not any(pipe.execute())
+            return self.claimer.nothing_queued()
         except OUTAGE_ERRORS as e:
             self.link.failed(e, "checking the queues")
             return False
@@ -227,8 +210,12 @@ class FleetWorker:
         self._start_unstarted()
         free = self.backend.free_slots() - len(self.unstarted)
         held = Counter(rqjobs.tenant_of(j) for j in self.inflight.values())
-        if free <= 0 and set(held) - {DEFAULT_TENANT}:
-            self._give_way(held)
+        if free <= 0 and set(held) - {DEFAULT_TENANT} and time.monotonic() >= self._next_give_way:
+            # every slot taken: tenants above their share give way to one below (worker/handover.py)
+            self._next_give_way = time.monotonic() + GIVE_WAY_EVERY
+            for job in handover.give_way(self.inflight.values(), *self.claimer.starved(held)):
+                self._hand_back(job, "preempted: its tenant held more than its share", counted=False)
+                self.counters.preempted += 1
         if free <= 0 or not self.engine_hold.ready(self.backend.probe):
             return
         limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
@@ -240,19 +227,6 @@ class FleetWorker:
             claimed = self.claimer.claim(free, limits, held)
         self.unstarted.extend((raw, queue, self.claimer.server_ms) for raw, queue in claimed)
         self._start_unstarted()
-
-    def _give_way(self, held: Counter[str]) -> None:
-        """Every slot is taken: tenants above their share give way to one waiting below its own
-        (worker/handover.py), looked at every GIVE_WAY_EVERY."""
-        now = time.monotonic()
-        if now < self._next_give_way:
-            return
-        self._next_give_way = now + GIVE_WAY_EVERY
-        want, over = self.claimer.starved(held)
-        for job in handover.give_way(self.inflight.values(), want, over):
-            why = f"preempted: tenant {rqjobs.tenant_of(job)} above its share while {', '.join(want)} waited"
-            self._hand_back(job, why, counted=False)
-            self.counters.preempted += 1
 
     def _wait_for_wake(self) -> bool:
         """Block up to IDLE_WAIT on the wake list; False when a stop signal cut the wait short."""
@@ -313,25 +287,15 @@ class FleetWorker:
         self.inflight[job_id] = job
         assert job.request is not None
         try:
-            if not self._resume(job, job.request):
+            backend = self.backend
+            if isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, job.request):
+                self.counters.resumed += 1  # continues its last attempt's text (worker/handover.py)
+            else:
                 self.backend.admit(job_id, job.request)
         except JobRejected as e:
             job.ending = Ending(error=str(e))
         except BackendUnavailable as e:
             self._retry_or_fail(job, f"backend unavailable: {e}")
-
-    def _resume(self, job: ClaimedJob, request: GenerateRequest) -> bool:
-        """Continue the text of the job's last attempt where the engine can: replayed as this
-        attempt's first delta, so a reader's stream goes on where it was (worker/handover.py)."""
-        if not isinstance(self.backend, Resumable) or not (text := handover.resume_text(self.redis, job)):
-            return False
-        if not self.backend.resume(job.id, request, text):
-            return False
-        job.text.append(text)
-        job.unsent.append(text)
-        self.counters.resumed += 1
-        log.info("job %s resumed after %d characters (attempt %d)", job.id, len(text), job.attempt)
-        return True
 
     def _end_cancelled(self, job: ClaimedJob) -> None:
         self._end(job, endings.cancelled(job, self.name, self.backend.name))
