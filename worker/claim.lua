@@ -1,4 +1,5 @@
--- KEYS: inflight, owners set, the worker's status key, queue1..queueN (priority order)
+-- KEYS: inflight, owners set, the worker's status key, queue1..queueN (priority order), the
+-- pool's capacity hash (worker/balance.lua)
 -- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, '1' if the
 -- status key must exist, the tenants' share (JSON: {"w": {tenant: weight > 0, 1 when absent},
 -- "held": {tenant: jobs this worker runs}, "slots": its slots, "reserve": slots kept from a lone
@@ -32,7 +33,7 @@
 -- so another tenant's first job starts at once.
 -- Key literals mirror backends/contract/keys.py: 'rq:queue:' QUEUE_PREFIX (stripped, 9
 -- characters), 'rq:job:' job_key, 'fleet:inflight:' inflight_key, 'fleet:stream:' stream_key,
--- 'fleet:fair:' fair_key, 86400 FAIR_TTL.
+-- 'fleet:fair:' fair_key, 86400 FAIR_TTL, 2000 CAPACITY_LIVE_MS, 60 CAPACITY_TTL.
 -- Nothing after an LPOP may raise: a script that errors keeps its earlier writes, so the popped
 -- id would be in no list at all. Fields a producer can write are therefore read defensively: an
 -- owner whose in-flight key is not a list holds nothing, and the attempt is set, not HINCRBY'd.
@@ -43,7 +44,8 @@ if ARGV[7] == '1' and redis.call('EXISTS', KEYS[3]) == 0 then
   out[2] = -1
   return out
 end
-local nq = #KEYS - 3
+local nq = #KEYS - 4
+local capacity = KEYS[#KEYS]
 local ended = {finished = true, failed = true, stopped = true, canceled = true}
 local function order(p)
   local first = 1
@@ -100,6 +102,24 @@ local function pop(p, claimed)
   end
   return nil, nil
 end
+local function queued()
+  local total = 0
+  for k = 4, 3 + nq do
+    if redis.call('TYPE', KEYS[k]).ok == 'list' then total = total + redis.call('LLEN', KEYS[k]) end
+    local fair = 'fleet:fair:' .. string.sub(KEYS[k], 10)
+    if redis.call('TYPE', fair).ok == 'zset' then
+      for _, tenant in ipairs(redis.call('ZRANGE', fair, 0, 255)) do
+        local q = KEYS[k] .. ':' .. tenant
+        if tenant ~= 'default' and redis.call('TYPE', q).ok == 'list' then
+          total = total + redis.call('LLEN', q)
+        end
+      end
+    end
+  end
+  return total
+end
+local want, slots = n, tonumber(cjson.decode(ARGV[8]).slots) or 0
+n = balance(capacity, me, out[1], 2000, n, slots, queued)
 local claimed, looked = 0, 0
 while claimed < n and looked < n + 256 do
   local id, queue = pop(pick, claimed)
@@ -136,4 +156,5 @@ while claimed < n and looked < n + 256 do
   end
 end
 if claimed > 0 then redis.call('SADD', KEYS[2], me) end
+if slots > 0 then record(capacity, me, out[1], want - claimed, slots, 60) end
 return out

@@ -27,6 +27,7 @@ from backends.contract.keys import (
     OWNER_FIELD,
     OWNERS_SET,
     QUEUE_PREFIX,
+    capacity_key,
     fair_key,
     inflight_key,
     queue_key,
@@ -40,7 +41,8 @@ log = logging.getLogger("fleet.worker")
 
 # Moves ids from the queues into the in-flight list and takes ownership, in one step, so no two
 # workers start one id and lower priorities still move (KEYS, ARGV and reply: the script's header).
-_CLAIM = lua_script("worker", "tenant_share.lua", "claim.lua")
+# A claim takes only this worker's share of a burst, so idle workers all get some (balance.lua).
+_CLAIM = lua_script("worker", "tenant_share.lua", "balance.lua", "claim.lua")
 # Who should give way on a worker with no free slot (KEYS, ARGV and reply: the script's header).
 _STARVED = lua_script("worker", "tenant_share.lua", "starved.lua")
 
@@ -54,7 +56,7 @@ def tenant_reserve(slots: int) -> int:
 
 class Claimer:
     def __init__(self, redis: Redis, worker_name: str, queues: list[str],
-                 weights: dict[str, float] | None = None, slots: int = 0) -> None:
+                 weights: dict[str, float] | None = None, slots: int = 0, pool: str | None = None) -> None:
         self.redis = redis
         self.weights = dict(weights or {})  # tenant -> weight, for the claim's fair share
         self.slots = slots  # shared between tenants with work (0: claim order only)
@@ -65,6 +67,8 @@ class Claimer:
         self.require_live = False
         self.refused = 0  # claims refused because the status key was missing
         self.queue_keys = [queue_key(q) for q in queues]
+        # the pool's free capacity: slots 0 (claim order only) neither reads nor writes it
+        self.capacity = capacity_key(pool or queues[0].rsplit(":", 1)[0])
         self._claim = redis.register_script(_CLAIM)
         self._starved = redis.register_script(_STARVED)
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
@@ -80,7 +84,7 @@ class Claimer:
             return []
         args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD,
                            "1" if self.require_live else "0", self._share(held), *limits]
-        keys = [self.inflight, OWNERS_SET, worker_key(self.name), *self.queue_keys]
+        keys = [self.inflight, OWNERS_SET, worker_key(self.name), *self.queue_keys, self.capacity]
         flat = self._claim(keys=keys, args=args)
         self.server_ms, dropped = int(flat[0]), int(flat[1])
         if dropped < 0:

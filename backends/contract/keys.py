@@ -137,6 +137,16 @@ def wake_key(pool: str) -> str:
     return f"fleet:wake:{pool}"
 
 
+def capacity_key(pool: str) -> str:
+    """hash worker name -> "free|slots|ms": each worker's free slots after its last claim (and
+    when), so a claim takes only its share of a burst (claim.lua: balance)."""
+    return f"fleet:capacity:{pool}"
+
+
+CAPACITY_LIVE_MS = 2000  # an entry older than this is a worker that is full, busy or gone
+CAPACITY_TTL = 60  # seconds the hash outlives the pool's last claim
+
+
 def hub_wake_key(hub_id: str) -> str:
     """Private stream of one asyncio stream reader (dispatcher.stream_hub): an entry here ends
     its blocked XREAD so it starts over with a newly followed job. One entry, 60 s TTL."""
