@@ -26,6 +26,10 @@ class LlamaCppSettings(EngineSettings):
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
+    checkpoints: int = Field(1, ge=0, le=8, description="with sliding-window layers kept to their window "
+                             "(per-slot streams): checkpoints of that window kept per slot, taken where "
+                             "a prompt ends, so a chat's next turn reuses its history even when the "
+                             "client edited the answer (0: off)")
     draft_max: int = Field(6, ge=0, le=16, description="speculation by prompt lookup: draft tokens a "
                            "decoder may verify per step, used only while 1-3 slots decode (0: off)")
     overlap: bool = Field(False, description="decode the next step on a helper thread while the worker "

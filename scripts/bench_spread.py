@@ -85,7 +85,8 @@ def main(workers: int, jobs: int, slots: int, tokens: int, rounds: int, out: Pat
         table.add_row(name, f"{statistics.median(x['wall_s'] for x in rs):.2f}",
                       " ".join("/".join(map(str, x["split"])) for x in rs))
     console.print(table)
-    console.print(f"fleet / forced split wall time: median of per-round ratios {statistics.median(ratios):.3f}x")
+    median = statistics.median(ratios)
+    console.print(f"fleet / forced split wall time: median of per-round ratios {median:.3f}x")
     report = {"machine": machine_meta(), "workers": workers, "jobs": jobs, "slots": slots, "tokens": tokens,
               "runs": runs, "ratio_per_round": [round(x, 3) for x in ratios],
               "ratio_median": round(statistics.median(ratios), 3)}

@@ -3,7 +3,16 @@ and reservations in the unified pool. The KV operations it queues are what llama
 
 from __future__ import annotations
 
-from backends.llamacpp.kv import Copy, KvBookkeeper, Remove, Reuse
+from backends.llamacpp.kv import (
+    MIN_CHECKPOINT_PROMPT,
+    MIN_SLOT_CHOICE_PREFIX,
+    Copy,
+    KvBookkeeper,
+    Remove,
+    Restore,
+    Reuse,
+    Save,
+)
 from backends.llamacpp.state import ActiveJob, WaitingJob
 from tests.engine_state import prompt, sampling
 
@@ -16,7 +25,7 @@ def bookkeeper(*, slots: int = 4, prefix_cache: int = 2, n_ctx: int = 4096,
 
 def start(kv: KvBookkeeper, job_id: str, tokens: list[int], running: list[ActiveJob] | None = None,
           need: int = 64) -> tuple[ActiveJob, Reuse | None]:
-    seq_id = kv.allocate(need)
+    seq_id = kv.allocate(need, tokens)
     assert seq_id is not None
     job = ActiveJob.start(WaitingJob(job_id, tokens, sampling()), seq_id, need)
     return job, kv.reuse_prefix(job, running or [])
@@ -195,3 +204,70 @@ def test_a_sequence_with_queued_changes_is_not_a_source_while_windowed() -> None
     assert reuse_b is not None and reuse_b.from_seq_id == a.seq_id
     _, reuse_c = start(kv, "c", [*prompt(100), 2], [b])
     assert reuse_c is None
+
+
+def windowed_turn(kv: KvBookkeeper, first: int) -> ActiveJob:
+    """A job of `first` prompt tokens on slot 0: its prompt done (checkpointed), 400 tokens out."""
+    job, _ = start(kv, "a", prompt(first))
+    job.n_past = len(job.tokens)
+    kv.prompt_done(job)
+    kv.release(prefilled(job, output=tuple(range(7000, 7400))))
+    return job
+
+
+def test_a_prompt_end_is_checkpointed_when_layers_keep_only_their_window() -> None:
+    kv = windowed({})
+    windowed_turn(kv, 300)
+    assert kv.take_ops() == [Save(0, 300)] and kv.checkpoints == {0: [300]}
+    no_window = bookkeeper()
+    windowed_turn(no_window, 300)
+    assert no_window.take_ops() == []  # every position kept: nothing to checkpoint
+    short = windowed({})
+    windowed_turn(short, MIN_CHECKPOINT_PROMPT - 1)
+    assert short.take_ops() == []
+
+
+def test_an_edited_answer_reuses_the_history_through_the_checkpoint() -> None:
+    # the slot ran to position 700; its window holds 188.. only. The next turn shares the prompt
+    # (300 tokens) but not the answer (the client edited it): without the checkpoint, positions
+    # before 300 have no window left, and the whole history would be prefilled again
+    kv = windowed({0: 188})
+    windowed_turn(kv, 300)
+    kv.take_ops()
+    job, reuse = start(kv, "b", [*prompt(300), *prompt(50, 9000)])
+    assert reuse == Reuse(300, "kept", 0) and job.n_past == 300 and kv.checkpoint_reuses == 1
+    assert kv.take_ops() == [Restore(0, 300, 0), Remove(0, 300)]
+    assert kv.checkpoints == {0: [300]}  # the Remove from 300 keeps the checkpoint at 300
+
+
+def test_a_checkpoint_past_the_shared_prefix_is_not_used_and_a_tail_removal_drops_it() -> None:
+    kv = windowed({0: 188})
+    windowed_turn(kv, 300)
+    kv.take_ops()
+    _, reuse = start(kv, "b", [*prompt(200), *prompt(50, 9000)])
+    assert reuse is None and kv.take_ops() == [Remove(0)] and kv.checkpoints == {0: []}
+
+
+def test_a_checkpoint_serves_a_copy_into_another_slot() -> None:
+    kv = windowed({0: 188})
+    windowed_turn(kv, 300)
+    kv.take_ops()
+    x, _ = start(kv, "x", [*prompt(300), *prompt(50, 9000)])  # in place, through the checkpoint
+    kv.take_ops()
+    y, reuse = start(kv, "y", [*prompt(300), *prompt(50, 8000)], [x])  # x still runs in slot 0
+    assert y.seq_id == 1 and reuse == Reuse(300, "running", 0)
+    # and the prefix both share is kept as an entry, its window restored the same way
+    assert kv.take_ops() == [Copy(0, 1, 300), Restore(1, 300, 0), Copy(0, 5, 300), Restore(5, 300, 0)]
+
+
+def test_a_returning_prompt_gets_the_free_slot_that_holds_its_history() -> None:
+    kv = bookkeeper()
+    a, _ = start(kv, "a", prompt(100))
+    b, _ = start(kv, "b", prompt(100, 5000))
+    kv.release(prefilled(a, output=(1, 2, 3)))
+    kv.release(prefilled(b, output=(4, 5, 6)))
+    kv.take_ops()
+    job, reuse = start(kv, "b2", [*prompt(100, 5000), 4, 5, *prompt(20, 9000)])
+    assert job.seq_id == 1 and reuse == Reuse(102, "kept", 1)  # not slot 0, the lowest free id
+    short, _ = start(kv, "c", [*prompt(MIN_SLOT_CHOICE_PREFIX - 2), *prompt(5, 9000)])
+    assert short.seq_id == 0  # a short shared prefix is not worth a gap: the lowest free id

@@ -70,7 +70,8 @@ class LlamaCppBackend:
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self.kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
                                n_batch=self.n_batch, per_slot=self.per_slot,
-                               invariant=settings.batch_invariant, window=self.model.n_swa)
+                               invariant=settings.batch_invariant, window=self.model.n_swa,
+                               checkpoints=settings.checkpoints)
         self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
                                    draft_max=settings.draft_max)
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
@@ -148,6 +149,8 @@ class LlamaCppBackend:
             "decode_calls": self.executor.decode_calls,
             "prompt_tokens_prefilled": self.scheduler.prompt_tokens_prefilled,
             "prompt_tokens_reused": self.kv.reused_tokens,
+            "checkpoint_reuses": self.kv.checkpoint_reuses,
+            "checkpoint_bytes": self.executor.checkpoint_bytes(),
             "tokens_generated": self.scheduler.tokens_generated,
             "draft_tokens": self.scheduler.draft_tokens,
             "draft_accepted": self.scheduler.draft_accepted,

@@ -12,17 +12,21 @@ logprobs).
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Sequence
 
 import llama_cpp as ll
 
 from backends.base import JobRejected
-from backends.llamacpp.kv import KvOp, Remove
+from backends.llamacpp.kv import KvOp, Remove, Restore, Save
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.sampling import Candidates, SequenceSampler, TopCandidates
 from backends.llamacpp.scheduler import DecodeCall, StepPlan
 from backends.llamacpp.state import ActiveJob, Sampled
+
+# the state of a sequence's sliding-window layers only (llama-server's context checkpoints)
+_WINDOWED = ll.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
 
 
 class Executor:
@@ -44,6 +48,8 @@ class Executor:
         self._candidates: Candidates | None = None  # made for the first job with a grammar
         self._top = TopCandidates()  # sampling is one sequence at a time: one array serves all
         self._logits_row = [-1] * n_streams  # per sequence id: its logits' row in the last batch
+        # checkpoints of sequences' windowed layers (kv.py: Save, Restore), by (seq id, position)
+        self._checkpoints: dict[tuple[int, int], ctypes.Array[ctypes.c_uint8]] = {}
         self.decode_calls = 0
         self.decode_seconds = 0.0
         self.last_decode_seconds = 0.0
@@ -67,11 +73,37 @@ class Executor:
         for op in ops:
             if isinstance(op, Remove):
                 ll.llama_memory_seq_rm(self._memory, op.seq_id, op.start, -1)
+                self._forget_after(op.seq_id, op.start)
+            elif isinstance(op, Save):
+                self._save(op)
+            elif isinstance(op, Restore):
+                self._restore(op)
             elif self.per_slot:  # across streams llama.cpp copies a whole stream: copy, then cut
                 ll.llama_memory_seq_cp(self._memory, op.src, op.dst, -1, -1)
                 ll.llama_memory_seq_rm(self._memory, op.dst, op.n_tokens, -1)
             else:  # one pool: the cells just gain a sequence id
                 ll.llama_memory_seq_cp(self._memory, op.src, op.dst, 0, op.n_tokens)
+
+    def _save(self, op: Save) -> None:
+        if op.forget is not None:
+            self._checkpoints.pop((op.seq_id, op.forget), None)
+        size = ll.llama_state_seq_get_size_ext(self._ctx, op.seq_id, _WINDOWED)
+        data = (ctypes.c_uint8 * size)()
+        if ll.llama_state_seq_get_data_ext(self._ctx, data, size, op.seq_id, _WINDOWED) != size:
+            raise RuntimeError(f"llama.cpp could not checkpoint sequence {op.seq_id}")
+        self._checkpoints[(op.seq_id, op.pos)] = data
+
+    def _restore(self, op: Restore) -> None:
+        data = self._checkpoints[(op.src, op.pos)]  # the bookkeeper only restores what was saved
+        if not ll.llama_state_seq_set_data_ext(self._ctx, data, len(data), op.seq_id, _WINDOWED):
+            raise RuntimeError(f"llama.cpp could not restore a checkpoint into sequence {op.seq_id}")
+
+    def _forget_after(self, seq_id: int, start: int) -> None:
+        for key in [k for k in self._checkpoints if k[0] == seq_id and (start < 0 or k[1] > start)]:
+            del self._checkpoints[key]
+
+    def checkpoint_bytes(self) -> int:
+        return sum(len(d) for d in self._checkpoints.values())
 
     def open(self, job: ActiveJob) -> None:
         if job.sampling.format is not None and self._candidates is None:

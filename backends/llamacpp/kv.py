@@ -25,6 +25,12 @@ from backends.llamacpp.invariance import reusable_prefix
 from backends.llamacpp.state import ActiveJob
 
 MIN_SHARED_PREFIX = 8  # tokens; below this copying a prefix's KV costs more than prefilling it
+# a prompt shorter than this is not checkpointed: prefilling it again costs about what a
+# checkpoint's copy does (gemma-3-270m: ~7 MiB for its 512-position window)
+MIN_CHECKPOINT_PROMPT = 64
+# a free slot whose kept KV holds this much of a newcomer's prompt is chosen over the lowest free
+# id: the prefill it saves outweighs the padding rows a gap among busy ids costs each step
+MIN_SLOT_CHOICE_PREFIX = 64
 
 ReuseSource = Literal["kept", "entry", "other slot", "running"]
 
@@ -46,7 +52,27 @@ class Copy:
     n_tokens: int
 
 
-KvOp = Remove | Copy
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Checkpoint `seq_id`'s windowed layers as they are now, holding positions before `pos`;
+    `forget`: an older checkpoint of the sequence to drop (the bookkeeper keeps a few)."""
+
+    seq_id: int
+    pos: int
+    forget: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Put `src`'s checkpoint at `pos` into `seq_id`'s windowed layers (its full-attention layers
+    already hold positions before `pos`; a Remove from `pos` follows)."""
+
+    seq_id: int
+    pos: int
+    src: int
+
+
+KvOp = Remove | Copy | Save | Restore
 
 
 @dataclass(slots=True)
@@ -67,7 +93,7 @@ class Reuse:
 
 class KvBookkeeper:
     def __init__(self, *, slots: int, prefix_cache: int, n_ctx: int, n_batch: int, per_slot: bool,
-                 invariant: bool = False, window: int = 0) -> None:
+                 invariant: bool = False, window: int = 0, checkpoints: int = 1) -> None:
         self.slots = slots
         self.n_streams = slots + prefix_cache
         self.n_ctx = n_ctx  # cells of the unified pool (checked by fits() only when not invariant)
@@ -80,6 +106,14 @@ class KvBookkeeper:
         # read for each admission round (Scheduler.start_waiting)
         self.window = window
         self.oldest_held: Sequence[int] = ()
+        # Checkpoints of a sequence's windowed layers, taken where its prompt ended (as
+        # llama-server's context checkpoints): the next turn of a chat shares the prompt, and
+        # often not the answer (edited, trimmed or re-tokenised by the client), and by then the
+        # window has moved past the point where they diverge. Positions per sequence id, oldest
+        # first; the executor holds the bytes.
+        self.checkpoints_per_seq = checkpoints if window else 0
+        self.checkpoints: dict[int, list[int]] = {}
+        self.checkpoint_reuses = 0
         self._free_seq_ids = list(range(slots))
         self._free_prefix_ids = list(range(slots, self.n_streams))
         self.prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
@@ -97,23 +131,46 @@ class KvBookkeeper:
 
     def _queue(self, op: KvOp) -> None:
         self._ops.append(op)
-        self._changing.add(op.seq_id if isinstance(op, Remove) else op.dst)
+        self._changing.add(op.dst if isinstance(op, Copy) else op.seq_id)
+        if isinstance(op, Remove) and op.seq_id in self.checkpoints:  # the executor does the same
+            kept = [p for p in self.checkpoints[op.seq_id] if op.start >= 0 and p <= op.start]
+            self.checkpoints[op.seq_id] = kept
+
+    def prompt_done(self, job: ActiveJob) -> None:
+        """The job's prompt is in its KV: checkpoint its windowed layers there (see checkpoints)."""
+        pos = len(job.tokens)
+        if not self.checkpoints_per_seq or pos < MIN_CHECKPOINT_PROMPT:
+            return
+        held = self.checkpoints.setdefault(job.seq_id, [])
+        if pos in held:
+            return
+        forget = held.pop(0) if len(held) >= self.checkpoints_per_seq else None
+        held.append(pos)
+        self._ops.append(Save(job.seq_id, pos, forget))
 
     # -- sequence ids and reservations ------------------------------------------------------------
 
     def has_free_slot(self) -> bool:
         return bool(self._free_seq_ids)
 
-    def allocate(self, need: int) -> int | None:
+    def allocate(self, need: int, tokens: Sequence[int] = ()) -> int | None:
         """A slot's sequence id with `need` KV cells reserved, evicting cached prefixes to make
         room; None when the unified pool cannot hold `need` cells yet (running jobs will free
-        some: admission waits, it never evicts a running job)."""
+        some: admission waits, it never evicts a running job). With per-slot streams, the free
+        slot whose kept KV holds the longest prefix of `tokens` (a chat's next turn finds its
+        history in place), when that is worth a gap among the busy ids."""
         while not self.fits(need) and self.evict_prefix():
             pass
         if not self._free_seq_ids or not self.fits(need):
             return None
         # lowest first: busy ids stay consecutive, so the decoders fill one ubatch (see executor)
         seq_id = min(self._free_seq_ids)
+        best = MIN_SLOT_CHOICE_PREFIX - 1
+        for free in self._free_seq_ids if tokens else ():
+            kept = self.slot_kv.get(free)
+            n = self._reusable(kept, tokens)[0] if kept is not None else 0
+            if n > best:
+                seq_id, best = free, n
         self._free_seq_ids.remove(seq_id)
         self.reserved += need
         return seq_id
@@ -161,13 +218,18 @@ class KvBookkeeper:
             if kept is not None:
                 self._queue(Remove(job.seq_id))
             return None
-        n, source, kind = best
+        n, source, kind, restore = best
         if kind == "kept":
+            if restore:
+                self._queue(Restore(job.seq_id, n, job.seq_id))
             self._queue(Remove(job.seq_id, n))
         else:
             if kept is not None:  # the copy goes into an empty sequence
                 self._queue(Remove(job.seq_id))
             self._queue(Copy(source.seq_id, job.seq_id, n))
+            if restore:
+                self._queue(Restore(job.seq_id, n, source.seq_id))
+        self.checkpoint_reuses += restore
         job.n_past = n
         self.reused_tokens += n
         if kind == "entry":
@@ -176,27 +238,41 @@ class KvBookkeeper:
             # a prefix two live jobs share is likely shared by the next one too: keep it
             entry_id = self._free_prefix_ids.pop()
             self._queue(Copy(source.seq_id, entry_id, n))
+            if restore:
+                self._queue(Restore(entry_id, n, source.seq_id))
             self.prefixes[entry_id] = PrefixEntry(entry_id, job.tokens[:n], source.n_prompt)
         return Reuse(n, kind, source.seq_id)
 
     def _choose_source(self, job: ActiveJob, kept: PrefixEntry | None, running: Iterable[ActiveJob]
-                       ) -> tuple[int, PrefixEntry, ReuseSource] | None:
+                       ) -> tuple[int, PrefixEntry, ReuseSource, bool] | None:
+        """The longest reusable prefix: (its length, where from, what kind, whether it needs a
+        checkpoint of the source's windowed layers restored)."""
         sources: list[tuple[PrefixEntry, ReuseSource]] = [(e, "entry") for e in self.prefixes.values()]
         sources += [(e, "other slot") for e in self.slot_kv.values()]
         sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
                     for o in running]
         if kept is not None:
             sources.insert(0, (kept, "kept"))
-        best: tuple[int, PrefixEntry, ReuseSource] | None = None
+        best: tuple[int, PrefixEntry, ReuseSource, bool] | None = None
         for source, kind in sources:
-            # the last prompt token must run, for the first logits
-            n = min(common_prefix(source.tokens, job.tokens), len(job.tokens) - 1)
-            if self.invariant:
-                n = reusable_prefix(n, source.n_prompt, len(job.tokens), self.n_batch)
+            n, restore = self._reusable(source, job.tokens)
             worth = 1 if kind == "kept" else MIN_SHARED_PREFIX  # in place any token pays
-            if n >= worth and n > (best[0] if best else 0) and self._window_held(source.seq_id, n):
-                best = (n, source, kind)
+            if n >= worth and n > (best[0] if best else 0):
+                best = (n, source, kind, restore)
         return best
+
+    def _reusable(self, source: PrefixEntry, tokens: Sequence[int]) -> tuple[int, bool]:
+        """How many of `tokens` can come from `source`'s KV, and whether that needs one of its
+        checkpoints restored (its window has moved past the point where they diverge)."""
+        # the last prompt token must run, for the first logits
+        n = min(common_prefix(source.tokens, tokens), len(tokens) - 1)
+        if self.invariant:
+            n = reusable_prefix(n, source.n_prompt, len(tokens), self.n_batch)
+        if self._window_held(source.seq_id, n):
+            return n, False
+        if source.seq_id in self._changing:
+            return 0, False  # queued operations will change what its checkpoints stand for
+        return max((p for p in self.checkpoints.get(source.seq_id, ()) if p <= n), default=0), True
 
     def _window_held(self, seq_id: int, n: int) -> bool:
         """Does `seq_id` still hold the window the token at position n attends to? (Windowed
@@ -209,7 +285,7 @@ class KvBookkeeper:
         return self.oldest_held[seq_id] <= max(0, n - self.window)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -138,7 +138,7 @@ class Scheduler:
         while self.waiting and self.kv.has_free_slot():
             waiting = self.waiting[0]
             need = min(len(waiting.tokens) + waiting.sampling.max_tokens, self.n_ctx_per_seq)
-            seq_id = self.kv.allocate(need)
+            seq_id = self.kv.allocate(need, waiting.tokens)
             if seq_id is None:
                 self.deferred_admissions += 1
                 break  # running jobs will free KV cells; the job keeps its place in line
@@ -204,6 +204,7 @@ class Scheduler:
             job.n_past += count
             self.prompt_tokens_prefilled += count
             if job.n_past == len(job.tokens):  # its last row gave the first token
+                self.kv.prompt_done(job)
                 got = rows.get(job.seq_id)
                 if got is None:
                     self._reject(job, sampled.rejected[job.seq_id], out)
