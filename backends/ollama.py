@@ -30,6 +30,8 @@ class OllamaBackend(HttpStreamBackend):
         503: ("{what} is busy (503): {message}", True),
     }
 
+    lacks = ("min_tokens", "ignore_eos")  # Ollama's options have neither
+
     def __init__(self, settings: OllamaSettings, *, transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(settings, "ollama", transport)
         self.settings: OllamaSettings = settings

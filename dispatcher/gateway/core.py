@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,9 +59,19 @@ def shown(value: object, limit: int = 100) -> str:
     return out + ("..." if len(text) > limit else "")
 
 
-def unsupported(field: str, api: str) -> ApiError:
-    return ApiError(400, f"'{shown(field)}' is not supported by this {api} gateway (llama-fleet)",
-                    param=shown(field), code="unsupported_field")
+MAX_NAMED = 20  # unsupported fields one message names (a body may hold thousands)
+
+
+def unsupported(fields: str | Sequence[str], api: str) -> ApiError:
+    """The 400 for fields this gateway cannot honour: the message names every one (so a client
+    fixes them all at once), `param` the first."""
+    names = [fields] if isinstance(fields, str) else list(fields)
+    listed = ", ".join(f"'{shown(f)}'" for f in names[:MAX_NAMED])
+    if len(names) > MAX_NAMED:
+        listed += f" and {len(names) - MAX_NAMED} more"
+    verb = "is" if len(names) == 1 else "are"
+    return ApiError(400, f"{listed} {verb} not supported by this {api} gateway (llama-fleet)",
+                    param=shown(names[0]), code="unsupported_field")
 
 
 # -- reading a JSON body ----------------------------------------------------------------------------
