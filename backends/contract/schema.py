@@ -11,7 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from backends.contract import schema_limits
 
@@ -94,6 +102,14 @@ class GenerateRequest(BaseModel):
             raise ValueError("stop strings must be 1..256 characters")
         return v
 
+    @field_validator("min_tokens")
+    @classmethod
+    def _at_most_max_tokens(cls, v: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")  # validated before (declared before)
+        if max_tokens is not None and v > max_tokens:
+            raise ValueError(f"{v} is more than max_tokens ({max_tokens})")
+        return v
+
     @field_validator("format")
     @classmethod
     def _json_schema(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -115,8 +131,6 @@ class GenerateRequest(BaseModel):
             raise ValueError(f"messages hold {total:,} characters together; the limit is {limit:,}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.max_tokens})")
         return self
 
     def sampling(self, defaults: SamplingDefaults) -> Sampling:

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dispatcher.gateway import batch_api, ollama_api, openai_api
+from dispatcher.gateway import batch_api, ollama_api, ollama_show, openai_api
 from dispatcher.gateway.core import ApiError, Gateway, caller_keys, shown
 from dispatcher.gateway.responses import AsciiJSONResponse
 from dispatcher.gateway.settings import GatewaySettings, ServeSettings, load_serve_settings
@@ -293,6 +293,7 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/api/chat", guarded(ollama_api.chat), methods=["POST"]),
         Route("/api/tags", guarded(ollama_api.tags)),
         Route("/api/ps", guarded(ollama_api.ps)),
+        Route("/api/show", guarded(ollama_show.show), methods=["POST"]),
         Route("/api/version", ollama_api.version),  # Ollama clients probe it before anything else
         *batch_api.routes(guarded),
         *observability_routes(settings, lambda: app.state.gateway.fleet.redis),

@@ -224,6 +224,7 @@ class Gateway:
         self._fleets: dict[str, AsyncFleet] = {settings.pool: self.fleet}
         self.models = settings.model_pools()
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
+        self.pool_members: dict[str, list[str]] = {}  # pool -> the names of those workers
         self.redis_up = False
         self._keys = caller_keys(settings.gateway)
         self._refresher: asyncio.Task[None] | None = None
@@ -263,13 +264,16 @@ class Gateway:
             self.redis_up = False
             return
         counts: dict[str, int] = {}
-        for pool_raw, state_raw in replies:
+        members: dict[str, list[str]] = {}
+        for name, (pool_raw, state_raw) in zip(names, replies, strict=True):
             if pool_raw is None:
                 continue  # its hash expired: dead (the reaper collects it)
             pool, state = json.loads(pool_raw), json.loads(state_raw or '""')
             if state not in NOT_SERVING:
                 counts[pool] = counts.get(pool, 0) + 1
+                members.setdefault(pool, []).append(name)
         self.live_workers = counts
+        self.pool_members = members
         self.redis_up = True
 
     def fleet_for(self, pool: str) -> AsyncFleet:
