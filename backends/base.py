@@ -99,3 +99,12 @@ class Resumable(Protocol):
     def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
         """Admit the job to continue after `delivered` (the text its last attempt wrote); False
         when this request cannot resume (the caller admits it to start over)."""
+
+
+@runtime_checkable
+class Described(Protocol):
+    """An engine that can describe its model (backends/model_card.py): what the worker publishes
+    for the gateway's Ollama `/api/show`."""
+
+    def model_card(self) -> dict[str, object]:
+        """The model card (JSON-serialisable); read once, at the worker's start."""

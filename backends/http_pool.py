@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from backends.base import BackendUnavailable, Done, Event, Failed, Token
+from backends.base import BackendUnavailable, Done, Event, Failed, JobRejected, Token
 from backends.contract.retry import Backoff
 from backends.contract.schema import GenerateRequest, Sampling
 from backends.http_settings import HttpSettings
@@ -136,6 +136,8 @@ class HttpStreamBackend(ABC):
     slots: int
     health_path: str  # GET answers 200 when the engine can take jobs
     status_errors: Mapping[int, tuple[str, bool]] = STATUS_ERRORS
+    # request fields the engine has no equivalent of: a job that sets one fails at admission, named
+    lacks: tuple[str, ...] = ()
 
     def __init__(self, settings: HttpSettings, what: str,
                  transport: httpx.BaseTransport | None = None) -> None:
@@ -216,6 +218,9 @@ class HttpStreamBackend(ABC):
     def admit(self, job_id: str, request: GenerateRequest) -> None:
         if self._pool is None:
             raise BackendUnavailable(f"{self.what} is closed")
+        if refused := [name for name in self.lacks if getattr(request, name)]:
+            raise JobRejected(f"{', '.join(refused)}: not supported by the {self.name} backend "
+                              f"({self.name} has no such setting)")
         job = StreamJob(job_id, request, request.sampling(self.settings.sampling))
         with self._lock:
             if job_id in self._jobs:

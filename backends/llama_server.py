@@ -43,6 +43,7 @@ _SEP = -1
 class LlamaServerBackend(HttpStreamBackend):
     name = "llama-server"
     health_path = "/health"  # 503 while the model loads
+    lacks = ("min_tokens",)  # llama-server takes ignore_eos (as here), no minimum length
 
     def __init__(self, settings: HttpSettings, *, transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(settings, "llama-server", transport)
@@ -217,8 +218,11 @@ class LlamaServerBackend(HttpStreamBackend):
 
 
 def common_fields(s: Sampling) -> dict[str, Any]:
-    return {**sampler_fields(s), "seed": -1 if s.seed is None else s.seed, "stop": s.stop,
-            "stream": True, "cache_prompt": True}
+    out = {**sampler_fields(s), "seed": -1 if s.seed is None else s.seed, "stop": s.stop,
+           "stream": True, "cache_prompt": True}
+    if s.ignore_eos:  # both endpoints read it (masks every end-of-generation token)
+        out["ignore_eos"] = True
+    return out
 
 
 def structured_fields(request: GenerateRequest) -> dict[str, Any]:

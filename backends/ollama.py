@@ -17,6 +17,7 @@ import httpx
 from backends.base import BackendUnavailable, Done, Event, Token
 from backends.http_pool import STATUS_ERRORS, HttpStreamBackend, StreamFailure, StreamJob, sampler_fields
 from backends.http_settings import OllamaSettings
+from backends.model_card import ollama_card
 
 
 class OllamaBackend(HttpStreamBackend):
@@ -30,10 +31,13 @@ class OllamaBackend(HttpStreamBackend):
         503: ("{what} is busy (503): {message}", True),
     }
 
+    lacks = ("min_tokens", "ignore_eos")  # Ollama's options have neither
+
     def __init__(self, settings: OllamaSettings, *, transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(settings, "ollama", transport)
         self.settings: OllamaSettings = settings
         self.model = settings.model
+        self._show: dict[str, Any] = {}
         self._start()
 
     def _discover_slots(self) -> int:
@@ -49,7 +53,12 @@ class OllamaBackend(HttpStreamBackend):
             )
         if response.status_code != 200:
             raise BackendUnavailable(f"{self.what}: /api/show answered HTTP {response.status_code}")
+        self._show = response.json()
         return self.settings.parallel or 1
+
+    def model_card(self) -> dict[str, object]:
+        """Ollama's own /api/show of the model, as the fleet's card (backends/model_card.py)."""
+        return ollama_card(self._show)
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "model": self.model}

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.base import BackendUnavailable, Done, Event, Failed, Restarted, Token
+from backends.base import BackendUnavailable, Done, Event, Failed, JobRejected, Restarted, Token
 from backends.contract.schema import GenerateRequest, Message
 from backends.fallback import FallbackBackend
 from backends.http_settings import LlamaServerSettings
@@ -252,3 +252,17 @@ def test_server_killed_mid_job_fails_retryable_then_fallback_reruns_it(tmp_path:
             chain.close()
     finally:
         ollama.shutdown()
+
+
+def test_ignore_eos_reaches_max_tokens_and_min_tokens_is_refused_by_name(backend: LlamaServerBackend) -> None:
+    stops = "#include <stdio.h>\nint main() { return 0; }\n"  # the model's first token is <eos>
+    backend.admit("plain", greedy(prompt=stops, max_tokens=24))
+    backend.admit("all", greedy(prompt=stops, max_tokens=24, ignore_eos=True))
+    events = collect(backend, 2)
+    plain, to_the_end = final(events, "plain"), final(events, "all")
+    assert isinstance(plain, Done) and plain.completion_tokens < 24 and plain.finish_reason == "stop"
+    assert isinstance(to_the_end, Done) and to_the_end.finish_reason == "length"
+    assert to_the_end.completion_tokens == 24
+    with pytest.raises(JobRejected, match="min_tokens: not supported by the llama-server backend"):
+        backend.admit("min", greedy(prompt=stops, max_tokens=24, min_tokens=8))
+    assert backend.free_slots() == backend.slots  # nothing was taken

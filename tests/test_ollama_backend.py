@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from backends.base import BackendUnavailable, Done, Event, Failed, Token
+from backends.base import BackendUnavailable, Done, Event, Failed, JobRejected, Token
 from backends.contract.schema import GenerateRequest, Message, SamplingDefaults
 from backends.http_settings import OllamaSettings
 from backends.ollama import OllamaBackend
@@ -191,3 +191,12 @@ def test_unreachable_ollama_is_backend_unavailable() -> None:
         OllamaBackend(
             OllamaSettings(endpoint=f"http://127.0.0.1:{free_port()}", connect_timeout=0.5)
         )
+
+
+def test_what_ollama_lacks_is_refused_by_name_and_its_show_becomes_the_card(backend: OllamaBackend) -> None:
+    for fields in ({"min_tokens": 4}, {"ignore_eos": True}):
+        with pytest.raises(JobRejected, match=f"{next(iter(fields))}: not supported by the ollama backend"):
+            backend.admit("x", greedy(prompt="hi", max_tokens=8, **fields))
+    assert backend.free_slots() == backend.slots
+    card = backend.model_card()
+    assert card["details"] == {"format": "gguf", "family": "gemma3"} and card["template"] == "{{ .Prompt }}"

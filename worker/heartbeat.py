@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from redis import Redis
 
-from backends.contract.keys import WORKERS_SET, executions_key, worker_key
+from backends.contract.keys import WORKERS_SET, executions_key, model_card_key, worker_key
 from backends.contract.lua import lua_script, queue_script
 from backends.contract.redact import redact_url
 from backends.contract.replies import Fields
@@ -45,9 +45,11 @@ EARLY_BEAT_GAP = 0.2  # seconds
 
 class Heartbeat(threading.Thread):
     def __init__(self, fleet_worker: FleetWorker, rq_worker: Worker, reaper: Reaper,
-                 static: dict[str, Any]) -> None:
+                 static: dict[str, Any], model_card: dict[str, Any] | None = None) -> None:
         super().__init__(name="fleet-heartbeat", daemon=True)
         self.fw = fleet_worker
+        # the model card, encoded once; written with each beat so it lives exactly as the status does
+        self.card = json.dumps(model_card, separators=(",", ":")) if model_card else None
         self.rq_worker = rq_worker
         self.reaper = reaper
         self.static = static  # host, pid, cpus, numa, backend, slots, ...
@@ -144,6 +146,8 @@ class Heartbeat(threading.Thread):
             pipe.exists(self.rq_worker.key)  # before RQ's heartbeat, which would recreate it
             pipe.hset(worker_key(fw.name), mapping=status)
             pipe.pexpire(worker_key(fw.name), self.ttl_ms)
+            if self.card is not None:
+                pipe.set(model_card_key(fw.name), self.card, px=self.ttl_ms)
             pipe.sadd(WORKERS_SET, fw.name)
             self.facts.on_beat(pipe)
             self.rq_worker.heartbeat(timeout=ttl_s + 60, pipeline=pipe)
@@ -188,6 +192,6 @@ def static_status(name: str, settings: Any, backend_name: str, slots: int,
 
 def clear_status(redis: Redis, name: str) -> None:
     with redis.pipeline(transaction=False) as pipe:
-        pipe.delete(worker_key(name))
+        pipe.delete(worker_key(name), model_card_key(name))
         pipe.srem(WORKERS_SET, name)
         pipe.execute()

@@ -13,6 +13,7 @@ from redis.exceptions import ResponseError
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from backends.base import Described
 from backends.contract.connect import server_version
 from backends.contract.keys import RQ_WORKERS_SET, queue_names, worker_key
 from backends.contract.retry import OUTAGE_ERRORS
@@ -68,7 +69,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     fw.install_signal_handlers()
     static = static_status(name, settings, backend.name, backend.slots,
                            {"threads": threads, **report.to_dict()})
-    hb = Heartbeat(fw, rq_worker, reaper, static)
+    hb = Heartbeat(fw, rq_worker, reaper, static, model_card(backend))
     hb.beat()  # visible before the first job
     hb.start()
     fw.claimer.require_live = True  # from now on a claim needs the status key the heartbeat keeps
@@ -89,6 +90,19 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
         c = fw.counters
         log.info("worker %s: stopped (%d done, %d failed)", name, c.jobs_done, c.jobs_failed)
     return summary
+
+
+def model_card(backend: object) -> dict[str, object] | None:
+    """The engine's model card for Ollama's /api/show, when it can describe its model (a card
+    that fails to build is only logged: it is no reason to stop serving)."""
+    engine = getattr(backend, "inner", backend)  # backend.overlap wraps the engine
+    if not isinstance(engine, Described):
+        return None
+    try:
+        return engine.model_card()
+    except Exception:
+        log.exception("the engine could not describe its model; /api/show gets no details")
+        return None
 
 
 def _address(redis: Redis) -> str:

@@ -123,6 +123,11 @@ def worker_name_of(key: str) -> str:
     return key[len(WORKER_PREFIX):]
 
 
+def model_card_key(name: str) -> str:
+    """A worker's model card (backends/model_card.py, JSON): written with its status, same TTL."""
+    return f"fleet:model:{name}"
+
+
 def inflight_key(name: str) -> str:
     """Job ids a worker holds; claimed by atomic move so the reaper sees them if it dies."""
     return f"fleet:inflight:{name}"

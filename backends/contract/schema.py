@@ -11,7 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from backends.contract import schema_limits
 
@@ -73,6 +81,10 @@ class GenerateRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # structured output: "json" = any JSON object; a dict = a JSON Schema the text must match
     format: Literal["json"] | dict[str, Any] | None = None
+    # llama-server's and vLLM's extensions: no end of generation before min_tokens tokens;
+    # ignore_eos: none at all (the job runs to max_tokens). Stop strings still stop.
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
+    ignore_eos: bool = False
     # who asks (docs/tenants.md): fair share at the claim, usage, limits; None: the default tenant
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
 
@@ -88,6 +100,14 @@ class GenerateRequest(BaseModel):
     def _stop_strings(cls, v: list[str]) -> list[str]:
         if any(not s or len(s) > 256 for s in v):
             raise ValueError("stop strings must be 1..256 characters")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _at_most_max_tokens(cls, v: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")  # validated before (declared before)
+        if max_tokens is not None and v > max_tokens:
+            raise ValueError(f"{v} is more than max_tokens ({max_tokens})")
         return v
 
     @field_validator("format")
@@ -121,7 +141,8 @@ class GenerateRequest(BaseModel):
             if v is not None:
                 d[k] = v
         top = (self.top_logprobs or 0) if self.logprobs else None
-        return Sampling(**d, seed=self.seed, stop=list(self.stop), format=self.format, top_logprobs=top)
+        return Sampling(**d, seed=self.seed, stop=list(self.stop), format=self.format, top_logprobs=top,
+                        min_tokens=min(self.min_tokens, d["max_tokens"]), ignore_eos=self.ignore_eos)
 
 
 def check_json_schema(schema: dict[str, Any]) -> None:
@@ -158,6 +179,13 @@ class Sampling:
     stop: list[str]
     format: Literal["json"] | dict[str, Any] | None = None  # structured output (a grammar)
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token (0..20)
+    min_tokens: int = 0  # no end of generation before this many tokens (at most max_tokens)
+    ignore_eos: bool = False  # no end of generation at all: to max_tokens (or a stop string)
+
+    def bans_eog(self) -> bool:
+        """Whether end-of-generation tokens are masked for some of the job's tokens (they are
+        taken out of the logits row before any sampler sees it, so every path honours it)."""
+        return self.ignore_eos or self.min_tokens > 0
 
     def has_penalties(self) -> bool:
         return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -26,6 +26,7 @@ batch, and the attention sums cells in cell order).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import llama_cpp as ll
 
@@ -38,6 +39,7 @@ from backends.llamacpp.sampling import check_format, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
 from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
+from backends.model_card import capabilities, gguf_card
 
 
 def keeps_whole_window(settings: LlamaCppSettings) -> bool:
@@ -137,6 +139,12 @@ class LlamaCppBackend:
         elif timeout > 0 and not events:
             time.sleep(min(timeout, 0.01))
         return events
+
+    def model_card(self) -> dict[str, object]:
+        m = self.model
+        return gguf_card(m.metadata(), path=Path(m.path), n_params=int(ll.llama_model_n_params(m.model)),
+                         template=m.template_text(), defaults=self.settings.sampling,
+                         capabilities=capabilities())
 
     def stats(self) -> dict[str, object]:
         return {

@@ -298,8 +298,16 @@ class SequenceSampler:
         self.rejections = 0  # picks the grammar refused (each one cost a full-vocabulary filter)
         self.greedy_alone = s.temperature <= 0 and s.is_plain()  # the chain is one greedy sampler
         self.top = top if self.keeps is not None and self.keeps > 1 else None  # the chain starts with top-k
+        # min_tokens / ignore_eos: the end-of-generation tokens' logits are set to -inf in the row
+        # itself (what llama-server's logit bias does), before any path reads it, while fewer than
+        # `eog_banned_for` tokens were sampled; jobs that ask for neither pay one test per token
+        self.eog_ids = np.asarray(model.eog_ids, dtype=np.intp) if s.bans_eog() else None
+        self.eog_banned_for = math.inf if s.ignore_eos else s.min_tokens
+        self.sampled = resumed  # a resumed job's delivered tokens count
 
     def sample(self, ctx: ll.llama_context_p, row: int) -> int:
+        if self.eog_ids is not None:
+            self._ban_eog(ctx, row)
         if self.greedy_alone:
             # llama_sampler_sample would first copy all 262k logits into candidate structs
             # (~0.35 ms per sequence); greedy takes the first maximum, as np.argmax does
@@ -308,6 +316,15 @@ class SequenceSampler:
         if self.top_logprobs is not None:
             self.logprobs.append(self._logprob_entry(self._logits(ctx, row), tok))
         return tok
+
+    def _ban_eog(self, ctx: ll.llama_context_p, row: int) -> None:
+        """Mask the end-of-generation tokens in this row (every row sampled is one more token of
+        the job: a draft row is sampled only while the draft held), or stop masking for good."""
+        if self.sampled >= self.eog_banned_for:
+            self.eog_ids = None
+            return
+        self._logits(ctx, row)[self.eog_ids] = -np.inf
+        self.sampled += 1
 
     def _logits(self, ctx: ll.llama_context_p, row: int) -> np.ndarray:
         return np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, row), shape=(self.model.n_vocab,))

@@ -8,7 +8,9 @@ pool: jobs and their streams, batches and files (batch_api.py), /metrics and /da
 GET /health is open (Redis reachable and at least one live worker); every other route needs a
 bearer key when `gateway.api_keys` is set. Keys are compared in constant time and never logged.
 
-Every request passes `RequestGuard` first: cross-site browser requests may not POST or DELETE
+Every response carries an `x-request-id` (`RequestId`, outermost: errors, streams, the
+dashboard and Starlette's own 500s too): the client's own when it sent a sane one, else a new
+one. Every request passes `RequestGuard` next: cross-site browser requests may not POST or DELETE
 (keys are off by default, so any web page the operator opens could otherwise run jobs), and a
 body is bounded in size and in time while it is read (docs/gateway.md, "What the gateway refuses").
 """
@@ -20,7 +22,9 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
@@ -33,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dispatcher.gateway import batch_api, ollama_api, openai_api
+from dispatcher.gateway import batch_api, ollama_api, ollama_show, openai_api
 from dispatcher.gateway.core import ApiError, Gateway, caller_keys, shown
 from dispatcher.gateway.responses import AsciiJSONResponse
 from dispatcher.gateway.settings import GatewaySettings, ServeSettings, load_serve_settings
@@ -67,6 +71,56 @@ def error_response(path: str, exc: ApiError) -> Response:
 async def render_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return error_response(request.url.path, exc)
+
+
+# -- the request id on every response ---------------------------------------------------------------
+
+REQUEST_ID = b"x-request-id"
+SANE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces, bounded
+
+
+class RequestId:
+    """ASGI middleware: adds `x-request-id` to the response head: the client's, when it sent a
+    sane one (1-128 printable ASCII characters, no spaces), else `req_` + 32 hex digits. Also in
+    `scope["state"]["request_id"]` for the handlers. It touches only the response's start
+    message, so a stream's chunks cost nothing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_of(scope["headers"])
+        scope.setdefault("state", {})["request_id"] = request_id.decode()
+
+        async def with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != REQUEST_ID]
+                message = {**message, "headers": [*headers, (REQUEST_ID, request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
+
+
+def request_id_of(headers: list[tuple[bytes, bytes]]) -> bytes:
+    for name, value in headers:
+        if name == REQUEST_ID:  # ASGI servers give header names in lower case
+            return value if SANE_REQUEST_ID.fullmatch(value) else new_request_id()
+    return new_request_id()
+
+
+def new_request_id() -> bytes:
+    return b"req_" + uuid.uuid4().hex.encode()
+
+
+class GatewayApp(Starlette):
+    """Starlette with `RequestId` outside its whole stack: user middleware runs inside
+    Starlette's ServerErrorMiddleware, whose 500s would otherwise carry no id."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return RequestId(super().build_middleware_stack())
 
 
 # -- the guard in front of every route --------------------------------------------------------------
@@ -239,11 +293,12 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/api/chat", guarded(ollama_api.chat), methods=["POST"]),
         Route("/api/tags", guarded(ollama_api.tags)),
         Route("/api/ps", guarded(ollama_api.ps)),
+        Route("/api/show", guarded(ollama_show.show), methods=["POST"]),
         Route("/api/version", ollama_api.version),  # Ollama clients probe it before anything else
         *batch_api.routes(guarded),
         *observability_routes(settings, lambda: app.state.gateway.fleet.redis),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error},
+    app = GatewayApp(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error},
                     middleware=[Middleware(RequestGuard, settings=settings.gateway)])
     return app
 

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,9 +59,19 @@ def shown(value: object, limit: int = 100) -> str:
     return out + ("..." if len(text) > limit else "")
 
 
-def unsupported(field: str, api: str) -> ApiError:
-    return ApiError(400, f"'{shown(field)}' is not supported by this {api} gateway (llama-fleet)",
-                    param=shown(field), code="unsupported_field")
+MAX_NAMED = 20  # unsupported fields one message names (a body may hold thousands)
+
+
+def unsupported(fields: str | Sequence[str], api: str) -> ApiError:
+    """The 400 for fields this gateway cannot honour: the message names every one (so a client
+    fixes them all at once), `param` the first."""
+    names = [fields] if isinstance(fields, str) else list(fields)
+    listed = ", ".join(f"'{shown(f)}'" for f in names[:MAX_NAMED])
+    if len(names) > MAX_NAMED:
+        listed += f" and {len(names) - MAX_NAMED} more"
+    verb = "is" if len(names) == 1 else "are"
+    return ApiError(400, f"{listed} {verb} not supported by this {api} gateway (llama-fleet)",
+                    param=shown(names[0]), code="unsupported_field")
 
 
 # -- reading a JSON body ----------------------------------------------------------------------------
@@ -214,6 +224,7 @@ class Gateway:
         self._fleets: dict[str, AsyncFleet] = {settings.pool: self.fleet}
         self.models = settings.model_pools()
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
+        self.pool_members: dict[str, list[str]] = {}  # pool -> the names of those workers
         self.redis_up = False
         self._keys = caller_keys(settings.gateway)
         self._refresher: asyncio.Task[None] | None = None
@@ -253,13 +264,16 @@ class Gateway:
             self.redis_up = False
             return
         counts: dict[str, int] = {}
-        for pool_raw, state_raw in replies:
+        members: dict[str, list[str]] = {}
+        for name, (pool_raw, state_raw) in zip(names, replies, strict=True):
             if pool_raw is None:
                 continue  # its hash expired: dead (the reaper collects it)
             pool, state = json.loads(pool_raw), json.loads(state_raw or '""')
             if state not in NOT_SERVING:
                 counts[pool] = counts.get(pool, 0) + 1
+                members.setdefault(pool, []).append(name)
         self.live_workers = counts
+        self.pool_members = members
         self.redis_up = True
 
     def fleet_for(self, pool: str) -> AsyncFleet:

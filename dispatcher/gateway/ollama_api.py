@@ -33,6 +33,10 @@ COMMON_FIELDS = {"model", "format", "options", "stream", "keep_alive", "logprobs
 GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "system", "raw"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages"}
 ROLES = ("system", "user", "assistant")
+# Ollama's deprecated `context` (a conversation's token ids, sent back by the client) is not
+# kept or taken: docs/gateway.md, "Ollama's context"
+NO_CONTEXT = ("'context' (token ids of an earlier /api/generate) is not taken: send the conversation "
+              "to /api/chat as messages instead")
 
 
 def error_body(err: ApiError) -> dict[str, Any]:
@@ -76,9 +80,11 @@ async def chat(request: Request) -> Response:
 
 def job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
     """The fleet request for an Ollama body; None for an empty prompt (Ollama: load the model)."""
-    for name, value in body.items():  # clients send empty tools/images/think: false: not a use
-        if name not in (CHAT_FIELDS if chat else GENERATE_FIELDS) and value not in ([], {}, "", False):
-            raise unsupported(name, "Ollama")
+    if refused := unsupported_fields(body, chat):
+        error = unsupported(refused, "Ollama")
+        if "context" in refused:
+            error.message += f"; {NO_CONTEXT}"
+        raise error
     fields = _options(body.get("options") or {})
     fmt = body.get("format")
     if fmt not in (None, ""):
@@ -103,6 +109,23 @@ def job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
     return {**fields, "prompt": prompt}
 
 
+def unsupported_fields(body: dict[str, Any], chat: bool) -> list[str]:
+    """Every field of the body this gateway cannot honour, in the body's order (clients send
+    empty tools/images and think: false: no use, so not refused)."""
+    known = CHAT_FIELDS if chat else GENERATE_FIELDS
+    out = [name for name, value in body.items() if name not in known and value not in ([], {}, "", False)]
+    options = body.get("options")
+    if isinstance(options, dict):
+        out += [f"options.{name}" for name, value in options.items()
+                if name not in OPTIONS and name not in LOAD_OPTIONS and value is not None]
+    messages = body.get("messages") if chat else None
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(m, dict):
+            out += [f"messages[{i}].{name}" for name, value in m.items()
+                    if name not in ("role", "content") and value]
+    return out
+
+
 def _options(options: object) -> dict[str, Any]:
     if not isinstance(options, dict):
         raise ApiError(400, "options must be an object", param="options")
@@ -110,8 +133,6 @@ def _options(options: object) -> dict[str, Any]:
     for name, value in options.items():
         if name in LOAD_OPTIONS or value is None:
             continue
-        if name not in OPTIONS:
-            raise unsupported(f"options.{name}", "Ollama")
         fields[OPTIONS[name]] = value
     if isinstance(fields.get("max_tokens"), int) and fields["max_tokens"] <= 0:
         del fields["max_tokens"]  # -1: until the end; -2: fill the context. The worker's limit rules
@@ -130,9 +151,6 @@ def _messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
             raise ApiError(400, f"messages[{i}] needs a role ({', '.join(ROLES)}) and text content",
                            param=f"messages[{i}]")
-        for name, value in m.items():
-            if name not in ("role", "content") and value:
-                raise unsupported(f"messages[{i}].{name}", "Ollama")
         out.append({"role": m["role"], "content": m.get("content", "")})
     return out
 

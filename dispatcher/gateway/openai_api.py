@@ -23,7 +23,6 @@ from dispatcher.gateway.core import (
     collect,
     follow,
     read_json_object,
-    unsupported,
 )
 from dispatcher.gateway.openai_bodies import Reply, error_body, job_fields, per_choice
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
@@ -98,8 +97,9 @@ async def _complete(request: Request, chat: bool) -> Response:
     requests, n = job_fields(body, chat)
     check_limits(gw, requests, n)
     stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
-        raise unsupported("stream_options", "OpenAI")
+    if not isinstance(stream_options, dict):  # (unknown options are refused with the other fields)
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options",
+                       code="invalid_value")
     priority = request.headers.get("x-fleet-priority", "default")
     jobs = await gw.submit(pool, per_choice(requests, n), priority, caller)
     reply = Reply(chat, body["model"], [j.id for j in jobs], bool(stream_options.get("include_usage")))

@@ -15,12 +15,16 @@ from typing import Any
 
 from dispatcher.gateway.core import ApiError, JobUpdate, unsupported
 
+# llama-server's and vLLM's extensions to OpenAI's bodies (the openai SDK sends them as extra_body)
+EXTENSION_FIELDS = ("ignore_eos", "min_tokens")
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "seed", "max_tokens", "temperature",
-                 "top_p", "presence_penalty", "frequency_penalty", "logprobs", "user", "response_format"}
+                 "top_p", "presence_penalty", "frequency_penalty", "logprobs", "user", "response_format",
+                 *EXTENSION_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 MAX_CHOICES = 16
+MESSAGE_FIELDS = ("role", "content", "name")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -38,17 +42,13 @@ OPENAI_PARAM = {"format": "response_format", "json_schema": "response_format"}
 
 def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], int]:
     """The fleet requests (one per prompt) and n, from an OpenAI body; 400 naming a bad field."""
-    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for name in body:
-        if name not in known:
-            raise unsupported(name, "OpenAI")
-    if not chat and body.get("echo"):
-        raise unsupported("echo", "OpenAI")
+    if refused := unsupported_fields(body, chat):
+        raise unsupported(refused, "OpenAI")
     n = body.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"'n' must be an integer from 1 to {MAX_CHOICES}", param="n",
                        code="invalid_value")
-    fields: dict[str, Any] = {k: body[k] for k in (*SAMPLING_FIELDS, "seed") if k in body}
+    fields: dict[str, Any] = {k: body[k] for k in (*SAMPLING_FIELDS, *EXTENSION_FIELDS, "seed") if k in body}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
@@ -60,6 +60,29 @@ def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], 
     if chat:
         return [{**fields, "messages": _messages(body.get("messages"))}], n
     return [{**fields, "prompt": p} for p in _prompts(body.get("prompt"))], n
+
+
+def unsupported_fields(body: dict[str, Any], chat: bool) -> list[str]:
+    """Every field of the body this gateway cannot honour, in the body's order: unknown fields,
+    `echo` on completions, unknown message fields, non-text content parts, unknown
+    stream_options."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    out = [name for name in body if name not in known]
+    if not chat and body.get("echo"):
+        out.append("echo")
+    options = body.get("stream_options")
+    if isinstance(options, dict):
+        out += [f"stream_options.{name}" for name in options if name != "include_usage"]
+    messages = body.get("messages") if chat else None
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(m, dict):
+            continue  # _messages names the shape
+        out += [f"messages[{i}].{name}" for name in m if name not in MESSAGE_FIELDS]
+        content = m.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                out.append(f"messages[{i}].content[{j}] (only text parts)")
+    return out
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -103,9 +126,6 @@ def _messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role",
                            code="invalid_value")
-        for name in m:
-            if name not in ("role", "content", "name"):
-                raise unsupported(f"{where}.{name}", "OpenAI")
         out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), where)})
     return out
 
@@ -117,8 +137,9 @@ def _content(content: object, where: str) -> str:
         texts = []
         for j, part in enumerate(content):
             text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
-            if not isinstance(text, str):
-                raise unsupported(f"{where}.content[{j}] (only text parts)", "OpenAI")
+            if not isinstance(text, str):  # (a part of another type is refused before)
+                raise ApiError(400, f"{where}.content[{j}].text must be a string",
+                               param=f"{where}.content", code="invalid_value")
             texts.append(text)
         return "".join(texts)
     raise ApiError(400, f"{where}.content must be a string or a list of text parts",

@@ -1,0 +1,118 @@
+"""What a worker tells the fleet about its model: a small JSON dict (the "model card") that its
+heartbeat publishes next to its status, and the gateway answers Ollama's `/api/show` with. The
+gateway host may not have the model file (a producer-only host, another machine), so the worker,
+which has the model open, describes it.
+
+The card holds Ollama's `/api/show` fields as far as the model tells them: `model_info` (the
+GGUF's scalar metadata, typed), `details`, `template`, `parameters`, `capabilities`,
+`modified_at`. No llama_cpp here: an engine hands over its metadata as text.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from backends.contract.schema import SamplingDefaults
+
+MAX_TEXT = 16_384  # longest template a card carries (a card is written every heartbeat)
+MAX_VALUE = 1_024  # longer metadata strings are left out of model_info
+# llama.cpp's llama_ftype (general.file_type) -> Ollama's quantization_level
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+              11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+              17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+              23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M",
+              30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4"}
+# Ollama's PARAMETER names of the worker's sampling defaults
+PARAMETERS = {"max_tokens": "num_predict", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+              "min_p": "min_p", "repeat_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
+              "frequency_penalty": "frequency_penalty"}
+NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
+
+
+def gguf_card(metadata: dict[str, str], *, path: Path, n_params: int, template: str | None,
+              defaults: SamplingDefaults, capabilities: list[str]) -> dict[str, Any]:
+    """The card of a GGUF model from its metadata as llama.cpp renders it (every value text)."""
+    info: dict[str, Any] = {k: typed(v) for k, v in sorted(metadata.items())
+                            if k != "tokenizer.chat_template" and len(v) <= MAX_VALUE}
+    info["general.parameter_count"] = n_params
+    arch = str(info.get("general.architecture", ""))
+    quantization = FILE_TYPES.get(info.get("general.file_type", -1), "")
+    parameters = ollama_parameters(defaults)
+    template = (template or "")[:MAX_TEXT]
+    try:
+        modified = datetime.fromtimestamp(path.stat().st_mtime, UTC)
+    except OSError:
+        modified = datetime.now(UTC)
+    return {
+        "modelfile": modelfile(path.name, template, parameters),
+        "parameters": parameters,
+        "template": template,
+        "details": {"parent_model": "", "format": "gguf", "family": arch,
+                    "families": [arch] if arch else None,
+                    "parameter_size": str(info.get("general.size_label") or parameter_size(n_params)),
+                    "quantization_level": quantization},
+        "model_info": info,
+        "license": str(info.get("general.license", "")),
+        "capabilities": capabilities,
+        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+    }
+
+
+def ollama_card(show: dict[str, Any]) -> dict[str, Any]:
+    """The card of a model an Ollama server describes (its /api/show answer), bounded like ours:
+    large values (the vocabulary's arrays, long texts) are left out."""
+    kept = ("parameters", "details", "capabilities", "modified_at")
+    card: dict[str, Any] = {k: show[k] for k in kept if k in show}
+    card["template"] = str(show.get("template") or "")[:MAX_TEXT]
+    card["modelfile"] = str(show.get("modelfile") or "")[:MAX_TEXT]
+    card["license"] = str(show.get("license") or "")[:MAX_VALUE]
+    info = show.get("model_info")
+    card["model_info"] = {k: v for k, v in (info if isinstance(info, dict) else {}).items()
+                          if _small(v)}
+    return card
+
+
+def _small(value: object) -> bool:
+    return isinstance(value, bool | int | float) or (isinstance(value, str) and len(value) <= MAX_VALUE)
+
+
+def capabilities(*, completion: bool = True) -> list[str]:
+    """Ollama's capability names for what the worker serves. "completion" for a generative model;
+    "tools" (a chat template that takes tools) and "embedding" (the engine embeds) are added here
+    by the features that provide them."""
+    return ["completion"] if completion else []
+
+
+def typed(value: str) -> Any:
+    """A metadata value as JSON would carry it: numbers and booleans as such, the rest text."""
+    if value in ("true", "false"):
+        return value == "true"
+    if NUMBER.fullmatch(value):
+        number = float(value)
+        return int(value) if value.lstrip("-").isdigit() else number
+    return value
+
+
+def parameter_size(n_params: int) -> str:
+    """Ollama's way of writing a parameter count: 268.10M, 7.24B."""
+    if n_params >= 1_000_000_000:
+        return f"{n_params / 1e9:.2f}B"
+    return f"{n_params / 1e6:.2f}M"
+
+
+def ollama_parameters(defaults: SamplingDefaults) -> str:
+    """The worker's sampling defaults as Ollama writes a model's parameters (one `name value` a line)."""
+    values = defaults.model_dump()
+    return "\n".join(f"{PARAMETERS[k]:<18} {values[k]:g}" if isinstance(values[k], float)
+                     else f"{PARAMETERS[k]:<18} {values[k]}" for k in PARAMETERS)
+
+
+def modelfile(file_name: str, template: str, parameters: str) -> str:
+    lines = ["# Modelfile of a llama-fleet worker pool's model", f"FROM {file_name}"]
+    if template:
+        lines.append(f'TEMPLATE """{template}"""')
+    lines += [f"PARAMETER {line}" for line in parameters.splitlines()]
+    return "\n".join(lines) + "\n"

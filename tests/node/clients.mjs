@@ -1,0 +1,91 @@
+// Node clients against a running `fleet serve`: the `openai` npm client and the Vercel AI SDK
+// (`ai` + `@ai-sdk/openai-compatible`), unchanged, as a Node application would use them.
+//
+//   FLEET_BASE_URL=http://127.0.0.1:8000 node tests/node/clients.mjs openai-chat ai-stream ...
+//
+// Each case is a function below (CASES maps its name to it); it checks what it can on its own and
+// prints one JSON line {"case", ...what it saw} that tests/test_node_clients.py compares across
+// cases. A new case (a tool call, say) is one more function and one more entry in CASES.
+
+import { createOpenAICompatible } from "@ai-sdk/openai-compatible";
+import { generateText, streamText } from "ai";
+import OpenAI from "openai";
+
+const baseURL = `${process.env.FLEET_BASE_URL}/v1`;
+const apiKey = process.env.FLEET_API_KEY ?? "unused";
+const MODEL = process.env.FLEET_MODEL ?? "llm";
+const MAX_TOKENS = 8;
+const PROMPT = "Write a sentence about the sea.";
+
+const openai = new OpenAI({ baseURL, apiKey, maxRetries: 0 });
+const fleet = createOpenAICompatible({ name: "llama-fleet", baseURL, apiKey, includeUsage: true });
+
+function check(condition, message) {
+  if (!condition) throw new Error(message);
+}
+
+async function openaiChat() {
+  const reply = await openai.chat.completions.create({
+    model: MODEL, messages: [{ role: "user", content: PROMPT }], max_tokens: MAX_TOKENS, temperature: 0,
+  });
+  const choice = reply.choices[0];
+  check(reply.object === "chat.completion", `object: ${reply.object}`);
+  check(choice.message.role === "assistant" && choice.message.content, "no assistant text");
+  return { text: choice.message.content, finish: choice.finish_reason, tokens: reply.usage.completion_tokens,
+           requestId: reply._request_id };
+}
+
+async function openaiChatStream() {
+  const stream = await openai.chat.completions.create({
+    model: MODEL, messages: [{ role: "user", content: PROMPT }], max_tokens: MAX_TOKENS, temperature: 0,
+    stream: true, stream_options: { include_usage: true },
+  });
+  let text = "";
+  let finish = null;
+  let tokens = null;
+  let chunks = 0;
+  for await (const chunk of stream) {
+    chunks += 1;
+    const choice = chunk.choices[0];
+    if (choice?.delta?.content) text += choice.delta.content;
+    if (choice?.finish_reason) finish = choice.finish_reason;
+    if (chunk.usage) tokens = chunk.usage.completion_tokens;
+  }
+  check(chunks > 2, `only ${chunks} chunks`);
+  return { text, finish, tokens, chunks };
+}
+
+async function aiGenerate() {
+  const result = await generateText({
+    model: fleet(MODEL), prompt: PROMPT, maxOutputTokens: MAX_TOKENS, temperature: 0, maxRetries: 0,
+  });
+  return { text: result.text, finish: result.finishReason, tokens: result.usage.outputTokens };
+}
+
+async function aiStream() {
+  const errors = [];
+  const result = streamText({
+    model: fleet(MODEL), prompt: PROMPT, maxOutputTokens: MAX_TOKENS, temperature: 0, maxRetries: 0,
+    onError: ({ error }) => errors.push(String(error)),
+  });
+  const parts = [];
+  for await (const part of result.textStream) parts.push(part);
+  check(errors.length === 0, `stream errors: ${errors.join("; ")}`);
+  const usage = await result.usage;
+  return { text: parts.join(""), finish: await result.finishReason, tokens: usage.outputTokens,
+           parts: parts.length };
+}
+
+const CASES = {
+  "openai-chat": openaiChat,
+  "openai-chat-stream": openaiChatStream,
+  "ai-generate": aiGenerate,
+  "ai-stream": aiStream,
+};
+
+const wanted = process.argv.slice(2);
+for (const name of wanted.length ? wanted : Object.keys(CASES)) {
+  const run = CASES[name];
+  if (!run) throw new Error(`unknown case ${name}; cases: ${Object.keys(CASES).join(", ")}`);
+  console.log(JSON.stringify({ case: name, ...(await run()) }));
+}

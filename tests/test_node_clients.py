@@ -1,0 +1,50 @@
+"""Node clients, unchanged, against a real `fleet serve` on a real worker and the real model: the
+`openai` npm client (chat, streamed and not) and the Vercel AI SDK (`ai` with
+`@ai-sdk/openai-compatible`: generateText, streamText). tests/node/clients.mjs runs one function
+per case; scripts/setup installs its packages (npm ci from tests/node/package-lock.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+
+from tests.gateway_harness import wait_until_healthy
+from tests.harness import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+NODE_DIR = ROOT / "tests" / "node"
+
+
+def run_node(base_url: str, *cases: str) -> dict[str, dict[str, Any]]:
+    """Run the cases of tests/node/clients.mjs; what each saw, by case name."""
+    node = shutil.which("node")
+    assert node, "node is not installed (scripts/setup installs it)"
+    assert (NODE_DIR / "node_modules" / "ai").is_dir(), "no Node clients in tests/node: run scripts/setup"
+    done = subprocess.run([node, str(NODE_DIR / "clients.mjs"), *cases], cwd=NODE_DIR, capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "FLEET_BASE_URL": base_url})
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {s.pop("case"): s for s in seen}
+
+
+def test_openai_npm_client_and_vercel_ai_sdk(workers, gateways) -> None:
+    workers.start("w1", backend__slots=2)
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    seen = run_node(gw.url, "openai-chat", "openai-chat-stream", "ai-generate", "ai-stream")
+    assert set(seen) == {"openai-chat", "openai-chat-stream", "ai-generate", "ai-stream"}
+    whole = seen["openai-chat"]
+    assert whole["text"] and whole["finish"] == "length" and whole["tokens"] == 8
+    assert whole["requestId"].startswith("req_")  # the npm client records x-request-id too
+    # greedy: every client gets the same text, streamed or not
+    for name in ("openai-chat-stream", "ai-generate", "ai-stream"):
+        assert seen[name]["text"] == whole["text"], (name, seen[name])
+        assert seen[name]["tokens"] == 8, (name, seen[name])
+    assert seen["openai-chat-stream"]["finish"] == "length" and seen["openai-chat-stream"]["chunks"] > 2
+    assert seen["ai-generate"]["finish"] == "length" and seen["ai-stream"]["finish"] == "length"
+    assert seen["ai-stream"]["parts"] > 1  # it streamed
