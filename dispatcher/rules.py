@@ -30,6 +30,8 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
+from backends.contract.affinity import FIELD as AFFINITY_FIELD
+from backends.contract.affinity import job_keys
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENQUEUED_MS_META,
@@ -92,6 +94,7 @@ class PreparedJob:
     job_timeout: int
     result_ttl: int
     meta: dict[str, Any] = field(default_factory=dict)
+    affinity: list[str] = field(default_factory=list)  # its prefixes' keys (contract/affinity.py)
 
     def rq_job(self, queue: str, enqueued_ms: int | None = None) -> Job:
         """The RQ job as `Queue.enqueue` makes it, enqueued now (`enqueued_ms`: Redis's clock)."""
@@ -111,12 +114,18 @@ class PreparedJob:
         target = tenant_queue_name(queue, tenant)
         job = self.rq_job(target, enqueued_ms)
         calls: list[Call] = [cmd("sadd", Queue.redis_queues_keys, queue_key(target)),
-                             cmd("hset", job_key(self.job_id), mapping=job.to_dict()),
+                             cmd("hset", job_key(self.job_id), mapping=self._hash(job)),
                              cmd("rpush", queue_key(target), self.job_id)]
         if target != queue:
             calls += [cmd("zadd", fair_key(queue), {tenant: 0}, nx=True),
                       cmd("expire", fair_key(queue), FAIR_TTL)]
         return calls
+
+    def _hash(self, job: Job) -> dict[str, Any]:
+        fields = job.to_dict()
+        if self.affinity:
+            fields[AFFINITY_FIELD] = " ".join(self.affinity)
+        return fields
 
 
 JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -142,6 +151,7 @@ def prepare(prompt: str | None, priority: str, fields: dict[str, Any], *, job_ti
         priority=priority,
         payload=request.model_dump(exclude_none=True, exclude_defaults=True),
         job_timeout=job_timeout, result_ttl=result_ttl, meta={"queue_ttl": queue_ttl} if queue_ttl else {},
+        affinity=job_keys(request),
     )
 
 

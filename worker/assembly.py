@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from worker.batch_hook import BatchRecord
 from worker.facts import Facts
+from worker.held_prefixes import HeldPrefixes
 from worker.hooks import JobHook
 from worker.settings import FleetSettings
 from worker.tenant_usage import TenantUsage
@@ -17,7 +18,8 @@ from worker.tenant_usage import TenantUsage
 def job_hooks(settings: FleetSettings | None = None) -> tuple[JobHook, ...]:
     """The hooks, in the order they queue (`settings` None: every concern on, as by default)."""
     hooks: list[JobHook] = [BatchRecord(),  # a batch line's ending into its batch's record
-                            TenantUsage()]  # admission places let go, usage counted
+                            TenantUsage(),  # admission places let go, usage counted
+                            HeldPrefixes()]  # where the job's prefixes are: its next turn comes here
     if settings is None or settings.observe:
         hooks.append(Facts())  # counters, histograms, job history (`observe: false` turns it off)
     return tuple(hooks)

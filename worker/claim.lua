@@ -55,13 +55,14 @@ local function order(p)
   return o
 end
 local weight, holds, cap, held = tenant_share(ARGV[8])
-local function list_pop(key)  -- LPOP only a list: an error after an earlier LPOP would lose its id
-  if redis.call('TYPE', key).ok ~= 'list' then return nil end
-  return redis.call('LPOP', key)
-end
-local function fair_pop(queue_key)
+-- pops only a list (an error after an earlier LPOP would lose its id), leaving to other workers
+-- the jobs whose prefixes they hold (worker/placement.lua)
+local share = cjson.decode(ARGV[8])
+local pool = string.match(string.sub(KEYS[4] or '', 10), '^(.*):[^:]+$') or ''
+local list_pop = placement(me, pool, capacity, out[1], 2000, share.placement ~= false)
+local function fair_pop(queue_key, mine_only)
   local fair = 'fleet:fair:' .. string.sub(queue_key, 10)
-  if redis.call('TYPE', fair).ok ~= 'zset' then return list_pop(queue_key) end
+  if redis.call('TYPE', fair).ok ~= 'zset' then return list_pop(queue_key, mine_only) end
   local clock_key = fair .. ':clock'
   local clock = tonumber(redis.call('GET', clock_key) or '0') or 0
   if redis.call('TYPE', queue_key).ok == 'list' and redis.call('LLEN', queue_key) > 0 then
@@ -79,24 +80,28 @@ local function fair_pop(queue_key)
     if most ~= nil and holds(tenant) >= most then
       full[tenant] = true
     else
-      local id = list_pop(tenant == 'default' and queue_key or (queue_key .. ':' .. tenant))
-      if id then
+      local id, others = list_pop(tenant == 'default' and queue_key or (queue_key .. ':' .. tenant),
+                                  mine_only)
+      if others and not id then
+        full[tenant] = true  -- its jobs wait for the workers that hold their prefixes
+      elseif id then
         if pass < clock then pass = clock end
         redis.call('SET', clock_key, tostring(pass), 'EX', 86400)
         redis.call('ZADD', fair, pass + 1 / weight(tenant), tenant)
         redis.call('EXPIRE', fair, 86400)
         held[tenant] = holds(tenant) + 1
         return id
+      else
+        redis.call('ZREM', fair, tenant)
       end
-      redis.call('ZREM', fair, tenant)
     end
   end
   return nil
 end
-local function pop(p, claimed)
+local function pop(p, claimed, mine_only)
   for _, k in ipairs(order(p)) do
     if claimed < tonumber(ARGV[5 + k] or ARGV[1]) then
-      local id = fair_pop(KEYS[k])
+      local id = fair_pop(KEYS[k], mine_only)
       if id then return id, string.sub(KEYS[k], 10) end  -- strip 'rq:queue:'
     end
   end
@@ -118,11 +123,12 @@ local function queued()
   end
   return total
 end
-local want, slots = n, tonumber(cjson.decode(ARGV[8]).slots) or 0
-n = balance(capacity, me, out[1], 2000, n, slots, queued)
+local want, slots = n, tonumber(share.slots) or 0
+local share_n = balance(capacity, me, out[1], 2000, n, slots, queued)
 local claimed, looked = 0, 0
 while claimed < n and looked < n + 256 do
-  local id, queue = pop(pick, claimed)
+  -- past its share of the work, a worker takes only the jobs whose prefixes it holds
+  local id, queue = pop(pick, claimed, claimed >= share_n)
   if not id then break end
   looked = looked + 1
   local key = 'rq:job:' .. id

@@ -42,7 +42,8 @@ log = logging.getLogger("fleet.worker")
 # Moves ids from the queues into the in-flight list and takes ownership, in one step, so no two
 # workers start one id and lower priorities still move (KEYS, ARGV and reply: the script's header).
 # A claim takes only this worker's share of a burst, so idle workers all get some (balance.lua).
-_CLAIM = lua_script("worker", "tenant_share.lua", "balance.lua", "claim.lua")
+# It leaves to other workers the jobs whose prefixes they hold (placement.lua).
+_CLAIM = lua_script("worker", "tenant_share.lua", "balance.lua", "placement.lua", "claim.lua")
 # Who should give way on a worker with no free slot (KEYS, ARGV and reply: the script's header).
 _STARVED = lua_script("worker", "tenant_share.lua", "starved.lua")
 
@@ -56,9 +57,11 @@ def tenant_reserve(slots: int) -> int:
 
 class Claimer:
     def __init__(self, redis: Redis, worker_name: str, queues: list[str],
-                 weights: dict[str, float] | None = None, slots: int = 0, pool: str | None = None) -> None:
+                 weights: dict[str, float] | None = None, slots: int = 0, pool: str | None = None,
+                 placement: bool = True) -> None:
         self.redis = redis
         self.weights = dict(weights or {})  # tenant -> weight, for the claim's fair share
+        self.placement = placement  # False: claim in queue order, blind to who holds a prefix
         self.slots = slots  # shared between tenants with work (0: claim order only)
         self.name = worker_name
         self.inflight = inflight_key(worker_name)
@@ -101,7 +104,7 @@ class Claimer:
 
     def _share(self, held: Mapping[str, int] | None) -> str:
         return json.dumps({"w": self.weights, "held": dict(held or {}), "slots": self.slots,
-                           "reserve": tenant_reserve(self.slots)})
+                           "reserve": tenant_reserve(self.slots), "placement": self.placement})
 
     def starved(self, held: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
         """On a worker with no free slot: tenants with jobs queued below their share of its slots

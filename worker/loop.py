@@ -80,7 +80,7 @@ class FleetWorker:
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
         self.claimer = Claimer(redis, name, self.queues, weights=settings.gateway.tenant_weights(),
-                               slots=backend.slots, pool=settings.pool)
+                               slots=backend.slots, pool=settings.pool, placement=settings.placement)
         hooks = job_hooks(settings) if hooks is None else hooks
         self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl, hooks)
         self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues,

@@ -46,6 +46,9 @@ class FleetSettings(ProducerSettings):
     batch_share: float = Field(0.5, ge=0, le=16, description="while interactive jobs run, low-priority "
                                "jobs per interactive one (at least one): bounds what a batch adds to a "
                                "step, hence to interactive time to first token (worker/priority.py)")
+    placement: bool = Field(True, description="claim the jobs whose prefixes (a chat's history) this "
+                            "worker holds, and leave to other live workers with a free slot the ones "
+                            "they hold (worker/placement.lua); false: queue order only")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
     reconcile_interval: float = Field(5.0, gt=0, le=60, description="seconds between checks that Redis "
                                       "and the loop agree on the jobs this worker holds")

@@ -87,6 +87,9 @@ class GenerateRequest(BaseModel):
     ignore_eos: bool = False
     # who asks (docs/tenants.md): fair share at the claim, usage, limits; None: the default tenant
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
+    # a conversation's id, or OpenAI's prompt_cache_key: jobs with one go to the worker that ran
+    # the last (backends/contract/affinity.py); hashed, never part of a Redis key's name
+    cache_key: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty", mode="before")

@@ -19,7 +19,7 @@ from dispatcher.gateway.core import ApiError, JobUpdate, unsupported
 EXTENSION_FIELDS = ("ignore_eos", "min_tokens")
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "seed", "max_tokens", "temperature",
                  "top_p", "presence_penalty", "frequency_penalty", "logprobs", "user", "response_format",
-                 *EXTENSION_FIELDS}
+                 "prompt_cache_key", *EXTENSION_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
@@ -37,7 +37,8 @@ def error_body(err: ApiError) -> dict[str, Any]:
 
 
 # fleet request fields whose OpenAI name differs (a 400's `param` names the field the client sent)
-OPENAI_PARAM = {"format": "response_format", "json_schema": "response_format"}
+OPENAI_PARAM = {"format": "response_format", "json_schema": "response_format",
+                "cache_key": "prompt_cache_key"}
 
 
 def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], int]:
@@ -55,6 +56,11 @@ def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], 
     if "stop" in body:
         fields["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
     fields.update(_logprobs(body, chat))
+    # which worker a request goes to: where the same cache key (else the same user) ran last
+    user = body.get("user")
+    hint = body.get("prompt_cache_key", user if isinstance(user, str) and 0 < len(user) <= 256 else None)
+    if hint is not None:
+        fields["cache_key"] = hint
     if "response_format" in body:
         fields.update(_response_format(body["response_format"]))
     if chat:

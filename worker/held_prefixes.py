@@ -1,0 +1,33 @@
+"""The placement concern (a hook: worker/hooks.py): once a job ends with a result, this worker
+says it holds the job's prefixes (backends/contract/affinity.py), so the conversation's next turn
+is claimed where its KV is (worker/claim.lua). In the same MULTI as the job's final write: only
+the worker that wrote the result claims its prefixes. Each claim lasts HELD_TTL and the last
+worker to run a prefix takes it over."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from redis.client import Pipeline
+
+from backends.contract.affinity import HELD_TTL, held_key, held_keys
+
+if TYPE_CHECKING:
+    from worker.hooks import Holder, Restart
+    from worker.rqjobs import ClaimedJob, Ending
+
+
+class HeldPrefixes:
+    def on_start(self, job: ClaimedJob, holder: Holder, pipe: Pipeline) -> None:
+        pass
+
+    def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
+        pass
+
+    def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
+        result = ending.result
+        if job.request is None or result is None or result.get("finish_reason") == "cancelled":
+            return
+        pool = job.queue.rsplit(":", 1)[0]
+        for key in held_keys(job.request, str(result.get("text", ""))):
+            pipe.set(held_key(pool, key), holder.worker, ex=HELD_TTL)
