@@ -135,7 +135,7 @@ def _input(value: object) -> list[dict[str, Any]]:
             if not isinstance(item.get("call_id"), str) or not isinstance(output, str | list):
                 raise invalid(where, f"{where} needs call_id and output (a string)")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(output, where)})
-        elif kind == "message" and item.get("role") in ROLES:
+        elif kind == "message" and isinstance(item.get("role"), str) and item["role"] in ROLES:
             out.append({"role": ROLES[item["role"]], "content": _text(item.get("content"), where)})
         else:
             raise unsupported(f"{where} (type {kind}, role {item.get('role')})", "OpenAI Responses")
