@@ -256,7 +256,7 @@ def chat_body(request: GenerateRequest, s: Sampling) -> dict[str, Any]:
     return {
         **common_fields(s),
         **structured_fields(request),
-        "messages": [m.model_dump() for m in request.messages or []],
+        "messages": [m.model_dump(exclude_none=True) for m in request.messages or []],
         "max_tokens": s.max_tokens,
         "stream_options": {"include_usage": True},
     }

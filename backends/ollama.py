@@ -87,7 +87,7 @@ class OllamaBackend(HttpStreamBackend):
             body["top_logprobs"] = job.request.top_logprobs or 0
         if job.request.messages is not None:
             path = "/api/chat"
-            body["messages"] = [m.model_dump() for m in job.request.messages]
+            body["messages"] = [m.model_dump(exclude_none=True) for m in job.request.messages]
         else:
             path = "/api/generate"
             body["prompt"] = job.request.prompt

@@ -167,10 +167,10 @@ def test_errors_404_400_401_and_keys_never_logged(workers, gateways) -> None:
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
     assert unknown.value.code == "model_not_found" and "gpt-4o" in unknown.value.message
-    with pytest.raises(openai.BadRequestError) as tools:
-        client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}], tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    assert tools.value.param == "tools" and "'tools'" in tools.value.message
+    with pytest.raises(openai.BadRequestError) as functions:  # the legacy form of tools
+        client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}], functions=[
+            {"name": "f", "parameters": {"type": "object"}}])
+    assert functions.value.param == "functions" and "'functions'" in functions.value.message
     with pytest.raises(openai.BadRequestError) as bias:
         client.completions.create(model="llm", prompt=PROMPT, max_tokens=2, logit_bias={"1": 5})
     assert bias.value.param == "logit_bias"

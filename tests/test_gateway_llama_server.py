@@ -16,6 +16,7 @@ import pytest
 
 from tests.gateway_harness import wait_until_healthy
 from tests.real_servers import LlamaServer, llama_server
+from tests.test_gateway_tools import BOTH, check_call, reassembled
 
 pytestmark = pytest.mark.timeout(300)
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -93,3 +94,21 @@ def test_ollama_chat_stream_and_format_schema(gateway: Any) -> None:
         assert as_json.response.lstrip().startswith("{"), as_json.response
     else:
         assert isinstance(json.loads(as_json.response), dict)
+
+
+def test_tool_calls_on_the_llama_server_backend(gateway: Any) -> None:
+    """The same generic format on llama-server (the answer schema as its json_schema): a valid
+    call, whole and streamed."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    ask: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    whole = client.chat.completions.create(model="gemma", messages=ask, tools=BOTH, tool_choice="required",
+                                           max_tokens=64, temperature=0)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    calls = whole.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and check_call(calls[0]) is not None
+    chunks = list(client.chat.completions.create(model="gemma", messages=ask, tools=BOTH, max_tokens=64,
+                                                 tool_choice="required", temperature=0, stream=True))
+    content, streamed, finish = reassembled(chunks)
+    assert content == "" and finish == "tool_calls" and len(streamed) == 1
+    first = calls[0].function
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(first.name, first.arguments)]

@@ -33,7 +33,7 @@ from redis.commands.core import Script
 from redis.exceptions import ResponseError, WatchError
 
 from backends.base import Done
-from backends.contract import stream
+from backends.contract import stream, tools
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     DIED_ON_FIELD,
@@ -82,9 +82,15 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
     ttft_ms = (job.first_token_at - job.claimed_at) * 1000 if job.first_token_at else None
     gen_s = now - job.first_token_at if job.first_token_at else 0.0
     # per-token log-probabilities, when the request asked and the engine gave them
-    extra = {"logprobs": done.extra["logprobs"]} if done.extra.get("logprobs") else {}
+    extra: dict[str, Any] = {"logprobs": done.extra["logprobs"]} if done.extra.get("logprobs") else {}
+    text, finish = "".join(job.text), done.finish_reason
+    if job.tool_answer:  # text is the raw JSON answer: its words and calls ride beside it
+        answer = tools.read_answer(text, job.id)
+        extra.update(content=answer.content, tool_calls=answer.tool_calls)
+        if answer.tool_calls and finish == "stop":
+            finish = "tool_calls"
     return job_result(
-        job.id, "".join(job.text), done.finish_reason, prompt_tokens=done.prompt_tokens,
+        job.id, text, finish, prompt_tokens=done.prompt_tokens,
         completion_tokens=done.completion_tokens, worker=worker,
         backend=str(done.extra.get("backend", backend)), attempt=job.attempt, queue_ms=queue_ms,
         ttft_ms=ttft_ms, total_ms=(now - job.claimed_at) * 1000,

@@ -25,6 +25,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
+from backends.contract import tools
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     DRAINS_FIELD,
@@ -82,7 +83,8 @@ class ClaimedJob:
     queue: str
     attempt: int
     job: Job | None = None  # None when the RQ hash itself is unreadable
-    request: GenerateRequest | None = None
+    request: GenerateRequest | None = None  # as the engine runs it: tools rendered (contract tools.lower)
+    tool_answer: bool = False  # the answer is a generic-format tool answer, read into the result
     execution: Execution | None = None
     # Redis server time (ms) of the enqueue and the claim: queue_ttl compares these, never two
     # hosts' wall clocks (they drift apart); durations of the run itself use this host's
@@ -144,7 +146,7 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: flo
     timeout = job.timeout if isinstance(job.timeout, int | float) and job.timeout > 0 else job_timeout
     claimed.deadline = claimed.claimed_at + timeout
     _check_code(claimed, job)
-    claimed.request = _request(claimed, job)
+    claimed.request, claimed.tool_answer = tools.lower(_request(claimed, job))
     if budget is not None:
         try:
             limits.check_request(claimed.request, budget)

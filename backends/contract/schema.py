@@ -22,6 +22,15 @@ from pydantic import (
 )
 
 from backends.contract import schema_limits
+from backends.contract.tool_specs import (
+    MAX_CALLS_PER_MESSAGE,
+    MAX_TOOLS,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    answer_schema,
+    check_tools,
+)
 
 MAX_TOKENS_LIMIT = 8192
 MAX_PROMPT_CHARS = 1_000_000
@@ -35,13 +44,32 @@ Priority = Literal["high", "default", "low"]
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 DEFAULT_TENANT = "default"  # jobs that name no tenant, and the flat gateway.api_keys
 PRIORITIES: tuple[Priority, ...] = ("high", "default", "low")
-FinishReason = Literal["stop", "length", "cancelled"]
+# tool_calls: the answer called tools (the result's `tool_calls`; backends/contract/tools.py)
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 
 
 class Message(BaseModel):
+    """One message of a chat. An assistant message may repeat the calls it made (`tool_calls`,
+    content then usually empty); a `tool` message is a call's result, naming the call it
+    answers (`tool_call_id`, `name`: the function's)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field("", max_length=MAX_PROMPT_CHARS)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_CALLS_PER_MESSAGE)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)
+    name: str | None = Field(None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is not None or self.name is not None) and self.role != "tool":
+            raise ValueError("tool_call_id and name belong to tool messages (a tool's result)")
+        return self
+
+    def chars(self) -> int:
+        return len(self.content) + sum(len(c.arguments) for c in self.tool_calls or [])
 
 
 class SamplingDefaults(BaseModel):
@@ -90,6 +118,12 @@ class GenerateRequest(BaseModel):
     # a conversation's id, or OpenAI's prompt_cache_key: jobs with one go to the worker that ran
     # the last (backends/contract/affinity.py); hashed, never part of a Redis key's name
     cache_key: str | None = Field(None, min_length=1, max_length=256)
+    # tool calling (backends/contract/tools.py): functions the model may call, whether it must
+    # (auto: it may answer in words; none: tools not offered; required; {"name": ...}: that one),
+    # and whether one answer may hold several calls (default false, as llama-server's)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty", mode="before")
@@ -128,13 +162,39 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
-        total = sum(len(m.content) for m in self.messages or [])
+        total = sum(m.chars() for m in self.messages or [])
         if total > MAX_REQUEST_CHARS:
             limit = MAX_REQUEST_CHARS
             raise ValueError(f"messages hold {total:,} characters together; the limit is {limit:,}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        if self.tools is None:
+            if self.tool_choice is not None or self.parallel_tool_calls is not None:
+                field = "tool_choice" if self.tool_choice is not None else "parallel_tool_calls"
+                raise ValueError(f"{field} needs tools (the functions the model may call)")
+            return
+        if self.messages is None:
+            raise ValueError("tools need 'messages' (a chat), not 'prompt'")
+        check_tools(self.tools, self.tool_choice)
+        for i, tool in enumerate(self.tools):
+            try:
+                check_json_schema(tool.parameters)
+            except ValueError as e:
+                raise ValueError(f"tools[{i}].parameters ({tool.name}): {e}") from None
+        if self.tool_choice == "none":
+            return
+        if self.format is not None:
+            raise ValueError("format (a structured answer) cannot be combined with tools the model may call; "
+                             "send tool_choice 'none' or leave one out")
+        try:
+            check_json_schema(answer_schema(self.tools, self.tool_choice, self.parallel_tool_calls))
+        except ValueError as e:
+            raise ValueError(f"tools: together the tools' parameters are too large for one answer: {e}") \
+                from None
 
     def sampling(self, defaults: SamplingDefaults) -> Sampling:
         """The request's sampling values with the worker's defaults filled in."""

@@ -145,6 +145,8 @@ def output_object(batch_id: str, key: str, line: record.LineState, model: str) -
     if line.state == "d":
         result = {"text": r.get("t", ""), "finish_reason": r.get("f"), "logprobs": r.get("lp"),
                   "usage": {"prompt_tokens": r.get("p", 0), "completion_tokens": r.get("c", 0)}}
+        if "tc" in r:
+            result.update(content=r.get("ct"), tool_calls=r["tc"])
         job_id = record.line_job_id(batch_id, key)
         reply = Reply(line.kind == "chat", model, [job_id], False, created=r.get("at"))
         out["response"] = {"status_code": 200, "request_id": f"req_{key}",

@@ -117,6 +117,8 @@ def compact_ending(result: dict[str, Any] | None, error: str | None, now: float)
                            "c": completion, "at": at}
     if result.get("logprobs"):
         out["lp"] = result["logprobs"]
+    if "tool_calls" in result:  # a tool answer: its words and calls
+        out["ct"], out["tc"] = result.get("content"), result["tool_calls"]
     return "d", _dumps(out), prompt, completion
 
 

@@ -19,8 +19,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from backends.contract.tools import AnswerReader
 from dispatcher.gateway.core import ApiError, Gateway, JobUpdate, cancel_all, collect, follow, unsupported
 from dispatcher.gateway.openai_api import check_limits, read_body, timed_out
+from dispatcher.gateway.openai_tools import tool_fields
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
 VERSION = "0.1.0"  # llama-fleet's version; Ollama clients only show it
@@ -31,8 +33,9 @@ LOAD_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "us
                 "low_vram", "vocab_only", "f16_kv", "num_keep"}
 COMMON_FIELDS = {"model", "format", "options", "stream", "keep_alive", "logprobs", "top_logprobs"}
 GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "system", "raw"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages"}
-ROLES = ("system", "user", "assistant")
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
+ROLES = ("system", "user", "assistant", "tool")
+ROLE_FIELDS = {"tool": ("tool_name", "name"), "assistant": ("tool_calls",)}  # beside role, content
 # Ollama's deprecated `context` (a conversation's token ids, sent back by the client) is not
 # kept or taken: docs/gateway.md, "Ollama's context"
 NO_CONTEXT = ("'context' (token ids of an earlier /api/generate) is not taken: send the conversation "
@@ -97,6 +100,8 @@ def job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
         fields["top_logprobs"] = body["top_logprobs"]
     if chat:
         messages = _messages(body.get("messages"))
+        if body.get("tools"):  # Ollama's tools are OpenAI's function tools; the model may call any
+            fields["tools"] = tool_fields({"tools": body["tools"]})["tools"]
         return {**fields, "messages": messages} if messages else None
     prompt = body.get("prompt") or ""
     if not isinstance(prompt, str):
@@ -121,8 +126,8 @@ def unsupported_fields(body: dict[str, Any], chat: bool) -> list[str]:
     messages = body.get("messages") if chat else None
     for i, m in enumerate(messages if isinstance(messages, list) else []):
         if isinstance(m, dict):
-            out += [f"messages[{i}].{name}" for name, value in m.items()
-                    if name not in ("role", "content") and value]
+            allowed = ("role", "content", *ROLE_FIELDS.get(str(m.get("role")), ()))
+            out += [f"messages[{i}].{name}" for name, value in m.items() if name not in allowed and value]
     return out
 
 
@@ -141,17 +146,41 @@ def _options(options: object) -> dict[str, Any]:
     return fields
 
 
-def _messages(messages: object) -> list[dict[str, str]]:
+def _messages(messages: object) -> list[dict[str, Any]]:
     if messages is None:
         return []
     if not isinstance(messages, list):
         raise ApiError(400, "messages must be a list", param="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
+        text = m.get("content") or "" if isinstance(m, dict) else None
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(text, str):
             raise ApiError(400, f"messages[{i}] needs a role ({', '.join(ROLES)}) and text content",
                            param=f"messages[{i}]")
-        out.append({"role": m["role"], "content": m.get("content", "")})
+        message: dict[str, Any] = {"role": m["role"], "content": text}
+        if m["role"] == "tool" and (m.get("tool_name") or m.get("name")):
+            message["name"] = m.get("tool_name") or m.get("name")
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _history_calls(m["tool_calls"], i)
+        out.append(message)
+    return out
+
+
+def _history_calls(calls: object, i: int) -> list[dict[str, Any]]:
+    """An assistant message's Ollama tool calls ({"function": {"name", "arguments": {...}}}, no
+    ids) as the fleet's."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        spec = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            shape = '{"function": {"name": ..., "arguments": {...}}}'
+            raise ApiError(400, f"{where}[{j}] must be {shape}", param=where)
+        arguments = spec.get("arguments") or {}
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        out.append({"id": str(call.get("id") or f"call_{i}_{j}"), "name": spec["name"], "arguments": text})
     return out
 
 
@@ -163,7 +192,7 @@ async def _run(request: Request, chat: bool) -> Response:
     caller = request.state.caller
     pool = gw.pool_for(model, caller)
     fields = job_fields(body, chat)
-    reply = OllamaReply(str(model), chat, started)
+    reply = OllamaReply(str(model), chat, started, tools=bool(fields and fields.get("tools")))
     if fields is None:  # Ollama loads the model and answers at once
         return JSONResponse(reply.final(None, "", done_reason="load"))
     check_limits(gw, [fields], 1, tokens_field="options.num_predict")
@@ -171,8 +200,9 @@ async def _run(request: Request, chat: bool) -> Response:
     headers = {"X-Fleet-Job-Id": jobs[0].id}
     timeout = gw.settings.gateway.request_timeout
     if body.get("stream", True):
-        return JobStreamResponse(reply.ndjson(follow(jobs, timeout)), media_type="application/x-ndjson",
-                                 on_disconnect=lambda: cancel_all(jobs), headers=headers)
+        return JobStreamResponse(reply.ndjson(follow(jobs, timeout), jobs[0].id),
+                                 media_type="application/x-ndjson", on_disconnect=lambda: cancel_all(jobs),
+                                 headers=headers)
     finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
     if finals is None:
         return Response(status_code=499)
@@ -181,27 +211,35 @@ async def _run(request: Request, chat: bool) -> Response:
     if finals[0].error is not None:  # as on the OpenAI paths: not 5xx, which clients would retry
         raise ApiError(422, f"generation failed: {finals[0].error}", code="job_failed", headers=headers)
     result = finals[0].result or {}
-    return JSONResponse(reply.final(result, result.get("text", "")), headers=headers)
+    whole = reply.final(result, reply.words(result), calls=result.get("tool_calls"))
+    return JSONResponse(whole, headers=headers)
 
 
 class OllamaReply:
-    def __init__(self, model: str, chat: bool, started_ns: int) -> None:
+    def __init__(self, model: str, chat: bool, started_ns: int, tools: bool = False) -> None:
         self.model = model
         self.chat = chat
         self.started_ns = started_ns
+        self.tools = tools  # the job answers in the generic tool format: its text is JSON
 
-    def _text(self, text: str) -> dict[str, Any]:
+    def _text(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
-            return {"message": {"role": "assistant", "content": text}}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [ollama_call(c) for c in calls]
+            return {"message": message}
         return {"response": text}
 
-    def chunk(self, text: str) -> dict[str, Any]:
-        return {"model": self.model, "created_at": now_iso(), **self._text(text), "done": False}
+    def words(self, result: dict[str, Any]) -> str:
+        return (result.get("content") or "") if "tool_calls" in result else result.get("text", "")
 
-    def final(self, result: dict[str, Any] | None, text: str,
-              done_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"model": self.model, "created_at": now_iso(), **self._text(text, calls), "done": False}
+
+    def final(self, result: dict[str, Any] | None, text: str, done_reason: str | None = None,
+              calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The last object: done, why, token counts and durations in ns (from the job's timings)."""
-        out = {"model": self.model, "created_at": now_iso(), **self._text(text), "done": True}
+        out = {"model": self.model, "created_at": now_iso(), **self._text(text, calls), "done": True}
         if result is None:
             return {**out, "done_reason": done_reason or "stop"}
         usage = result.get("usage") or {}
@@ -221,15 +259,25 @@ class OllamaReply:
             out["logprobs"] = result["logprobs"]
         return out
 
-    async def ndjson(self, updates: AsyncIterator[JobUpdate]) -> AsyncIterator[str]:
+    async def ndjson(self, updates: AsyncIterator[JobUpdate], job_id: str = "") -> AsyncIterator[str]:
+        reader = AnswerReader(job_id) if self.tools else None
         async for u in updates:
             if u.error is not None:
                 yield line({"error": u.error})
                 return
-            if u.delta:
+            if reader is not None:  # the raw JSON becomes the words and calls it holds
+                words, calls = reader.feed(u.delta)
+                if words or calls:
+                    yield line(self.chunk(words, calls))
+            elif u.delta:
                 yield line(self.chunk(u.delta))
             if u.result is not None:
                 yield line(self.final(u.result, ""))
+
+
+def ollama_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A result's call in Ollama's shape: the arguments as an object, not JSON text."""
+    return {"function": {"name": call["name"], "arguments": json.loads(call["arguments"])}}
 
 
 def line(obj: dict[str, Any]) -> str:

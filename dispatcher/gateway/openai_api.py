@@ -24,7 +24,7 @@ from dispatcher.gateway.core import (
     follow,
     read_json_object,
 )
-from dispatcher.gateway.openai_bodies import Reply, error_body, job_fields, per_choice
+from dispatcher.gateway.openai_bodies import Reply, calls_tools, error_body, job_fields, per_choice
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
 __all__ = ["error_body", "job_fields"]  # request/response bodies live in openai_bodies.py
@@ -102,7 +102,8 @@ async def _complete(request: Request, chat: bool) -> Response:
                        code="invalid_value")
     priority = request.headers.get("x-fleet-priority", "default")
     jobs = await gw.submit(pool, per_choice(requests, n), priority, caller)
-    reply = Reply(chat, body["model"], [j.id for j in jobs], bool(stream_options.get("include_usage")))
+    reply = Reply(chat, body["model"], [j.id for j in jobs], bool(stream_options.get("include_usage")),
+                  tools=calls_tools(requests[0]))
     headers = {"X-Fleet-Job-Id": ",".join(j.id for j in jobs)}
     timeout = gw.settings.gateway.request_timeout
     if body.get("stream"):

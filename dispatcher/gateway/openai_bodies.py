@@ -14,18 +14,27 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from dispatcher.gateway.core import ApiError, JobUpdate, unsupported
+from dispatcher.gateway.openai_tools import (
+    TOOL_FIELDS,
+    ToolDeltas,
+    assistant_calls,
+    message_fields,
+    tool_fields,
+)
 
 # llama-server's and vLLM's extensions to OpenAI's bodies (the openai SDK sends them as extra_body)
 EXTENSION_FIELDS = ("ignore_eos", "min_tokens")
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "seed", "max_tokens", "temperature",
                  "top_p", "presence_penalty", "frequency_penalty", "logprobs", "user", "response_format",
                  "prompt_cache_key", *EXTENSION_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 MAX_CHOICES = 16
-MESSAGE_FIELDS = ("role", "content", "name")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MESSAGE_FIELDS = ("role", "content", "name")  # and by role: ROLE_FIELDS
+ROLE_FIELDS = {"tool": ("tool_call_id",), "assistant": ("tool_calls",)}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+FINISH_REASONS = ("length", "tool_calls")  # as the result says; every other ending is "stop"
 
 
 def error_body(err: ApiError) -> dict[str, Any]:
@@ -64,7 +73,7 @@ def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], 
     if "response_format" in body:
         fields.update(_response_format(body["response_format"]))
     if chat:
-        return [{**fields, "messages": _messages(body.get("messages"))}], n
+        return [{**fields, **tool_fields(body), "messages": _messages(body.get("messages"))}], n
     return [{**fields, "prompt": p} for p in _prompts(body.get("prompt"))], n
 
 
@@ -83,7 +92,10 @@ def unsupported_fields(body: dict[str, Any], chat: bool) -> list[str]:
     for i, m in enumerate(messages if isinstance(messages, list) else []):
         if not isinstance(m, dict):
             continue  # _messages names the shape
-        out += [f"messages[{i}].{name}" for name in m if name not in MESSAGE_FIELDS]
+        role = ROLES.get(m["role"], "") if isinstance(m.get("role"), str) else ""
+        allowed = (*MESSAGE_FIELDS, *ROLE_FIELDS.get(role, ()))
+        out += [f"messages[{i}].{name}" for name, value in m.items()
+                if name not in allowed and value is not None]
         content = m.get("content")
         for j, part in enumerate(content if isinstance(content, list) else []):
             if not (isinstance(part, dict) and part.get("type") == "text"):
@@ -123,7 +135,7 @@ def _response_format(fmt: object) -> dict[str, Any]:
                    param="response_format", code="invalid_value")
 
 
-def _messages(messages: object) -> list[dict[str, str]]:
+def _messages(messages: object) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages", code="invalid_value")
     out = []
@@ -132,7 +144,19 @@ def _messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role",
                            code="invalid_value")
-        out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), where)})
+        role = ROLES[m["role"]]
+        message: dict[str, Any] = {"role": role}
+        if m.get("tool_calls"):  # an earlier answer's calls: content may be null
+            message["tool_calls"] = assistant_calls(m["tool_calls"], f"{where}.tool_calls")
+            message["content"] = _content(m["content"], where) if m.get("content") is not None else ""
+        else:
+            message["content"] = _content(m.get("content"), where)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(400, f"{where}.tool_call_id is required: the id of the call this result "
+                               "answers", param=f"{where}.tool_call_id", code="invalid_value")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
@@ -161,6 +185,11 @@ def _prompts(prompt: object) -> list[str]:
                    param="prompt", code="invalid_value")
 
 
+def calls_tools(fields: dict[str, Any]) -> bool:
+    """Whether a job of these fields answers in the generic tool format (tools offered, not 'none')."""
+    return bool(fields.get("tools")) and fields.get("tool_choice") != "none"
+
+
 def per_choice(requests: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     """n jobs per request; with a seed, choice j uses seed + j so the choices differ."""
     out = []
@@ -177,8 +206,10 @@ class Reply:
     """OpenAI's response objects for one request's jobs."""
 
     def __init__(self, chat: bool, model: str, job_ids: Sequence[str], include_usage: bool,
-                 created: float | None = None) -> None:
+                 created: float | None = None, tools: bool = False) -> None:
         self.chat = chat
+        self.job_ids = list(job_ids)
+        self.tools = tools  # the jobs answer in the generic tool format: their text is JSON
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + job_ids[0]
         self.created = int(created if created is not None else time.time())
@@ -210,9 +241,9 @@ class Reply:
         logprobs = self._logprobs(result)
         if not self.chat:
             return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
-        body: dict[str, Any] = {"content": text} if (text or not chunk) else {}
+        body: dict[str, Any] = {"content": text} if text else {}
         if not chunk:
-            body = {"role": "assistant", "content": text, "refusal": None}
+            body = {"role": "assistant", **message_fields(result), "refusal": None}
         return {"index": index, ("delta" if chunk else "message"): body, "logprobs": logprobs,
                 "finish_reason": finish}
 
@@ -254,6 +285,7 @@ class Reply:
                          "finish_reason": None}
                 yield sse_data({**self._envelope(chunk=True), "choices": [first], **extra})
         results: list[dict[str, Any] | None] = [None] * self.n
+        answers = [ToolDeltas(job_id) for job_id in self.job_ids] if self.tools else []
         async for u in updates:
             if u.error is not None:  # the status is sent already: the error travels as a chunk
                 failure = (ApiError(504, u.error, code="timeout") if u.timed_out
@@ -261,6 +293,10 @@ class Reply:
                 yield sse_data(error_body(failure))
                 return
             results[u.index] = u.result
+            if answers:  # the raw JSON becomes the words and calls it holds
+                for delta in answers[u.index].deltas(u.delta):
+                    yield self.delta_chunk(u.index, delta, extra)
+                u.delta = ""
             if u.final:
                 choice = self._choice(u.index, u.delta, finish_reason(u.result), u.result, chunk=True)
                 yield sse_data({**self._envelope(chunk=True), "choices": [choice], **extra})
@@ -271,8 +307,16 @@ class Reply:
         yield "data: [DONE]\n\n"
 
 
+    def delta_chunk(self, index: int, delta: dict[str, Any], extra: dict[str, Any]) -> str:
+        if "content" in delta and len(delta) == 1:
+            return self.text_chunk(index, delta["content"])
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return sse_data({**self._envelope(chunk=True), "choices": [choice], **extra})
+
+
 def finish_reason(result: dict[str, Any] | None) -> str:
-    return "length" if (result or {}).get("finish_reason") == "length" else "stop"
+    reason = (result or {}).get("finish_reason")
+    return reason if reason in FINISH_REASONS else "stop"
 
 
 def sse_data(obj: dict[str, Any]) -> str:

@@ -1,0 +1,115 @@
+"""The tools a request offers the model and the calls a model answers with: their shapes, their
+bounds, and the JSON schema an answer must match in the generic tool format
+(backends/contract/tools.py renders the prompt and reads the answer).
+
+The answer schema is what makes a call well-formed whatever the model: generation is constrained
+to it by the structured-output grammar, so the text is always one JSON object that is either
+{"tool_calls": [{"name": <an offered tool>, "arguments": <that tool's parameters>}, ...]} or,
+when the model may also answer in words (`tool_choice: auto`), {"response": "<text>"}.
+
+Importable without llama_cpp; imports nothing else of the project's (schema.py imports it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOOLS = 64
+MAX_TOOLS_CHARS = 65_536  # every tool of a request serialized: names, descriptions, parameters
+MAX_DESCRIPTION_CHARS = 4096
+MAX_ARGUMENTS_CHARS = 100_000  # one call's arguments (JSON text) in a chat's history
+MAX_CALLS_PER_MESSAGE = 64
+MAX_PARALLEL_CALLS = 16  # calls in one answer with parallel_tool_calls: true
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's names, and the dots some clients use
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    """A function the model may call; `parameters` is the JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] = Field(default_factory=lambda: dict(NO_PARAMETERS))
+
+
+class ToolCall(BaseModel):
+    """One call, as a result carries it and an assistant message of a chat's history repeats it:
+    `arguments` is JSON text (an object), as OpenAI's API has it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(max_length=MAX_ARGUMENTS_CHARS)
+
+
+class NamedTool(BaseModel):
+    """`tool_choice` naming the one tool the model must call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=TOOL_NAME)
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedTool
+
+
+def check_tools(tools: list[Tool], choice: ToolChoice | None) -> None:
+    """ValueError naming the problem: duplicate names, too much text, a choice naming a tool
+    that is not offered."""
+    names = [t.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"tools: each tool needs its own name; {', '.join(twice)} appears more than once")
+    size = len(json.dumps([t.model_dump(exclude_none=True) for t in tools]))
+    if size > MAX_TOOLS_CHARS:
+        raise ValueError(f"tools: {size:,} characters together; the limit is {MAX_TOOLS_CHARS:,}")
+    if isinstance(choice, NamedTool) and choice.name not in names:
+        raise ValueError(f"tool_choice names the function '{choice.name}', which is not among the tools "
+                         f"({', '.join(names)})")
+
+
+def answer_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool | None) -> dict[str, Any]:
+    """The JSON schema of the answer (module docstring) for tool_choice auto (None), required or
+    a named tool; `parallel`: up to MAX_PARALLEL_CALLS calls, else (the default, as llama-server's:
+    small models tend to repeat a call until max_tokens) one. Each tool's
+    parameters sit under `$defs` (their own local `$ref`s rebased there), so pydantic-style
+    schemas with `$defs` keep working."""
+    offered = [t for t in tools if not isinstance(choice, NamedTool) or t.name == choice.name]
+    defs: dict[str, Any] = {}
+    items = []
+    for i, tool in enumerate(offered):
+        key = f"tool_{i}"
+        defs[key] = _rebased(tool.parameters, f"#/$defs/{key}")
+        items.append({"type": "object", "properties": {"name": {"const": tool.name},
+                                                       "arguments": {"$ref": f"#/$defs/{key}"}},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    listed = {"type": "array", "items": items[0] if len(items) == 1 else {"oneOf": items}, "minItems": 1,
+              "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+    calls = {"type": "object", "properties": {"tool_calls": listed}, "required": ["tool_calls"],
+             "additionalProperties": False}
+    if choice in (None, "auto"):
+        words = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                 "additionalProperties": False}
+        return {"$defs": defs, "oneOf": [calls, words]}
+    return {"$defs": defs, **calls}
+
+
+def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:
+    """`schema` moved to `base`: its local references ("#", "#/$defs/X") point into its new place;
+    `$schema`/`$id` go (the answer schema is one document)."""
+    moved = {k: v for k, v in copy.deepcopy(schema).items() if k not in ("$schema", "$id")}
+    todo: list[Any] = [moved]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                node["$ref"] = base + ref[1:]
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return moved

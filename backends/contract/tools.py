@@ -1,0 +1,270 @@
+"""Tool calling in the generic format: how a model is asked to call tools, and how its answer is
+read back. Engines stay model-agnostic: they run an ordinary chat whose answer is constrained to
+a JSON schema (tool_specs.answer_schema), so the built-in chat templates, which know only system,
+user and assistant turns, serve tools too.
+
+What the model sees (`render`): a system message listing each tool (name, description, the JSON
+schema of its arguments) and how to answer, after the chat's own system text; earlier calls of
+the chat as the JSON it would have written ({"tool_calls": [...]}), plain assistant answers as
+{"response": "..."}, and tool results as user turns ("Tool result (name, id): ..."). Every piece
+is message content, so an engine splices it in as text: a control token inside a tool's result
+or description stays text and cannot open or close a turn.
+
+What comes back (`AnswerReader`): the raw text is the JSON answer (the job's stream carries it
+as generated); the reader turns it, as it grows, into the answer's words (the `response` string,
+decoded) and its calls, each with an id derived from the job id and its index.
+
+Importable without llama_cpp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.contract.schema import GenerateRequest, Message
+from backends.contract.tool_specs import NamedTool, Tool, answer_schema
+
+_HEAD = re.compile(r'\s*\{\s*"(tool_calls|response)"\s*:\s*(\[|")')
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def calls_tools(request: GenerateRequest) -> bool:
+    """Whether the answer is constrained to the generic format (tools offered, not 'none')."""
+    return bool(request.tools) and request.tool_choice != "none"
+
+
+def lower(request: GenerateRequest) -> tuple[GenerateRequest, bool]:
+    """The request an engine runs: roles system/user/assistant only, the tools in the system
+    message and the answer's schema as `format` (unchanged for a chat without tools); and whether
+    its answer is in the generic format."""
+    touched = any(m.role == "tool" or m.tool_calls for m in request.messages or [])
+    if not request.tools and not touched:
+        return request, False
+    messages, schema = render(request)
+    update: dict[str, Any] = {"messages": messages, "tools": None, "tool_choice": None,
+                              "parallel_tool_calls": None}
+    if schema is not None:
+        update["format"] = schema
+    return request.model_copy(update=update), schema is not None
+
+
+def render(request: GenerateRequest) -> tuple[list[Message], dict[str, Any] | None]:
+    """The chat as plain system/user/assistant messages (module docstring), and the JSON schema
+    its answer must match (None: a plain answer, tool_choice 'none' or no tools)."""
+    active = calls_tools(request)
+    names = {c.id: c.name for m in request.messages or [] for c in m.tool_calls or []}
+    out: list[Message] = []
+    results: list[str] = []  # consecutive tool results: one user turn
+    for m in request.messages or []:
+        if m.role == "tool":
+            who = ", ".join(x for x in (m.name or names.get(m.tool_call_id or ""), m.tool_call_id) if x)
+            results.append(f"Tool result ({who}):\n{m.content}" if who else f"Tool result:\n{m.content}")
+            continue
+        if results:
+            out.append(Message(role="user", content="\n\n".join(results)))
+            results = []
+        if m.role == "assistant" and m.tool_calls and active:
+            calls = [{"name": c.name, "arguments": _arguments(c.arguments)} for c in m.tool_calls]
+            out.append(Message(role="assistant", content=json.dumps({"tool_calls": calls})))
+        elif m.role == "assistant" and m.tool_calls:  # no JSON answer wanted now: no JSON to imitate
+            said = "\n".join(f"(I called {c.name} with {c.arguments}.)" for c in m.tool_calls)
+            out.append(Message(role="assistant", content=f"{m.content}\n{said}".strip()))
+        elif m.role == "assistant" and active:
+            out.append(Message(role="assistant", content=json.dumps({"response": m.content})))
+        else:
+            out.append(Message(role=m.role, content=m.content))
+    if results:
+        out.append(Message(role="user", content="\n\n".join(results)))
+    if not active:
+        return out, None
+    assert request.tools is not None
+    guide = instructions(request.tools, request.tool_choice, request.parallel_tool_calls)
+    if out and out[0].role == "system":
+        out[0] = Message(role="system", content=f"{out[0].content}\n\n{guide}")
+    else:
+        out.insert(0, Message(role="system", content=guide))
+    return out, answer_schema(request.tools, request.tool_choice, request.parallel_tool_calls)
+
+
+def instructions(tools: list[Tool], choice: object, parallel: bool | None) -> str:
+    """The system text that offers the tools and says how to answer."""
+    named = choice.name if isinstance(choice, NamedTool) else None
+    listed = []
+    for t in tools:
+        if named is None or t.name == named:
+            about = f": {t.description}" if t.description else ""
+            listed.append(f"- {t.name}{about}\n  arguments (JSON schema): {json.dumps(t.parameters)}")
+    call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<the arguments>}}]}'
+    how = "one or more calls" if parallel else "one call"
+    text = "You can call these tools:\n" + "\n".join(listed) + "\n\n"
+    if named is not None:
+        return text + f'Answer by calling {named}, with one JSON object: {call.replace("<tool name>", named)}'
+    if choice == "required":
+        return text + f"Answer by calling tools ({how}), with one JSON object: {call}"
+    return (text + "Answer with one JSON object, either\n"
+            f"{call} to call tools ({how}; their results come back in the next message), or\n"
+            '{"response": "<your answer>"} to answer the user. Call a tool only for what the chat '
+            "does not tell yet; once the tool results you need are there, answer.")
+
+
+def _arguments(text: str) -> Any:
+    """A past call's arguments as the JSON they were (text that is not JSON stays text)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def call_id(job_id: str, index: int) -> str:
+    """The id of a job's index-th call: the same in its stream and its result, on any gateway."""
+    return "call_" + hashlib.sha256(f"{job_id}:{index}".encode()).hexdigest()[:24]
+
+
+# -- reading the answer --------------------------------------------------------------------------
+
+
+@dataclass
+class AnswerReader:
+    """Reads a generic-format answer as it grows: `feed` each delta of raw text, get the words
+    decoded since the last feed and the calls completed since. The grammar made the text valid
+    JSON of the answer schema, so the reader only follows it; a text cut short (max_tokens)
+    yields what was complete."""
+
+    job_id: str
+    raw: str = ""
+    kind: str | None = None  # "response" or "tool_calls", once the head is read
+    content: str = ""  # the words so far
+    calls: list[dict[str, str]] = field(default_factory=list)  # {id, name, arguments (JSON text)}
+    _at: int = 0  # next character of raw to read
+    _depth: int = 0  # calls: nesting inside the array
+    _in_string: bool = False
+    _escaped: bool = False
+    _item_start: int = -1
+    _ended: bool = False
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, str]]]:
+        self.raw += delta
+        if self.kind is None:
+            head = _HEAD.match(self.raw)
+            if head is None:
+                return "", []
+            self.kind, self._at = head.group(1), head.end()
+        if self._ended:
+            return "", []
+        if self.kind == "response":
+            words = self._read_string()
+            self.content += words
+            return words, []
+        done = len(self.calls)
+        self._read_calls()
+        return "", self.calls[done:]
+
+    def _read_string(self) -> str:
+        out = []
+        raw, i = self.raw, self._at
+        while i < len(raw):
+            c = raw[i]
+            if c == '"':
+                self._ended = True
+                i += 1
+                break
+            if c != "\\":
+                out.append(c)
+                i += 1
+                continue
+            if i + 1 >= len(raw):
+                break  # the escape's rest has not come yet
+            if raw[i + 1] != "u":
+                out.append(_ESCAPES.get(raw[i + 1], raw[i + 1]))
+                i += 2
+                continue
+            char, used = _unicode_escape(raw, i)
+            if used == 0:
+                break
+            out.append(char)
+            i += used
+        self._at = i
+        return "".join(out)
+
+    def _read_calls(self) -> None:
+        raw, i = self.raw, self._at
+        while i < len(raw) and not self._ended:
+            c = raw[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                if self._depth == 0:
+                    self._item_start = i
+                self._depth += 1
+            elif c in "}]":
+                if self._depth == 0:  # the array's own end
+                    self._ended = True
+                else:
+                    self._depth -= 1
+                    if self._depth == 0:
+                        self._add_call(raw[self._item_start:i + 1])
+            i += 1
+        self._at = i
+
+    def _add_call(self, text: str) -> None:
+        try:
+            item = json.loads(text, strict=False)  # the grammar lets raw control characters into strings
+        except ValueError:  # only a backend that ignored the grammar writes this: not a call
+            return
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "arguments" not in item:
+            return
+        arguments = json.dumps(item["arguments"], ensure_ascii=False)
+        try:
+            arguments.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape in a string: keep it escaped
+            arguments = json.dumps(item["arguments"])
+        self.calls.append({"id": call_id(self.job_id, len(self.calls)), "name": item["name"],
+                           "arguments": arguments})
+
+
+def _unicode_escape(raw: str, i: int) -> tuple[str, int]:
+    """The character of the \\uXXXX escape at raw[i] (a surrogate pair: both escapes) and the
+    characters it used; (.., 0) while it is incomplete. A lone surrogate becomes U+FFFD: no
+    JSON encoder could write it back."""
+    if i + 6 > len(raw):
+        return "", 0
+    code = int(raw[i + 2:i + 6], 16)
+    if 0xD800 <= code < 0xDC00:
+        if i + 12 > len(raw) and raw[i + 6:i + 8] in ("\\u", "\\", ""):
+            return "", 0
+        if raw[i + 6:i + 8] == "\\u":
+            low = int(raw[i + 8:i + 12], 16)
+            if 0xDC00 <= low < 0xE000:
+                return chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)), 12
+        return "\ufffd", 6
+    if 0xDC00 <= code < 0xE000:
+        return "\ufffd", 6
+    return chr(code), 6
+
+
+@dataclass(frozen=True)
+class Answer:
+    content: str | None  # the words; None when the answer called tools
+    tool_calls: list[dict[str, str]]
+
+
+def read_answer(text: str, job_id: str) -> Answer:
+    """A whole generic-format answer: its words, or its calls."""
+    reader = AnswerReader(job_id)
+    reader.feed(text)
+    if reader.calls:
+        return Answer(None, reader.calls)
+    if reader.kind is None and text.strip() and not text.lstrip().startswith("{"):
+        return Answer(text, [])  # a backend that ignored the grammar answered in words
+    return Answer(reader.content, [])

@@ -1,0 +1,43 @@
+"""OpenAI's Responses API over the fleet, stateless: POST /v1/responses.
+
+One request is one fleet job (bodies: responses_bodies.py); its stream is the SSE events the
+Responses API documents, each with a `sequence_number`. Errors use OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from dispatcher.gateway.core import ApiError, Gateway, cancel_all, collect, follow
+from dispatcher.gateway.openai_api import check_limits, read_body, timed_out
+from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
+from dispatcher.gateway.responses_bodies import ResponseReply, job_request
+
+
+async def create_response(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    body = await read_body(request)
+    caller = request.state.caller
+    pool = gw.pool_for(body.get("model"), caller)
+    fields = job_request(body)
+    check_limits(gw, [fields], 1, tokens_field="max_output_tokens")
+    jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"), caller)
+    reply = ResponseReply(body, fields, jobs[0].id)
+    headers = {"X-Fleet-Job-Id": jobs[0].id}
+    timeout = gw.settings.gateway.request_timeout
+    if body.get("stream"):
+        return JobStreamResponse(reply.events(follow(jobs, timeout)), media_type="text/event-stream",
+                                 on_disconnect=lambda: cancel_all(jobs),
+                                 headers={**headers, "Cache-Control": "no-cache"})
+    finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
+    if finals is None:
+        return Response(status_code=499)
+    if late := timed_out(finals, headers):
+        raise late
+    try:
+        whole = reply.whole(finals[0])
+    except ApiError as e:
+        e.headers.update(headers)
+        raise
+    return JSONResponse(whole, headers=headers)
