@@ -80,10 +80,10 @@ def _small(value: object) -> bool:
 
 
 def capabilities(*, completion: bool = True) -> list[str]:
-    """Ollama's capability names for what the worker serves. "completion" for a generative model;
-    "tools" (a chat template that takes tools) and "embedding" (the engine embeds) are added here
-    by the features that provide them."""
-    return ["completion"] if completion else []
+    """Ollama's capability names for what the worker serves: a generative model completes and
+    calls tools (every worker lowers tools to its generic format, backends/contract/tools.py);
+    "embedding" is added by the engines that embed."""
+    return ["completion", "tools"] if completion else []
 
 
 def typed(value: str) -> Any:

@@ -139,7 +139,7 @@ def test_ollama_show_and_context(workers, gateways) -> None:
     info = shown.modelinfo or {}
     assert info["general.architecture"] == "gemma3" and info["general.parameter_count"] > 200_000_000
     assert info["gemma3.context_length"] == 32768 and info["gemma3.embedding_length"] == 640
-    assert shown.capabilities == ["completion"]
+    assert shown.capabilities == ["completion", "tools"]
     assert "<start_of_turn>user" in (shown.template or "") and "{{ .Prompt }}" in (shown.template or "")
     assert shown.parameters and "temperature" in shown.parameters
     modelfile = shown.modelfile or ""

@@ -1,7 +1,8 @@
 """Node clients, unchanged, against a real `fleet serve` on a real worker and the real model: the
 `openai` npm client (chat, streamed and not) and the Vercel AI SDK (`ai` with
-`@ai-sdk/openai-compatible`: generateText, streamText). tests/node/clients.mjs runs one function
-per case; scripts/setup installs its packages (npm ci from tests/node/package-lock.json)."""
+`@ai-sdk/openai-compatible`: generateText, streamText), and tool calls from both.
+tests/node/clients.mjs runs one function per case; scripts/setup installs its packages (npm ci
+from tests/node/package-lock.json)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,18 @@ def test_openai_npm_client_and_vercel_ai_sdk(workers, gateways) -> None:
     assert seen["openai-chat-stream"]["finish"] == "length" and seen["openai-chat-stream"]["chunks"] > 2
     assert seen["ai-generate"]["finish"] == "length" and seen["ai-stream"]["finish"] == "length"
     assert seen["ai-stream"]["parts"] > 1  # it streamed
+
+
+def test_tool_calls_from_node(workers, gateways) -> None:
+    """The openai npm client's tool call (tool_choice required) and the Vercel AI SDK's
+    generateText with a tool: the SDK runs the tool and sends its result back for the answer."""
+    workers.start("w1", backend__slots=2)
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    seen = run_node(gw.url, "openai-tool", "ai-tool")
+    call = seen["openai-tool"]
+    assert call["name"] == "get_weather" and call["finish"] == "tool_calls" and call["id"]
+    assert call["args"]["unit"] in ("celsius", "fahrenheit")
+    ai = seen["ai-tool"]
+    assert ai["calls"] >= 1 and ai["steps"] == 2, ai  # a call, then an answer with its result
+    assert isinstance(ai["firstCall"]["city"], str)

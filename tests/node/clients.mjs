@@ -8,7 +8,7 @@
 // cases. A new case (a tool call, say) is one more function and one more entry in CASES.
 
 import { createOpenAICompatible } from "@ai-sdk/openai-compatible";
-import { generateText, streamText } from "ai";
+import { generateText, jsonSchema, streamText, tool } from "ai";
 import OpenAI from "openai";
 
 const baseURL = `${process.env.FLEET_BASE_URL}/v1`;
@@ -76,11 +76,58 @@ async function aiStream() {
            parts: parts.length };
 }
 
+const WEATHER = {
+  type: "object",
+  properties: { city: { type: "string" }, unit: { type: "string", enum: ["celsius", "fahrenheit"] } },
+  required: ["city", "unit"],
+  additionalProperties: false,
+};
+const ASK = "What is the weather in Paris? Use the tool.";
+
+async function openaiTool() {
+  const reply = await openai.chat.completions.create({
+    model: MODEL, messages: [{ role: "user", content: ASK }], max_tokens: 64, temperature: 0,
+    tools: [{ type: "function", function: { name: "get_weather", description: "Weather in a city", parameters: WEATHER } }],
+    tool_choice: "required",
+  });
+  const choice = reply.choices[0];
+  check(choice.finish_reason === "tool_calls", `finish: ${choice.finish_reason}`);
+  const call = choice.message.tool_calls[0];
+  const args = JSON.parse(call.function.arguments);
+  check(typeof args.city === "string" && ["celsius", "fahrenheit"].includes(args.unit), call.function.arguments);
+  return { name: call.function.name, args, id: call.id, finish: choice.finish_reason };
+}
+
+async function aiTool() {
+  // the Vercel AI SDK's tool loop: the model calls the tool, the SDK runs it and sends the result
+  // back, the model answers; toolChoice "required" only on the first step
+  const calls = [];
+  const result = await generateText({
+    model: fleet(MODEL), prompt: ASK, maxOutputTokens: 64, temperature: 0, maxRetries: 0,
+    tools: {
+      get_weather: tool({
+        description: "Weather in a city",
+        inputSchema: jsonSchema(WEATHER),
+        execute: async (input) => { calls.push(input); return { temperature: 21, sky: "clear" }; },
+      }),
+    },
+    toolChoice: "required",
+    prepareStep: ({ stepNumber }) => (stepNumber > 0 ? { toolChoice: "none" } : {}),
+    stopWhen: ({ steps }) => steps.length >= 2,
+  });
+  check(calls.length >= 1, "the tool never ran");
+  check(typeof calls[0].city === "string", JSON.stringify(calls[0]));
+  return { calls: calls.length, firstCall: calls[0], steps: result.steps.length, text: result.text,
+           finish: result.finishReason };
+}
+
 const CASES = {
   "openai-chat": openaiChat,
   "openai-chat-stream": openaiChatStream,
   "ai-generate": aiGenerate,
   "ai-stream": aiStream,
+  "openai-tool": openaiTool,
+  "ai-tool": aiTool,
 };
 
 const wanted = process.argv.slice(2);
