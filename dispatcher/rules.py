@@ -30,6 +30,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
+from backends.contract.embed import JobRequest, parse_request
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENQUEUED_MS_META,
@@ -49,7 +50,6 @@ from backends.contract.lua import lua_script
 from backends.contract.replies import as_int, as_str
 from backends.contract.schema import (
     PRIORITIES,
-    GenerateRequest,
     JobResult,
     cancelled_in_queue,
     describe_validation_error,
@@ -75,9 +75,10 @@ class JobTimeout(Exception):
     pass
 
 
-def validate_request(fields: dict[str, Any]) -> GenerateRequest:
+def validate_request(fields: dict[str, Any]) -> JobRequest:
+    """A generation request, or an embedding one (`kind: "embed"`); ValueError naming any bad field."""
     try:
-        return GenerateRequest.model_validate(fields)
+        return parse_request(fields)
     except ValidationError as e:
         raise ValueError("invalid request: " + describe_validation_error(e)) from None
 

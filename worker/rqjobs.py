@@ -25,6 +25,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
+from backends.contract.embed import JobRequest, parse_request
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     DRAINS_FIELD,
@@ -82,7 +83,7 @@ class ClaimedJob:
     queue: str
     attempt: int
     job: Job | None = None  # None when the RQ hash itself is unreadable
-    request: GenerateRequest | None = None
+    request: JobRequest | None = None  # a generation or an embedding job
     execution: Execution | None = None
     # Redis server time (ms) of the enqueue and the claim: queue_ttl compares these, never two
     # hosts' wall clocks (they drift apart); durations of the run itself use this host's
@@ -204,12 +205,12 @@ def tenant_of(job: ClaimedJob) -> str:
     return (job.request.tenant if job.request is not None else None) or DEFAULT_TENANT
 
 
-def _request(claimed: ClaimedJob, job: Job) -> GenerateRequest:
+def _request(claimed: ClaimedJob, job: Job) -> JobRequest:
     payload = _request_payload(job.args, job.kwargs)
     if payload is None:
         raise BadJob(claimed, f"refused: {JOB_FUNCTION} takes one argument, the request object")
     try:
-        return GenerateRequest.model_validate(payload)
+        return parse_request(payload)
     except ValidationError as e:
         raise BadJob(claimed, "invalid request: " + describe_validation_error(e)) from None
 
@@ -279,7 +280,7 @@ def mark_suspect(claimed: ClaimedJob, worker_name: str, pipe: Any) -> None:
     the process with. The reaper fails, never re-runs, a job whose worker died while it was
     suspect (docs/reliability.md, "Dead workers"); other jobs are requeued as always."""
     request = claimed.request
-    claimed.suspect = request is not None and request.format is not None
+    claimed.suspect = isinstance(request, GenerateRequest) and request.format is not None
     if claimed.suspect:
         pipe.hset(job_key(claimed.id), SUSPECT_FIELD, worker_name)
     else:
