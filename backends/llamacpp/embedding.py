@@ -134,8 +134,12 @@ class EmbeddingContext:
                 ll.llama_memory_clear(self.memory, True)
         return [Embedding(v.tolist(), len(tokens)) for v, tokens in zip(vectors, inputs, strict=True)]
 
+    def tokens_of(self, text: str) -> list[int]:
+        """An input's tokens: text only (no control tokens), with the model's BOS/EOS."""
+        return tokenize(self.vocab, text, special=False, add_special=True)
+
     def _tokens(self, index: int, text: str, cut: bool) -> list[int]:
-        tokens = tokenize(self.vocab, text, special=False, add_special=True)
+        tokens = self.tokens_of(text)
         if not tokens:
             raise InputRejected(index, "has no tokens")
         if len(tokens) > self.limit:
