@@ -34,7 +34,8 @@ UNRELATED = ("Quarterly revenue grew by twelve percent.", "The train to Berlin l
 
 
 def cosine(a: list[float], b: list[float]) -> float:
-    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
 
 
 def norm(v: list[float]) -> float:
@@ -124,7 +125,8 @@ def test_hostile_requests_get_400s_and_the_worker_serves_on(workers, gateways) -
     refused({"model": "llm", "input": "hi", "options": {"temperature": 1}}, "temperature",
             route=f"{gw.url}/api/embed")
     # the worker's own rejections: over the model's dimensions, over its embedding context
-    refused({"model": "llm", "input": "hi", "dimensions": 10_000}, "dimensions 10000 is more than this model's 640")
+    refused({"model": "llm", "input": "hi", "dimensions": 10_000},
+            "dimensions 10000 is more than this model's 640")
     refused({"model": "llm", "input": ["short", "word " * 400]},
             "input 1 has 402 tokens; this worker embeds at most 256 tokens per input")
     # Ollama truncates by default: the same long input is cut to fit
@@ -141,7 +143,8 @@ def test_generation_beside_embedding_jobs_keeps_its_text(workers, gateways) -> N
     gw = gateways.start()
     wait_until_healthy(gw)
     client = oai(gw)
-    ask = {"model": "llm", "prompt": "The three largest cities of France are", "max_tokens": 40, "temperature": 0}
+    ask = {"model": "llm", "prompt": "The three largest cities of France are", "max_tokens": 40,
+           "temperature": 0}
     alone = client.completions.create(**ask).choices[0].text
     texts = [f"Sentence {i}: a note about gardens, rivers and the weather in spring." for i in range(40)]
     baseline = client.embeddings.create(model="llm", input=texts[:3]).data
@@ -216,7 +219,8 @@ def test_the_graph_cut_gives_llamacpp_mean_pooling_and_long_inputs_span_decodes(
         ours = engine.embed(texts, [False] * 3)
         assert ours[2].tokens > 64  # spans several decodes of 64 tokens
         assert engine._embedding is not None and engine._embedding.graph_cuts >= 3
-        wide = EmbeddingContext(engine.model.model, n_ctx=512, n_batch=512, n_seq=4, threads=engine.model.threads)
+        wide = EmbeddingContext(engine.model.model, n_ctx=512, n_batch=512, n_seq=4,
+                                threads=engine.model.threads)
         try:
             one_decode = wide.embed(texts, [False] * 3)  # all in one decode
         finally:
