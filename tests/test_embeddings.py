@@ -253,3 +253,29 @@ def test_the_graph_cut_gives_llamacpp_mean_pooling_and_long_inputs_span_decodes(
             assert float(unit[0] @ unit[1]) > 0.999  # chunked vs whole: kernels round differently
     finally:
         engine.close()
+
+
+def test_llama_server_backend_embeds_or_says_it_cannot(workers, redis_url: str, tmp_path) -> None:
+    """The llama-server backend forwards to its /v1/embeddings: the in-process engine's vectors
+    (both mean pooling on the same model); a server started without --embeddings gives the job
+    a clear error. `-kvu`: with one KV stream per slot (its default) this llama-server's mean
+    pooling of several inputs in one batch is wrong for all but the first (cosine ~0.76 with the
+    same input alone; measured, docs/gateway.md)."""
+    from ecosystem.local.llama_server import start_llama_server
+
+    texts = [*SIMILAR, UNRELATED[0]]
+    with start_llama_server(tmp_path / "emb", parallel=4, ctx=4096, threads=1,
+                            extra_args=["--embeddings", "--pooling", "mean", "-kvu"]) as server:
+        workers.start("ls1", pool="ls", backend__type="llama-server", backend__endpoint=server.url,
+                      backend__connect_timeout=30)
+        via_server = Fleet(redis_url, pool="ls").embed(texts, timeout=120)
+    with start_llama_server(tmp_path / "plain", parallel=1, ctx=1024, threads=1) as plain:
+        workers.start("ls2", pool="plain", backend__type="llama-server", backend__endpoint=plain.url,
+                      backend__connect_timeout=30)
+        with pytest.raises(JobFailed) as failed:
+            Fleet(redis_url, pool="plain").embed("hi", timeout=60)
+    assert "(501)" in failed.value.error and "--embeddings" in failed.value.error
+    workers.start("ip1", backend__slots=2)
+    in_process = Fleet(redis_url).embed(texts, timeout=120)
+    assert all(abs(norm(v) - 1) < 1e-5 for v in via_server)
+    assert all(cosine(a, b) > 0.999 for a, b in zip(via_server, in_process, strict=True))
