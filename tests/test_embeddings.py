@@ -149,23 +149,34 @@ def test_generation_beside_embedding_jobs_keeps_its_text(workers, gateways) -> N
     texts = [f"Sentence {i}: a note about gardens, rivers and the weather in spring." for i in range(40)]
     baseline = client.embeddings.create(model="llm", input=texts[:3]).data
 
-    results: dict[str, Any] = {}
+    stop = threading.Event()
+    spans: list[tuple[float, float, int]] = []  # (start, end, vectors) of each embedding request
 
-    def embed_many() -> None:
-        results["embedded"] = [client.embeddings.create(model="llm", input=texts) for _ in range(3)]
+    def embed_until_stopped() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            n = len(client.embeddings.create(model="llm", input=texts).data)
+            spans.append((t0, time.monotonic(), n))
 
-    thread = threading.Thread(target=embed_many)
+    thread = threading.Thread(target=embed_until_stopped)
     thread.start()
-    time.sleep(0.3)  # the embedding jobs are running while the completion decodes
+    while not spans:  # embedding jobs are flowing before the completion starts
+        time.sleep(0.05)
+    started = time.monotonic()
     beside = client.completions.create(**ask).choices[0].text
+    ended = time.monotonic()
+    stop.set()
     thread.join(300)
     assert beside == alone
-    assert all(len(r.data) == 40 for r in results["embedded"])
+    assert any(s < ended and e > started for s, e, _ in spans)  # they overlapped
+    assert all(n == 40 for _, _, n in spans)
     assert all(len(d.embedding) == N_EMBD for d in baseline)
 
 
 def test_python_and_plain_rq_producers(workers, redis_url: str, redis: Redis) -> None:
-    workers.start("e4", backend__slots=4)
+    """On a worker with backend.overlap (the engine steps on a helper thread; embeddings wait
+    for the step in flight)."""
+    workers.start("e4", backend__slots=4, backend__overlap=True)
     fleet = Fleet(redis_url)
     vectors = fleet.embed([*SIMILAR, *UNRELATED], tenant="acme")
     assert [len(v) for v in vectors] == [N_EMBD] * 4

@@ -52,9 +52,10 @@ class EmbedQueue:
         return len(self.jobs)
 
     def add(self, job_id: str, request: EmbedRequest) -> None:
-        """Queue a started job; JobRejected when this worker's engine cannot embed."""
+        """Queue a started job; JobRejected when this worker's engine cannot embed (the
+        worker's setup, not the request: no REJECTED mark)."""
         if self.embedder is None:
-            raise JobRejected(f"{REJECTED}this worker's engine ({self.backend.name}) does not embed")
+            raise JobRejected(f"this worker's engine ({self.backend.name}) does not embed")
         self.jobs[job_id] = _Job(job_id, request)
 
     def cancel(self, job_id: str) -> bool:
