@@ -14,14 +14,16 @@ calls `step()` in a loop and turns the events it returns into Redis writes:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from backends.contract.schema import FinishReason, GenerateRequest, Sampling
 
 # The request types in the protocol's signatures, importable from here too (defined in the contract)
-__all__ = ["Backend", "BackendUnavailable", "Done", "Event", "Failed", "FinishReason", "GenerateRequest",
-           "JobRejected", "Restarted", "Sampling", "Token"]
+__all__ = ["Backend", "BackendUnavailable", "Done", "Embedder", "Embedding", "Event", "Failed",
+           "FinishReason", "GenerateRequest", "InputRejected", "JobRejected", "Restarted", "Sampling",
+           "Token"]
 
 # -- events a backend returns from step() ---------------------------------------------------------
 
@@ -62,6 +64,14 @@ Event = Token | Done | Failed | Restarted
 
 class JobRejected(Exception):
     """The job can never run on this backend (e.g. prompt longer than the context)."""
+
+
+class InputRejected(JobRejected):
+    """One input of an embedding call can never be embedded here (`index`: which, in the call)."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(reason)
+        self.index = index
 
 
 class BackendUnavailable(Exception):
@@ -108,3 +118,22 @@ class Described(Protocol):
 
     def model_card(self) -> dict[str, object]:
         """The model card (JSON-serialisable); read once, at the worker's start."""
+
+
+@dataclass
+class Embedding:
+    vector: Sequence[float]  # as the model pooled it (the worker cuts and normalises)
+    tokens: int  # the input's tokens, as embedded (after a cut to fit)
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An engine that embeds text too. The worker calls `embed` between generation steps with up
+    to `embed_batch` inputs (of one or several jobs), in one batch where the engine can."""
+
+    embed_batch: int
+
+    def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
+        """One vector per text, in order; `truncate[i]`: cut text i to the engine's embedding
+        context instead of refusing it. Raises InputRejected (that input never fits),
+        JobRejected (this engine cannot embed), BackendUnavailable."""

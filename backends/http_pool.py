@@ -17,14 +17,23 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from backends.base import BackendUnavailable, Done, Event, Failed, JobRejected, Token
+from backends.base import (
+    BackendUnavailable,
+    Done,
+    Embedding,
+    Event,
+    Failed,
+    InputRejected,
+    JobRejected,
+    Token,
+)
 from backends.contract.retry import Backoff
 from backends.contract.schema import GenerateRequest, Sampling
 from backends.http_settings import HttpSettings
@@ -61,6 +70,10 @@ class StreamFailure(Exception):
         super().__init__(message)
         self.message = message
         self.retryable = retryable
+
+
+class _BadInput(Exception):
+    """The engine answered 400 to an embedding call: an input's fault, not the engine's."""
 
 
 @dataclass
@@ -319,6 +332,52 @@ class HttpStreamBackend(ABC):
     def _fail(self, job: StreamJob, message: str, retryable: bool) -> None:
         if not job.cancelled.is_set():  # a cancelled job already got its Done
             self._events.put((job, Failed(job.job_id, message, retryable=retryable)))
+
+    # -- embeddings (one request per call of the worker's embedding queue) ------------------------
+
+    embed_batch = 32
+
+    def _embed_request(self, texts: Sequence[str], truncate: Sequence[bool]) -> tuple[str, dict[str, Any]]:
+        """The engine's embedding route and body for `texts`."""
+        raise JobRejected(f"{self.what}: this backend does not embed")
+
+    def _embed_answer(self, answer: Any) -> tuple[list[list[float]], int]:
+        """The vectors, in input order, and the tokens the engine counted for all of them."""
+        raise NotImplementedError
+
+    def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
+        """One request for the call; a call the engine refuses as bad input (400) is asked again
+        input by input, so one bad input fails only its own job. The engine counts tokens for the
+        whole call: each input gets a share by its length."""
+        try:
+            return self._embed_call(texts, truncate)
+        except _BadInput as e:
+            if len(texts) == 1:
+                raise InputRejected(0, str(e)) from None
+        out: list[Embedding] = []
+        for i, (text, cut) in enumerate(zip(texts, truncate, strict=True)):
+            try:
+                out += self._embed_call([text], [cut])
+            except _BadInput as e:
+                raise InputRejected(i, str(e)) from None
+        return out
+
+    def _embed_call(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
+        path, body = self._embed_request(texts, truncate)
+        try:
+            response = self.client.post(path, json=body)
+            if response.status_code == 400:
+                raise _BadInput(f"{self.what} refused it (400): {error_message(response)}")
+            self._check_status(response)
+            vectors, tokens = self._embed_answer(response.json())
+        except StreamFailure as e:
+            raise (BackendUnavailable if e.retryable else JobRejected)(e.message) from None
+        except httpx.HTTPError as e:
+            raise BackendUnavailable(self._exception_failure(e)[0]) from None
+        if len(vectors) != len(texts):
+            raise JobRejected(f"{self.what}: {len(vectors)} vectors for {len(texts)} inputs")
+        chars = sum(map(len, texts)) or 1
+        return [Embedding(v, round(tokens * len(t) / chars)) for v, t in zip(vectors, texts, strict=True)]
 
     def _check_status(self, response: httpx.Response) -> None:
         if response.status_code != 200:

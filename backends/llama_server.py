@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -26,7 +26,14 @@ from httpx_sse import connect_sse
 
 from backends.base import BackendUnavailable, Done, Event, Token
 from backends.contract.schema import FinishReason, GenerateRequest, Sampling
-from backends.http_pool import HttpStreamBackend, StreamFailure, StreamJob, error_message, sampler_fields
+from backends.http_pool import (
+    STATUS_ERRORS,
+    HttpStreamBackend,
+    StreamFailure,
+    StreamJob,
+    error_message,
+    sampler_fields,
+)
 from backends.http_settings import HttpSettings
 
 # A message's stand-in while the server renders the template (as in backends/llamacpp/model.py): no
@@ -44,6 +51,8 @@ class LlamaServerBackend(HttpStreamBackend):
     name = "llama-server"
     health_path = "/health"  # 503 while the model loads
     lacks = ("min_tokens",)  # llama-server takes ignore_eos (as here), no minimum length
+    # not started with --embeddings: the job's error, not the engine's failure
+    status_errors = {**STATUS_ERRORS, 501: ("{what} does not do this (501): {message}", False)}
 
     def __init__(self, settings: HttpSettings, *, transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(settings, "llama-server", transport)
@@ -209,6 +218,14 @@ class LlamaServerBackend(HttpStreamBackend):
         if response.status_code != 200:
             raise self._status_failure(response.status_code, error_message(response))
         return response.json()
+
+    def _embed_request(self, texts: Sequence[str], truncate: Sequence[bool]) -> tuple[str, dict[str, Any]]:
+        """OpenAI's route (llama-server started with --embeddings; else a 501, the job's error)."""
+        return "/v1/embeddings", {"input": list(texts)}
+
+    def _embed_answer(self, answer: Any) -> tuple[list[list[float]], int]:
+        data = sorted(answer["data"], key=lambda d: d["index"])
+        return [d["embedding"] for d in data], int(answer.get("usage", {}).get("prompt_tokens") or 0)
 
     def _chunk_failure(self, error: object) -> StreamFailure:
         if isinstance(error, dict):

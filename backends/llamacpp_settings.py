@@ -39,6 +39,16 @@ class LlamaCppSettings(EngineSettings):
         None, description="a llama.cpp built-in chat template name (e.g. gemma, chatml, llama3) for "
         "chat requests; None: the model's own template, else `gemma` for gemma-family models")
 
+    embed_model_path: Path | None = Field(
+        None, description="GGUF model for embedding jobs; None: the generation model (a second "
+        "llama.cpp context on the same weights, made at the first embedding job)")
+    embed_n_ctx: int = Field(2048, ge=16, description="tokens of one embedding input at most (longer: "
+                             "refused, or cut when the request asks)")
+    embed_batch: int = Field(32, ge=1, le=256, description="embedding inputs decoded together (the "
+                             "embedding context's sequences)")
+    embed_n_batch: int = Field(512, ge=16, description="tokens per llama_decode of the embedding context "
+                               "(its logits buffer costs ~1 MB per token with a 262k vocabulary)")
+
     @model_validator(mode="after")
     def _invariance_needs_streams(self) -> LlamaCppSettings:
         if self.batch_invariant and self.kv_unified:  # a job's cells at other offsets sum differently

@@ -9,7 +9,7 @@ before the stream starts, or an {"error": "..."} line once it has started (the s
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -62,6 +62,13 @@ class OllamaBackend(HttpStreamBackend):
 
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "model": self.model}
+
+    def _embed_request(self, texts: Sequence[str], truncate: Sequence[bool]) -> tuple[str, dict[str, Any]]:
+        """Ollama's /api/embed (it cuts long inputs only when every input of the call may be cut)."""
+        return "/api/embed", {"model": self.model, "input": list(texts), "truncate": all(truncate)}
+
+    def _embed_answer(self, answer: Any) -> tuple[list[list[float]], int]:
+        return answer["embeddings"], int(answer.get("prompt_eval_count") or 0)
 
     # -- one job ------------------------------------------------------------------------------------
 

@@ -14,9 +14,10 @@ the engine was last still (a step only frees slots, so the count is never too hi
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from backends.base import Backend, Event, GenerateRequest
+from backends.base import Backend, Embedder, Embedding, Event, GenerateRequest, JobRejected
 
 
 class OverlappedBackend:
@@ -29,6 +30,7 @@ class OverlappedBackend:
         self._lock = threading.Lock()  # held while the engine is inside a call
         self._running: Future[list[Event]] | None = None
         self._free = inner.free_slots()
+        self.embed_batch = inner.embed_batch if isinstance(inner, Embedder) else 1
 
     def free_slots(self) -> int:
         return self._free
@@ -45,6 +47,13 @@ class OverlappedBackend:
                 self.inner.admit(job_id, request)
             finally:
                 self._free = self.inner.free_slots()
+
+    def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
+        """Between steps, like admit (an embedding context decodes on the same cores)."""
+        if not isinstance(self.inner, Embedder):
+            raise JobRejected(f"this worker's engine ({self.name}) does not embed")
+        with self._lock:
+            return self.inner.embed(texts, truncate)
 
     def cancel(self, job_id: str) -> None:
         with self._lock:

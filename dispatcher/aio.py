@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from backends.contract.connect import async_redis_from_url, async_server_version, is_sentinel_url
+from backends.contract.embed import embed_fields, embeddings_of
 from backends.contract.keys import queue_name
 from backends.contract.retry import OUTAGE_ERRORS, retry_outage_async
 from backends.contract.schema import JobResult
@@ -101,6 +102,19 @@ class AsyncFleet(ProducerBase):
         with contextlib.suppress(*OUTAGE_ERRORS):  # workers also poll: an outage costs only latency
             await run_async(self.redis, wake_plan(self.pool))
         return AsyncFleetJob(self, job.job_id)
+
+    async def submit_embed(self, texts: str | Sequence[str], *, priority: str = "default",
+                           queue_ttl: int | None = None, job_timeout: int | None = None,
+                           **fields: Any) -> AsyncFleetJob:
+        """Enqueue one embedding job (Fleet.submit_embed)."""
+        return await self.submit(priority=priority, queue_ttl=queue_ttl, job_timeout=job_timeout,
+                                 **embed_fields(texts, **fields))
+
+    async def embed(self, texts: str | Sequence[str], *, timeout: float | None = 60.0,
+                    **options: Any) -> list[list[float]]:
+        """The texts' vectors, in order (Fleet.embed)."""
+        job = await self.submit_embed(texts, **options)
+        return embeddings_of(await job.result(timeout))
 
     async def check_server(self) -> None:
         """RedisTooOld if the server is older than the fleet needs (a gateway calls this at start;

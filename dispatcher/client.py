@@ -4,6 +4,7 @@
     job = fleet.submit(prompt="Once upon a time", max_tokens=64, priority="high")
     for text in job.stream(): print(text, end="")
     res = job.result(timeout=60)
+    vectors = fleet.embed(["first text", "second text"])    # an embedding job: one vector each
 
 Requests are validated (pydantic) before anything reaches Redis. A job is a plain RQ job (JSON
 serializer, function `dispatcher.jobs.generate`) on queue `<pool>:<priority>`, so stock RQ tools
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Self, TypeVar
 
 from redis import Redis
 
 from backends.contract.connect import redis_from_url
+from backends.contract.embed import embed_fields, embeddings_of
 from backends.contract.keys import queue_name
 from backends.contract.retry import OUTAGE_ERRORS, retry_outage
 from backends.contract.schema import JobResult
@@ -118,6 +120,20 @@ class Fleet(ProducerBase):
         with contextlib.suppress(*OUTAGE_ERRORS):
             push_wake(self.redis, self.pool)
         return FleetJob(self, job.job_id)
+
+    def submit_embed(self, texts: str | Sequence[str], *, priority: str = "default",
+                     queue_ttl: int | None = None, job_timeout: int | None = None, **fields: Any) -> FleetJob:
+        """Enqueue one embedding job: a vector per text (a string is one text), in its result's
+        `embeddings` (base64 float32; `embeddings_of(result)` decodes them). `fields`:
+        `dimensions`, `truncate`, `normalize`, `tenant`, `job_id` (backends/contract/embed.py)."""
+        return self.submit(priority=priority, queue_ttl=queue_ttl, job_timeout=job_timeout,
+                           **embed_fields(texts, **fields))
+
+    def embed(self, texts: str | Sequence[str], *, timeout: float | None = 60.0,
+              **options: Any) -> list[list[float]]:
+        """The texts' vectors (L2-normalised unless `normalize=False`), in order; `options` as
+        `submit_embed`'s. Raises ValueError (a bad request), JobFailed, JobTimeout."""
+        return embeddings_of(self.submit_embed(texts, **options).result(timeout))
 
     def job(self, job_id: str) -> FleetJob:
         return FleetJob(self, job_id)

@@ -30,8 +30,10 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
+from backends.contract import tools
 from backends.contract.affinity import FIELD as AFFINITY_FIELD
 from backends.contract.affinity import job_keys
+from backends.contract.embed import JobRequest, parse_request
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENQUEUED_MS_META,
@@ -77,9 +79,10 @@ class JobTimeout(Exception):
     pass
 
 
-def validate_request(fields: dict[str, Any]) -> GenerateRequest:
+def validate_request(fields: dict[str, Any]) -> JobRequest:
+    """A generation request, or an embedding one (`kind: "embed"`); ValueError naming any bad field."""
     try:
-        return GenerateRequest.model_validate(fields)
+        return parse_request(fields)
     except ValidationError as e:
         raise ValueError("invalid request: " + describe_validation_error(e)) from None
 
@@ -151,7 +154,8 @@ def prepare(prompt: str | None, priority: str, fields: dict[str, Any], *, job_ti
         priority=priority,
         payload=request.model_dump(exclude_none=True, exclude_defaults=True),
         job_timeout=job_timeout, result_ttl=result_ttl, meta={"queue_ttl": queue_ttl} if queue_ttl else {},
-        affinity=job_keys(request),
+        # the keys of what the worker will run (tools rendered), as it computes what it holds
+        affinity=job_keys(tools.lower(request)[0]) if isinstance(request, GenerateRequest) else [],
     )
 
 

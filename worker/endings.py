@@ -81,8 +81,10 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
     queue_ms = float(job.claimed_ms - job.enqueued_ms) if waited else None  # type: ignore[operator]
     ttft_ms = (job.first_token_at - job.claimed_at) * 1000 if job.first_token_at else None
     gen_s = now - job.first_token_at if job.first_token_at else 0.0
-    # per-token log-probabilities, when the request asked and the engine gave them
-    extra: dict[str, Any] = {"logprobs": done.extra["logprobs"]} if done.extra.get("logprobs") else {}
+    # per-token log-probabilities, when the request asked and the engine gave them; an
+    # embedding job's vectors (worker/embed_jobs.py)
+    extra: dict[str, Any] = {k: done.extra[k] for k in ("logprobs", "embeddings", "dimensions")
+                             if done.extra.get(k)}
     text, finish = "".join(job.text), done.finish_reason
     if job.tool_answer:  # text is the raw JSON answer: its words and calls ride beside it
         answer = tools.read_answer(text, job.id)
@@ -190,6 +192,7 @@ class AttemptWriter:
 
     def refuse(self, raw_id: bytes, queue: str, reason: str) -> None:
         """A claimed id that is not text: failed under its raw bytes and dropped from the list."""
+        log.warning("job %r: %s", raw_id, reason)
         with self.redis.pipeline(transaction=True) as pipe:
             write_refusal(raw_id, queue, reason, self.worker, self.result_ttl, pipe)
             pipe.lrem(self.inflight, 1, raw_id)  # type: ignore[arg-type]  # raw bytes as stored

@@ -182,7 +182,7 @@ class LiveFacts:
         are paused after an engine failure."""
         now = time.monotonic()  # ClaimedJob.claimed_at is monotonic
         jobs = [{"id": j.id, "tokens": j.completion_tokens,
-                 "max_tokens": j.request.max_tokens if j.request is not None else None,
+                 "max_tokens": getattr(j.request, "max_tokens", None),
                  "attempt": j.attempt, "age_s": round(now - j.claimed_at, 1)}
                 for j in list(inflight)[:JOBS_SHOWN] if j.ending is None]
         return {"tok_s_prefill": self._prefill_rate(stats),

@@ -2,6 +2,8 @@
 
 - `resume_text`: a new attempt of a job whose last attempt wrote text continues that text on an
   engine that can (docs/reliability.md, "Resumed streams"); this reads what that attempt wrote;
+- `over_buffer`: through a Redis outage, which jobs go back to their queue once Redis is back
+  because the text deltas buffered for Redis passed the bound (the jobs holding most);
 - `give_way`: on a full worker, which running jobs of tenants above their share of the slots go
   back to their queue so a tenant waiting below its share starts (docs/tenants.md). They are
   handed back as a drain is (not a failure) and resume later from the text they delivered.
@@ -54,4 +56,17 @@ def give_way(running: Iterable[ClaimedJob], want: dict[str, int], over: dict[str
         mine = sorted((j for j in jobs if tenant_of(j) == tenant), key=lambda j: j.claimed_at, reverse=True)
         take = mine[:max(0, min(extra, budget - len(out)))]
         out += take
+    return out
+
+
+def over_buffer(running: Iterable[ClaimedJob], limit: int) -> list[ClaimedJob]:
+    """The jobs holding most unwritten deltas, until the rest hold at most `limit`."""
+    jobs = sorted(running, key=lambda j: len(j.unsent), reverse=True)
+    buffered = sum(len(j.unsent) for j in jobs)
+    out: list[ClaimedJob] = []
+    for job in jobs:
+        if buffered <= limit:
+            break
+        buffered -= len(job.unsent)
+        out.append(job)
     return out

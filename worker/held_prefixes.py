@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from redis.client import Pipeline
 
 from backends.contract.affinity import HELD_TTL, held_key, held_keys
+from backends.contract.schema import GenerateRequest
 
 if TYPE_CHECKING:
     from worker.hooks import Holder, Restart
@@ -25,9 +26,11 @@ class HeldPrefixes:
         pass
 
     def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
-        result = ending.result
-        if job.request is None or result is None or result.get("finish_reason") == "cancelled":
+        result, request = ending.result, job.request
+        if not isinstance(request, GenerateRequest) or result is None:
+            return  # an embedding job leaves no KV behind
+        if result.get("finish_reason") == "cancelled":
             return
         pool = job.queue.rsplit(":", 1)[0]
-        for key in held_keys(job.request, str(result.get("text", ""))):
+        for key in held_keys(request, str(result.get("text", ""))):
             pipe.set(held_key(pool, key), holder.worker, ex=HELD_TTL)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 
+from backends.contract.embed import JobRequest
 from backends.contract.keys import job_key
 from backends.contract.schema import MAX_REQUEST_CHARS, GenerateRequest
 from backends.registry import BackendSettings
@@ -41,7 +42,8 @@ class RequestBudget:
 
     @property
     def max_payload_bytes(self) -> int:
-        return self.max_chars * JSON_BYTES_PER_CHAR + ENVELOPE_BYTES
+        # an embedding job's inputs are bounded each by the context, together by MAX_REQUEST_CHARS
+        return MAX_REQUEST_CHARS * JSON_BYTES_PER_CHAR + ENVELOPE_BYTES
 
     def describe(self) -> str:
         if self.context_tokens is None:
@@ -79,13 +81,16 @@ def check_payload(redis: Redis, job_id: str, budget: RequestBudget) -> None:
                        f"bytes; this worker takes {budget.describe()}")
 
 
-def request_chars(request: GenerateRequest) -> int:
+def request_chars(request: JobRequest) -> int:
+    """What one context must hold: the prompt or all messages; an embedding job's longest input."""
+    if not isinstance(request, GenerateRequest):
+        return max(map(len, request.input))
     if request.prompt is not None:
         return len(request.prompt)
     return sum(len(m.content) for m in request.messages or [])
 
 
-def check_request(request: GenerateRequest, budget: RequestBudget) -> None:
+def check_request(request: JobRequest, budget: RequestBudget) -> None:
     """Before tokenizing: the request's characters against the context budget."""
     chars = request_chars(request)
     if chars > budget.max_chars:

@@ -19,6 +19,7 @@ jobs, independent of how long one step takes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -39,6 +40,7 @@ from backends.base import (
     Resumable,
     Token,
 )
+from backends.contract.embed import EmbedRequest
 from backends.contract.keys import cancel_key, job_key, queue_names, wake_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
@@ -48,6 +50,7 @@ from worker.assembly import job_hooks
 from worker.burst import BurstSummary
 from worker.claim import Claimer
 from worker.counters import EngineHold, WorkerCounters
+from worker.embed_jobs import EmbedQueue
 from worker.endings import AttemptWriter, Contended
 from worker.hooks import JobHook
 from worker.link import RedisLink
@@ -62,8 +65,6 @@ CANCEL_CHECK_INTERVAL = 0.05  # seconds between looks at the running jobs' cance
 GIVE_WAY_EVERY = 0.02  # seconds between looks for tenants waiting below their share of the slots
 
 
-
-
 class _WokenBySignal(Exception):
     """Raised by the signal handler into an idle wait on the wake list: a stop is immediate."""
 
@@ -75,6 +76,7 @@ class FleetWorker:
         ones worker/assembly.py chooses for `settings`."""
         self.settings = settings
         self.backend = backend
+        self.embeds = EmbedQueue(backend)  # embedding jobs, run between generation steps
         self.redis = redis
         self.name = name
         self.link = link or RedisLink()
@@ -208,7 +210,7 @@ class FleetWorker:
 
     def _claim(self) -> None:
         self._start_unstarted()
-        free = self.backend.free_slots() - len(self.unstarted)
+        free = self.backend.free_slots() - len(self.unstarted) - self.embeds.held()
         held = Counter(rqjobs.tenant_of(j) for j in self.inflight.values())
         if free <= 0 and set(held) - {DEFAULT_TENANT} and time.monotonic() >= self._next_give_way:
             # every slot taken: tenants above their share give way to one below (worker/handover.py)
@@ -285,13 +287,15 @@ class FleetWorker:
             log.warning("job %s was taken over before it started here; dropped", job_id)
             return
         self.inflight[job_id] = job
-        assert job.request is not None
+        request, backend = job.request, self.backend
+        assert request is not None
         try:
-            backend = self.backend
-            if isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, job.request):
+            if isinstance(request, EmbedRequest):
+                self.embeds.add(job_id, request)
+            elif isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, request):
                 self.counters.resumed += 1  # continues its last attempt's text (worker/handover.py)
             else:
-                self.backend.admit(job_id, job.request)
+                self.backend.admit(job_id, request)
         except JobRejected as e:
             job.ending = Ending(error=str(e))
         except BackendUnavailable as e:
@@ -301,9 +305,7 @@ class FleetWorker:
         self._end(job, endings.cancelled(job, self.name, self.backend.name))
 
     def _refuse_raw(self, raw_id: bytes, queue: str) -> None:
-        reason = "refused: job id is not UTF-8 text"
-        log.warning("job %r: %s", raw_id, reason)
-        self.writes.refuse(raw_id, queue, reason)
+        self.writes.refuse(raw_id, queue, "refused: job id is not UTF-8 text")
         self.counters.jobs_failed += 1
         self.outcomes["failed"] += 1
 
@@ -313,14 +315,14 @@ class FleetWorker:
         # wait for events while the engine holds work, or while Redis is away (no spinning through
         # an outage); endings still to flush (a refused or finished job) go out at once
         busy = self.backend.free_slots() < self.backend.slots
-        events = self.backend.step(0.05 if busy or not self.link.ready() else 0.0)
+        events = self.embeds.step() + self.backend.step(0.05 if busy or not self.link.ready() else 0.0)
         now = time.monotonic()  # deadlines, durations: this host's clock, never the wall (hosts differ)
         n_tokens = self._apply(events, now)
         self.counters.record_step(n_tokens)
         for job in self.inflight.values():
             if job.ending is None and now > job.deadline and not job.timed_out:
                 job.timed_out = True  # the Done(cancelled) that follows becomes a failure
-                self.backend.cancel(job.id)
+                self._cancel(job.id)
         if self.link.ready():
             self._talk("writing results", self._flush)
         if not self.link.up:
@@ -387,7 +389,7 @@ class FleetWorker:
         checks = replies[len(replies) - 2 * len(checked):]
         for job, cancelled, status in zip(checked, checks[::2], checks[1::2], strict=True):
             if cancelled is True or cancelled == 1 or status == b"canceled":
-                self.backend.cancel(job.id)
+                self._cancel(job.id)
         self._write_endings()
         self._write_requeues()
 
@@ -424,6 +426,10 @@ class FleetWorker:
             self.outcomes["requeued"] += 1
             log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
+    def _cancel(self, job_id: str) -> None:
+        if not self.embeds.cancel(job_id):
+            self.backend.cancel(job_id)
+
     def _end(self, job: ClaimedJob, ending: Ending) -> None:
         """A job that ends before reaching the engine; written with the next flush."""
         job.ending = ending
@@ -433,7 +439,7 @@ class FleetWorker:
         """`counted=False`: not the job's or the engine's failure (a drain, a full outage buffer),
         so it does not use up one of the job's max_attempts."""
         if job.ending is None:
-            self.backend.cancel(job.id)  # its late Done is ignored: the job is no longer in flight
+            self._cancel(job.id)  # its late Done is ignored: the job is no longer in flight
         job.unsent.clear()
         self.inflight.pop(job.id, None)
         self.to_requeue[job.id] = (job, why, counted)
@@ -441,13 +447,9 @@ class FleetWorker:
     # -- Redis outages ----------------------------------------------------------------------------
 
     def _bound_buffer(self) -> None:
-        buffered = sum(len(j.unsent) for j in self.inflight.values())
-        while buffered > OUTAGE_BUFFER_ENTRIES:
-            biggest = max(self.inflight.values(), key=lambda j: len(j.unsent))
-            buffered -= len(biggest.unsent)
-            log.warning("job %s: Redis unreachable and the outage buffer is full; it will be requeued",
-                        biggest.id)
-            self._hand_back(biggest, "outage buffer full", counted=False)
+        for job in handover.over_buffer(self.inflight.values(), OUTAGE_BUFFER_ENTRIES):
+            log.warning("job %s: Redis unreachable, the outage buffer is full; it will be requeued", job.id)
+            self._hand_back(job, "outage buffer full", counted=False)
 
     def _reconcile(self) -> None:
         """Agree with Redis on what this worker holds (after an outage, and every few seconds)."""
@@ -457,7 +459,7 @@ class FleetWorker:
             if job_id.encode() not in held:
                 job = self.inflight.pop(job_id)
                 if job.ending is None:
-                    self.backend.cancel(job_id)
+                    self._cancel(job_id)
                 log.warning("job %s was taken over (this worker was presumed dead); dropped here", job_id)
         for job_id in list(self.to_requeue):
             if job_id.encode() not in held:
@@ -480,12 +482,9 @@ class FleetWorker:
 
     def _hand_back_unstarted(self) -> None:
         for raw_id, queue, _ in self.unstarted:
-            try:
+            # not text: never ran, the reaper fails it; Redis away: the reaper hands it back
+            with contextlib.suppress(UnicodeDecodeError, *OUTAGE_ERRORS):
                 self.writes.put_back(raw_id.decode(), queue)
-            except UnicodeDecodeError:
-                pass  # never ran; the reaper fails it
-            except OUTAGE_ERRORS:
-                pass  # stays in the in-flight list: the reaper hands it back
         self.unstarted.clear()
 
     def requeue_all(self, why: str) -> None:

@@ -26,6 +26,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
 from backends.contract import tools
+from backends.contract.embed import JobRequest, parse_request
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     DRAINS_FIELD,
@@ -83,7 +84,8 @@ class ClaimedJob:
     queue: str
     attempt: int
     job: Job | None = None  # None when the RQ hash itself is unreadable
-    request: GenerateRequest | None = None  # as the engine runs it: tools rendered (contract tools.lower)
+    # a generation (as the engine runs it: tools rendered, contract tools.lower) or an embedding job
+    request: JobRequest | None = None
     tool_answer: bool = False  # the answer is a generic-format tool answer, read into the result
     execution: Execution | None = None
     # Redis server time (ms) of the enqueue and the claim: queue_ttl compares these, never two
@@ -146,7 +148,11 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: flo
     timeout = job.timeout if isinstance(job.timeout, int | float) and job.timeout > 0 else job_timeout
     claimed.deadline = claimed.claimed_at + timeout
     _check_code(claimed, job)
-    claimed.request, claimed.tool_answer = tools.lower(_request(claimed, job))
+    request = _request(claimed, job)
+    if isinstance(request, GenerateRequest):
+        claimed.request, claimed.tool_answer = tools.lower(request)
+    else:
+        claimed.request = request
     if budget is not None:
         try:
             limits.check_request(claimed.request, budget)
@@ -206,12 +212,12 @@ def tenant_of(job: ClaimedJob) -> str:
     return (job.request.tenant if job.request is not None else None) or DEFAULT_TENANT
 
 
-def _request(claimed: ClaimedJob, job: Job) -> GenerateRequest:
+def _request(claimed: ClaimedJob, job: Job) -> JobRequest:
     payload = _request_payload(job.args, job.kwargs)
     if payload is None:
         raise BadJob(claimed, f"refused: {JOB_FUNCTION} takes one argument, the request object")
     try:
-        return GenerateRequest.model_validate(payload)
+        return parse_request(payload)
     except ValidationError as e:
         raise BadJob(claimed, "invalid request: " + describe_validation_error(e)) from None
 
@@ -281,7 +287,7 @@ def mark_suspect(claimed: ClaimedJob, worker_name: str, pipe: Any) -> None:
     the process with. The reaper fails, never re-runs, a job whose worker died while it was
     suspect (docs/reliability.md, "Dead workers"); other jobs are requeued as always."""
     request = claimed.request
-    claimed.suspect = request is not None and request.format is not None
+    claimed.suspect = isinstance(request, GenerateRequest) and request.format is not None
     if claimed.suspect:
         pipe.hset(job_key(claimed.id), SUSPECT_FIELD, worker_name)
     else:

@@ -26,15 +26,17 @@ batch, and the attention sums cells in cell order).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp as ll
 
-from backends.base import Done, Event
+from backends.base import Done, Embedding, Event
 from backends.contract.schema import GenerateRequest
+from backends.llamacpp.embedding import EmbeddingContext
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
-from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.model import LoadedModel, load_weights
 from backends.llamacpp.sampling import check_format, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
 from backends.llamacpp.updates import CallUpdate
@@ -80,6 +82,11 @@ class LlamaCppBackend:
                                  per_slot=self.per_slot)
         self._finished: list[Event] = []
         self.grammar_rejections = 0
+        self.embed_batch = settings.embed_batch
+        if settings.embed_model_path is not None and not settings.embed_model_path.exists():
+            raise FileNotFoundError(f"embedding model file not found: {settings.embed_model_path}")
+        self._embedding: EmbeddingContext | None = None  # made at the first embedding job
+        self.embedded_inputs = 0
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -117,6 +124,18 @@ class LlamaCppBackend:
         self.scheduler.enqueue(job_id, self.model.prompt_tokens(request) + more, sampling, resumed=len(more))
         self._start_waiting()
         return True
+
+    def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
+        """Embeddings from a context of their own (backends/llamacpp/embedding.py)."""
+        if self._embedding is None:
+            path = self.settings.embed_model_path
+            self._embedding = EmbeddingContext(
+                load_weights(path) if path else self.model.model, owns_model=path is not None,
+                n_ctx=self.settings.embed_n_ctx, n_batch=self.settings.embed_n_batch,
+                n_seq=self.embed_batch, threads=self.model.threads)
+        out = self._embedding.embed(texts, truncate)
+        self.embedded_inputs += len(out)
+        return out
 
     def cancel(self, job_id: str) -> None:
         if self.scheduler.cancel_waiting(job_id):
@@ -165,6 +184,7 @@ class LlamaCppBackend:
             "grammar_rejections": self.grammar_rejections,
             "deferred_admissions": self.scheduler.deferred_admissions,
             "decode_seconds": round(self.executor.decode_seconds, 3),
+            "embedded_inputs": self.embedded_inputs,
         }
 
     def close(self) -> None:
@@ -172,6 +192,8 @@ class LlamaCppBackend:
             self.scheduler.release(job)
             self.executor.close_sequence(job.seq_id)
         self.executor.close()
+        if self._embedding is not None:  # before the weights it may share
+            self._embedding.close()
         self.model.close()
 
     # -- one step -------------------------------------------------------------------------------

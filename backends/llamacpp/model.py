@@ -64,15 +64,7 @@ class LoadedModel:
         if chat_template is not None:
             check_builtin_template(chat_template)  # before anything is loaded
         _choose_kernels(batch_invariant)
-        ll.llama_backend_init()
-        mparams = ll.llama_model_default_params()
-        # repacked weights (CPU_REPACK) use a 4-row kernel and a 1-row kernel that round differently:
-        # a draft's verification rows would not give what decoding one row at a time gives
-        # (speculation.py). Not slower without them here: docs/bench.md, "Kernels".
-        mparams.use_extra_bufts = False
-        model = ll.llama_model_load_from_file(str(path).encode(), mparams)
-        if not model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
+        model = load_weights(path)
         self.model = model
         self.path = path
         self.threads = threads or len(os.sched_getaffinity(0))
@@ -145,15 +137,7 @@ class LoadedModel:
     def tokenize(self, text: str, *, special: bool, add_special: bool = True) -> list[int]:
         """`special`: text of control tokens becomes those tokens; `add_special`: BOS (and EOS
         where the model wants one). The length is passed, so a NUL byte is text like any other."""
-        data = text.encode("utf-8", errors="replace")
-        n_max = len(data) + 16
-        buf = (ll.llama_token * n_max)()
-        n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, special)
-        if n < 0:  # buffer too small: -n is the size needed
-            n_max = -n
-            buf = (ll.llama_token * n_max)()
-            n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, special)
-        return list(buf[:n])
+        return tokenize(self.vocab, text, special=special, add_special=add_special)
 
     def prompt_tokens(self, request: GenerateRequest) -> list[int]:
         if request.prompt is not None:
@@ -276,6 +260,33 @@ class LoadedModel:
             ll.llama_model_free(self.model)
             self.model = None
 
+
+def load_weights(path: Path) -> ll.llama_model_p | None:
+    """A GGUF model's weights (mmap'd: a second load of the same file shares the page cache)."""
+    ll.llama_log_set(_quiet_log, ctypes.c_void_p())
+    ll.llama_backend_init()
+    mparams = ll.llama_model_default_params()
+    # repacked weights (CPU_REPACK) use a 4-row kernel and a 1-row kernel that round differently:
+    # a draft's verification rows would not give what decoding one row at a time gives
+    # (speculation.py). Not slower without them here: docs/bench.md, "Kernels".
+    mparams.use_extra_bufts = False
+    model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    return model
+
+
+def tokenize(vocab: ll.llama_vocab_p, text: str, *, special: bool, add_special: bool) -> list[int]:
+    """`text`'s tokens (LoadedModel.tokenize says what the flags do)."""
+    data = text.encode("utf-8", errors="replace")
+    n_max = len(data) + 16
+    buf = (ll.llama_token * n_max)()
+    n = ll.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, special)
+    if n < 0:  # buffer too small: -n is the size needed
+        n_max = -n
+        buf = (ll.llama_token * n_max)()
+        n = ll.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, special)
+    return list(buf[:n])
 
 
 def builtin_chat_templates() -> list[str]:

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dispatcher.gateway import batch_api, ollama_api, ollama_show, openai_api, responses_api
+from dispatcher.gateway import batch_api, embeddings_api, ollama_api, ollama_show, openai_api, responses_api
 from dispatcher.gateway.core import ApiError, Gateway, caller_keys, shown
 from dispatcher.gateway.responses import AsciiJSONResponse
 from dispatcher.gateway.settings import GatewaySettings, ServeSettings, load_serve_settings
@@ -290,8 +290,11 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/v1/chat/completions", guarded(openai_api.chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(openai_api.completions), methods=["POST"]),
         Route("/v1/responses", guarded(responses_api.create_response), methods=["POST"]),
+        Route("/v1/embeddings", guarded(embeddings_api.openai_embeddings), methods=["POST"]),
         Route("/api/generate", guarded(ollama_api.generate), methods=["POST"]),
         Route("/api/chat", guarded(ollama_api.chat), methods=["POST"]),
+        Route("/api/embed", guarded(embeddings_api.ollama_embed), methods=["POST"]),
+        Route("/api/embeddings", guarded(embeddings_api.ollama_embeddings), methods=["POST"]),
         Route("/api/tags", guarded(ollama_api.tags)),
         Route("/api/ps", guarded(ollama_api.ps)),
         Route("/api/show", guarded(ollama_show.show), methods=["POST"]),

@@ -88,7 +88,11 @@ def priority_of(queue: str) -> str:
 def short_params(request: Any) -> dict[str, Any]:
     """A request as the history keeps it: sampling fields, the prompt (or last message) shortened."""
     data = request.model_dump(exclude_none=True) if hasattr(request, "model_dump") else dict(request)
-    out: dict[str, Any] = {k: v for k, v in data.items() if k not in ("prompt", "messages")}
+    out: dict[str, Any] = {k: v for k, v in data.items() if k not in ("prompt", "messages", "input")}
+    inputs = data.get("input")
+    if isinstance(inputs, list) and inputs:  # an embedding job: how many, and the first
+        out["inputs"] = len(inputs)
+        out["input"] = shorten(str(inputs[0]))
     if isinstance(data.get("prompt"), str):
         out["prompt"] = shorten(data["prompt"])
     messages = data.get("messages")

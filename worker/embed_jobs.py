@@ -1,0 +1,115 @@
+"""Embedding jobs in the worker: claimed, started and ended like any job (same queues, tenants,
+fenced writes, crash safety), but run here instead of in the engine's generation slots.
+
+The loop hands each started embedding job to `EmbedQueue.add` and calls `step()` once per turn,
+before the engine's own step: it embeds the next `embed_batch` waiting inputs (of one job or
+several, oldest first: a job's inputs may span turns, and many one-input requests share a
+decode) and returns the events the loop already knows: `Done` (the vectors in `extra`) or
+`Failed`. So generation runs between embedding batches, and a waiting embedding job holds one of
+the worker's slots (the claim counts it), which bounds how many are taken.
+
+Vectors are cut to the request's `dimensions` and normalised here (backends/contract/embed.py),
+whichever engine pooled them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from backends.base import (
+    Backend,
+    BackendUnavailable,
+    Done,
+    Embedder,
+    Event,
+    Failed,
+    InputRejected,
+    JobRejected,
+)
+from backends.contract.embed import REJECTED, EmbedRequest, encode_vector, finish_vector
+
+log = logging.getLogger("fleet.worker")
+
+
+@dataclass
+class _Job:
+    id: str
+    request: EmbedRequest
+    vectors: list[str] = field(default_factory=list)  # encoded, in input order
+    tokens: int = 0
+    taken: int = 0  # inputs handed to the engine so far
+
+
+class EmbedQueue:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.embedder = backend if isinstance(backend, Embedder) else None
+        self.jobs: dict[str, _Job] = {}  # oldest first
+        self._ended: list[Event] = []  # cancelled since the last step
+
+    def held(self) -> int:
+        return len(self.jobs)
+
+    def add(self, job_id: str, request: EmbedRequest) -> None:
+        """Queue a started job; JobRejected when this worker's engine cannot embed (the
+        worker's setup, not the request: no REJECTED mark)."""
+        if self.embedder is None:
+            raise JobRejected(f"this worker's engine ({self.backend.name}) does not embed")
+        self.jobs[job_id] = _Job(job_id, request)
+
+    def cancel(self, job_id: str) -> bool:
+        """True when it was an embedding job here: it ends cancelled at the next step."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return False
+        self._ended.append(Done(job_id, "cancelled", job.tokens, 0))
+        return True
+
+    def step(self) -> list[Event]:
+        events, self._ended = self._ended, []
+        if not self.jobs or self.embedder is None:
+            return events
+        batch: list[tuple[_Job, int]] = []  # (job, input index)
+        for job in self.jobs.values():
+            while job.taken < len(job.request.input) and len(batch) < self.embedder.embed_batch:
+                batch.append((job, job.taken))
+                job.taken += 1
+        try:
+            out = self.embedder.embed([j.request.input[i] for j, i in batch],
+                                      [j.request.truncate for j, _ in batch])
+        except InputRejected as e:
+            job, index = batch[e.index]
+            self._fail(events, job, f"{REJECTED}input {index} {e}")
+            for other, _ in batch:  # the others' inputs go again next turn
+                other.taken = len(other.vectors)
+            return events
+        except (JobRejected, BackendUnavailable) as e:
+            retryable = isinstance(e, BackendUnavailable)
+            for job in {id(j): j for j, _ in batch}.values():
+                self._fail(events, job, str(e), retryable)
+            return events
+        except Exception as e:  # a failure of the engine's call must not repeat every turn
+            log.exception("embedding failed")
+            for job in {id(j): j for j, _ in batch}.values():
+                self._fail(events, job, f"internal error embedding: {e}")
+            return events
+        for (job, _), emb in zip(batch, out, strict=True):
+            if job.id not in self.jobs:
+                continue  # failed by an earlier input of this batch
+            wanted = job.request.dimensions
+            if wanted is not None and wanted > len(emb.vector):
+                self._fail(events, job, f"{REJECTED}dimensions {wanted} is more than this model's "
+                                        f"{len(emb.vector)}")
+                continue
+            job.vectors.append(encode_vector(finish_vector(emb.vector, wanted, job.request.normalize)))
+            job.tokens += emb.tokens
+            if len(job.vectors) == len(job.request.input):
+                del self.jobs[job.id]
+                events.append(Done(job.id, "stop", job.tokens, 0, extra={
+                    "embeddings": job.vectors, "dimensions": wanted or len(emb.vector)}))
+        return events
+
+    def _fail(self, events: list[Event], job: _Job, reason: str, retryable: bool = False) -> None:
+        self.jobs.pop(job.id, None)
+        events.append(Failed(job.id, reason, retryable=retryable))
