@@ -37,28 +37,24 @@ local function placement(me, pool, capacity, now, live_ms, on)
     local holder = holder_of(id)
     return holder ~= nil and holder ~= me and has_room(holder)
   end
+  local function take_first(list, start, wanted)  -- the first of the look-ahead `wanted` takes
+    for _, id in ipairs(redis.call('LRANGE', list, start, look_ahead - 1)) do
+      if wanted(id) then
+        redis.call('LREM', list, 1, id)
+        return id
+      end
+    end
+    return nil
+  end
   return function(list, mine_only)
     if redis.call('TYPE', list).ok ~= 'list' then return nil, false end
     local head = redis.call('LINDEX', list, 0)
     if not head then return nil, false end
     if mine_only then
       if not on then return nil, true end
-      for _, id in ipairs(redis.call('LRANGE', list, 0, look_ahead - 1)) do
-        if holder_of(id) == me then
-          redis.call('LREM', list, 1, id)
-          return id, true
-        end
-      end
-      return nil, true
+      return take_first(list, 0, function(id) return holder_of(id) == me end), true
     end
     if not on or not left_to_another(head) then return redis.call('LPOP', list), false end
-    local ids = redis.call('LRANGE', list, 1, look_ahead - 1)
-    for _, id in ipairs(ids) do
-      if not left_to_another(id) then
-        redis.call('LREM', list, 1, id)
-        return id, true
-      end
-    end
-    return nil, true
+    return take_first(list, 1, function(id) return not left_to_another(id) end), true
   end
 end

@@ -10,11 +10,13 @@ Logprobs come from the job's result, so a streamed choice carries them on its la
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from dispatcher.aio import AsyncFleetJob
 from dispatcher.gateway.core import (
     ApiError,
     Gateway,
@@ -106,8 +108,18 @@ async def _complete(request: Request, chat: bool) -> Response:
                   tools=calls_tools(requests[0]))
     headers = {"X-Fleet-Job-Id": ",".join(j.id for j in jobs)}
     timeout = gw.settings.gateway.request_timeout
-    if body.get("stream"):
-        return JobStreamResponse(reply.sse(follow(jobs, timeout)), media_type="text/event-stream",
+    return await answer(request, jobs, timeout, headers, reply.sse if body.get("stream") else None,
+                        reply.whole)
+
+
+async def answer(request: Request, jobs: list[AsyncFleetJob], timeout: float, headers: dict[str, str],
+                 stream: Callable[[AsyncIterator[JobUpdate]], AsyncIterator[str]] | None,
+                 whole: Callable[[list[JobUpdate]], dict[str, Any]]) -> Response:
+    """The jobs' answer: an SSE stream of `stream`'s events (the jobs cancelled if the client
+    leaves), or, once every job ended, `whole` of their final updates as JSON (504 past the
+    timeout; a failed job's 422 still names the jobs)."""
+    if stream is not None:
+        return JobStreamResponse(stream(follow(jobs, timeout)), media_type="text/event-stream",
                                  on_disconnect=lambda: cancel_all(jobs),
                                  headers={**headers, "Cache-Control": "no-cache"})
     finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
@@ -116,8 +128,8 @@ async def _complete(request: Request, chat: bool) -> Response:
     if late := timed_out(finals, headers):
         raise late
     try:
-        whole = reply.whole(finals)
+        body = whole(finals)
     except ApiError as e:  # a failed job: 422, still naming the jobs
         e.headers.update(headers)
         raise
-    return JSONResponse(whole, headers=headers)
+    return JSONResponse(body, headers=headers)

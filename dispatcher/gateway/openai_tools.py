@@ -8,6 +8,7 @@ are turned into these first (responses_bodies.py). Imports nothing from Starlett
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from backends.contract.tools import AnswerReader
@@ -17,14 +18,16 @@ TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}
 CHOICES = ("auto", "none", "required")
 
 
-def tool_fields(body: dict[str, Any]) -> dict[str, Any]:
-    """The fleet's tool fields of an OpenAI chat body (an empty `tools` list counts as none)."""
+def tool_fields(body: dict[str, Any], read_tool: Callable[[object, str], dict[str, Any]] | None = None,
+                shape: str = '{"type": "function", "function": {...}}') -> dict[str, Any]:
+    """The fleet's tool fields of an OpenAI body (an empty `tools` list counts as none);
+    `read_tool`: one tool of this API's shape as the fleet's (chat's by default)."""
     out: dict[str, Any] = {}
     tools = body.get("tools")
     if tools not in (None, []):
         if not isinstance(tools, list):
-            raise invalid("tools", "'tools' must be a list of {\"type\": \"function\", \"function\": {...}}")
-        out["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
+            raise invalid("tools", f"'tools' must be a list of {shape}")
+        out["tools"] = [(read_tool or _tool)(t, f"tools[{i}]") for i, t in enumerate(tools)]
     if "tool_choice" in body:
         out["tool_choice"] = choice(body["tool_choice"], out.get("tools"))
     if "parallel_tool_calls" in body:

@@ -7,11 +7,10 @@ Responses API documents, each with a `sequence_number`. Errors use OpenAI's erro
 from __future__ import annotations
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from dispatcher.gateway.core import ApiError, Gateway, cancel_all, collect, follow
-from dispatcher.gateway.openai_api import check_limits, read_body, timed_out
-from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
+from dispatcher.gateway.core import Gateway
+from dispatcher.gateway.openai_api import answer, check_limits, read_body
 from dispatcher.gateway.responses_bodies import ResponseReply, job_request
 
 
@@ -26,18 +25,5 @@ async def create_response(request: Request) -> Response:
     reply = ResponseReply(body, fields, jobs[0].id)
     headers = {"X-Fleet-Job-Id": jobs[0].id}
     timeout = gw.settings.gateway.request_timeout
-    if body.get("stream"):
-        return JobStreamResponse(reply.events(follow(jobs, timeout)), media_type="text/event-stream",
-                                 on_disconnect=lambda: cancel_all(jobs),
-                                 headers={**headers, "Cache-Control": "no-cache"})
-    finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
-    if finals is None:
-        return Response(status_code=499)
-    if late := timed_out(finals, headers):
-        raise late
-    try:
-        whole = reply.whole(finals[0])
-    except ApiError as e:
-        e.headers.update(headers)
-        raise
-    return JSONResponse(whole, headers=headers)
+    return await answer(request, jobs, timeout, headers, reply.events if body.get("stream") else None,
+                        lambda finals: reply.whole(finals[0]))

@@ -16,7 +16,7 @@ from typing import Any
 from backends.contract.tools import AnswerReader
 from dispatcher.gateway.core import ApiError, JobUpdate, unsupported
 from dispatcher.gateway.openai_bodies import error_body, sse_data
-from dispatcher.gateway.openai_tools import choice, function, invalid
+from dispatcher.gateway.openai_tools import function, invalid, tool_fields
 
 FIELDS = {
     "model",
@@ -60,15 +60,7 @@ def job_request(body: dict[str, Any]) -> dict[str, Any]:
     if "max_output_tokens" in body:
         fields["max_tokens"] = body["max_output_tokens"]
     fields.update(_text_format(body.get("text")))
-    tools = body.get("tools")
-    if tools not in (None, []):
-        if not isinstance(tools, list):
-            raise invalid("tools", "'tools' must be a list of function tools")
-        fields["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
-    if "tool_choice" in body:
-        fields["tool_choice"] = choice(body["tool_choice"], fields.get("tools"))
-    if "parallel_tool_calls" in body:
-        fields["parallel_tool_calls"] = body["parallel_tool_calls"]
+    fields.update(tool_fields(body, _tool, "function tools"))
     messages = _input(body.get("input"))
     if body.get("instructions"):
         if not isinstance(body["instructions"], str):
