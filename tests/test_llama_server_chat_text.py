@@ -138,7 +138,8 @@ def test_a_templates_own_control_tokens_stay_and_messages_are_text(
         assert backend.chat_tokens(request) == expected
     finally:
         backend.close()
-    special = server_tokens(gemma, [m.model_dump() for m in request.messages or []], special=True)
+    messages = [m.model_dump(exclude_none=True) for m in request.messages or []]
+    special = server_tokens(gemma, messages, special=True)
     assert len(special) < len(expected)  # what the chat endpoint would have evaluated
 
 
