@@ -61,8 +61,9 @@ class Run:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
 
-def opening(user: int, round_: int) -> str:
-    rng = random.Random(f"chat-{round_}-{user}")
+def opening(user: int, round_: int, history: str) -> str:
+    """Turn 1: new for every user, round and history mode (never a cache hit of an earlier run)."""
+    rng = random.Random(f"chat-{round_}-{history}-{user}")
     doc = " ".join(paragraph(rng) for _ in range(5))
     return f"Here are my notes:\n{doc}\n\n{question(rng)}"
 
@@ -75,7 +76,7 @@ def edit(answer: str) -> str:
 def conversation(clients: list[OpenAI], user: int, args: argparse.Namespace, run: Run,
                  lock: threading.Lock) -> None:
     rng = random.Random(f"questions-{run.round}-{user}")
-    messages: list[dict[str, str]] = [{"role": "user", "content": opening(user, run.round)}]
+    messages: list[dict[str, str]] = [{"role": "user", "content": opening(user, run.round, run.history)}]
     client = clients[user % len(clients)]
     for turn in range(args.turns):
         started = time.perf_counter()
@@ -153,7 +154,9 @@ def main() -> None:
         servers = []
         per_server = max(1, args.users // args.workers)
         for i in range(args.workers):
-            extra = ["--chat-template", "gemma"]
+            # llama.cpp's built-in gemma template, as the fleet's: with jinja (the server's default)
+            # `--chat-template gemma` is read as a template of its own and renders "gemma"
+            extra = ["--no-jinja", "--chat-template", "gemma"]
             pin_threads = 1 if args.workers > 1 else threads
             srv = stack.enter_context(start_llama_server(logs, parallel=per_server, ctx=per_server * args.ctx,
                                                          threads=pin_threads, extra_args=extra))
