@@ -12,20 +12,15 @@ from redis.client import Pipeline
 
 from backends.contract.keys import BATCH_JOB_PREFIX
 from dispatcher.batch.record import record_end
+from worker.hooks import EndingHook
 
 if TYPE_CHECKING:
-    from worker.hooks import Holder, Restart
+    from worker.hooks import Holder
     from worker.rqjobs import ClaimedJob, Ending
 
 
-class BatchRecord:
+class BatchRecord(EndingHook):
     """A batch line's record changes only when the line ends (a restart is not an ending)."""
-
-    def on_start(self, job: ClaimedJob, holder: Holder, pipe: Pipeline) -> None:
-        pass
-
-    def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
-        pass
 
     def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
         if not job.id.startswith(BATCH_JOB_PREFIX):

@@ -54,12 +54,12 @@ local function order(p)
   for i = 0, nq - 1 do o[#o + 1] = 3 + ((first - 1 + i) % nq) + 1 end
   return o
 end
-local weight, holds, cap, held = tenant_share(ARGV[8])
+local weight, holds, cap, held, share = tenant_share(ARGV[8])
+local live_ms = 2000  -- a capacity entry older than this is a worker full, busy or gone
 -- pops only a list (an error after an earlier LPOP would lose its id), leaving to other workers
 -- the jobs whose prefixes they hold (worker/placement.lua)
-local share = cjson.decode(ARGV[8])
 local pool = string.match(string.sub(KEYS[4] or '', 10), '^(.*):[^:]+$') or ''
-local list_pop = placement(me, pool, capacity, out[1], 2000, share.placement ~= false)
+local list_pop = placement(me, pool, capacity, out[1], live_ms, share.placement ~= false)
 local function fair_pop(queue_key, mine_only)
   local fair = 'fleet:fair:' .. string.sub(queue_key, 10)
   if redis.call('TYPE', fair).ok ~= 'zset' then return list_pop(queue_key, mine_only) end
@@ -123,8 +123,8 @@ local function queued()
   end
   return total
 end
-local want, slots = n, tonumber(share.slots) or 0
-local share_n = balance(capacity, me, out[1], 2000, n, slots, queued)
+local slots = tonumber(share.slots) or 0
+local share_n = balance(capacity, me, out[1], live_ms, n, slots, queued)
 local claimed, looked = 0, 0
 while claimed < n and looked < n + 256 do
   -- past its share of the work, a worker takes only the jobs whose prefixes it holds
@@ -162,5 +162,5 @@ while claimed < n and looked < n + 256 do
   end
 end
 if claimed > 0 then redis.call('SADD', KEYS[2], me) end
-if slots > 0 then record(capacity, me, out[1], want - claimed, slots, 60) end
+if slots > 0 then record(capacity, me, out[1], n - claimed, slots, 60) end
 return out

@@ -85,14 +85,11 @@ class EmbedQueue:
                 other.taken = len(other.vectors)
             return events
         except (JobRejected, BackendUnavailable) as e:
-            retryable = isinstance(e, BackendUnavailable)
-            for job in {id(j): j for j, _ in batch}.values():
-                self._fail(events, job, str(e), retryable)
+            self._fail_batch(events, batch, str(e), retryable=isinstance(e, BackendUnavailable))
             return events
         except Exception as e:  # a failure of the engine's call must not repeat every turn
             log.exception("embedding failed")
-            for job in {id(j): j for j, _ in batch}.values():
-                self._fail(events, job, f"internal error embedding: {e}")
+            self._fail_batch(events, batch, f"internal error embedding: {e}")
             return events
         for (job, _), emb in zip(batch, out, strict=True):
             if job.id not in self.jobs:
@@ -109,6 +106,12 @@ class EmbedQueue:
                 events.append(Done(job.id, "stop", job.tokens, 0, extra={
                     "embeddings": job.vectors, "dimensions": wanted or len(emb.vector)}))
         return events
+
+    def _fail_batch(self, events: list[Event], batch: list[tuple[_Job, int]], reason: str,
+                    retryable: bool = False) -> None:
+        """Every job with an input in the batch fails, once."""
+        for job in {id(j): j for j, _ in batch}.values():
+            self._fail(events, job, reason, retryable)
 
     def _fail(self, events: list[Event], job: _Job, reason: str, retryable: bool = False) -> None:
         self.jobs.pop(job.id, None)

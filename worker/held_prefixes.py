@@ -12,19 +12,14 @@ from redis.client import Pipeline
 
 from backends.contract.affinity import HELD_TTL, held_key, held_keys
 from backends.contract.schema import GenerateRequest
+from worker.hooks import EndingHook
 
 if TYPE_CHECKING:
-    from worker.hooks import Holder, Restart
+    from worker.hooks import Holder
     from worker.rqjobs import ClaimedJob, Ending
 
 
-class HeldPrefixes:
-    def on_start(self, job: ClaimedJob, holder: Holder, pipe: Pipeline) -> None:
-        pass
-
-    def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
-        pass
-
+class HeldPrefixes(EndingHook):
     def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
         result, request = ending.result, job.request
         if not isinstance(request, GenerateRequest) or result is None:

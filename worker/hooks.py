@@ -65,5 +65,16 @@ class JobHook(Protocol):
     def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None: ...
 
 
+class EndingHook:
+    """A concern that writes only when a job ends (a start or a restart changes nothing of it):
+    subclasses give `on_end`."""
+
+    def on_start(self, job: ClaimedJob, holder: Holder, pipe: Pipeline) -> None:
+        pass
+
+    def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
+        pass
+
+
 Hooks = Sequence[JobHook]
 

@@ -1,7 +1,8 @@
 -- The tenants' share of a worker's slots (worker/claim.lua and worker/starved.lua load this
 -- first). `tenant_share(json)` reads the worker's share argument ({"w": {tenant: weight},
 -- "held": {tenant: jobs it runs}, "slots": n, "reserve": n}) and returns weight(t), holds(t),
--- cap(fair zset key, t) and the held table (a claim counts its picks into it).
+-- cap(fair zset key, t), the held table (a claim counts its picks into it) and the decoded
+-- argument (its other fields: slots, placement).
 -- cap: a tenant may hold its weight's share of the slots among the tenants with work (queued in
 -- `fair`, or running on this worker); a lone tenant all but `reserve`; nil: no cap (slots 0).
 local function tenant_share(json)
@@ -30,5 +31,5 @@ local function tenant_share(json)
     if not others then return slots - reserve end
     return math.max(1, math.floor(slots * weight(tenant) / total))
   end
-  return weight, holds, cap, held
+  return weight, holds, cap, held, share
 end
