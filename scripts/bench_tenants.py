@@ -6,12 +6,16 @@ tenant) for contrast. Prints a table and writes JSON.
     .venv/bin/python scripts/bench_tenants.py --backlog 2000 --users 8 --out tenants.json
 
 B's TTFT is measured as a user sees it: from submit to the first text delta of the stream.
-A's throughput is A's completed tokens per second while B's users run.
+A's throughput is A's completed tokens per second while B's users run. `--think-ms` gives B's
+users a think time before each request (exponential, that mean, seeded): without it the 8 users
+start together and, with equal answers, stay in lockstep, so every request meets 7 others'
+prompts in the same step (the worst case, and the default).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -40,14 +44,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def interactive(fleet: Fleet, tenant: str | None, users: int, requests: int, tokens: int) -> list[float]:
-    """`users` closed-loop users, `requests` each: TTFT of every request (ms)."""
+def interactive(fleet: Fleet, tenant: str | None, users: int, requests: int, tokens: int,
+                think_ms: float = 0.0) -> list[float]:
+    """`users` closed-loop users, `requests` each, thinking ~think_ms before each: TTFT of every
+    request (ms)."""
     ttfts: list[float] = []
     lock = threading.Lock()
     named: dict[str, Any] = {"tenant": tenant} if tenant else {}
 
     def user(u: int) -> None:
+        thinking = random.Random(u)
         for r in range(requests):
+            if think_ms:
+                time.sleep(thinking.expovariate(1000 / think_ms))
             started = time.perf_counter()
             job = fleet.submit(prompt=PROMPTS[(u + r) % len(PROMPTS)], max_tokens=tokens, **named)
             first = None
@@ -76,7 +85,7 @@ def completed_tokens(fleet: Fleet, ids: list[str]) -> int:
 
 
 def scenario(name: str, backlog: int, users: int, requests: int, tokens: int, tenants: bool,
-             weights: dict[str, float], logs: Path) -> dict[str, Any]:
+             weights: dict[str, float], logs: Path, think_ms: float = 0.0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, RedisServer.start(Path(tmp)) as redis:
         settings: dict[str, Any] = {"gateway__tenants": {t: {"weight": w} for t, w in weights.items()}}
         worker = start_worker(redis.url, f"bench-{name}", logs, **settings)
@@ -89,12 +98,13 @@ def scenario(name: str, backlog: int, users: int, requests: int, tokens: int, te
             time.sleep(1.0 if backlog else 0)  # A's jobs fill the slots first
             before = completed_tokens(fleet, a_ids)
             started = time.monotonic()
-            ttfts = interactive(fleet, "b" if tenants else None, users, requests, tokens)
+            ttfts = interactive(fleet, "b" if tenants else None, users, requests, tokens, think_ms)
             took = time.monotonic() - started
             a_tok_s = (completed_tokens(fleet, a_ids) - before) / took if backlog else 0.0
         finally:
             worker.stop()
     return {"scenario": name, "backlog": backlog, "tenants": tenants, "weights": weights,
+            "think_ms": think_ms,
             "b_requests": len(ttfts), "b_ttft_p50_ms": round(statistics.median(ttfts), 1),
             "b_ttft_p95_ms": round(percentile(ttfts, 0.95), 1), "b_seconds": round(took, 1),
             "a_tok_s_during_b": round(a_tok_s, 1)}
@@ -107,8 +117,11 @@ def scenario(name: str, backlog: int, users: int, requests: int, tokens: int, te
 @click.option("--users", default=8, show_default=True)
 @click.option("--requests", default=4, show_default=True, help="per user")
 @click.option("--tokens", default=32, show_default=True, help="max_tokens of every job")
+@click.option("--think-ms", default=0.0, show_default=True,
+              help="B's users' mean think time before each request (0: lockstep)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-tenants.json"))
-def main(backlog: int, fifo_backlog: int, users: int, requests: int, tokens: int, out: Path) -> None:
+def main(backlog: int, fifo_backlog: int, users: int, requests: int, tokens: int, think_ms: float,
+         out: Path) -> None:
     console = Console()
     logs = Path(tempfile.mkdtemp(prefix="bench-tenants-"))
     plan: list[tuple[str, int, bool, dict[str, float]]] = [
@@ -120,7 +133,7 @@ def main(backlog: int, fifo_backlog: int, users: int, requests: int, tokens: int
     for name, size, tenants, weights in plan:
         console.log(f"[bold]{name}[/]: backlog {size}, {users} users x {requests} requests")
         rows.append(scenario(name.split(",")[0].replace(" ", "-") + str(len(rows)), size, users, requests,
-                             tokens, tenants, weights, logs) | {"scenario": name})
+                             tokens, tenants, weights, logs, think_ms) | {"scenario": name})
         console.log(rows[-1])
     alone = rows[0]["b_ttft_p95_ms"]
     table = Table(title=f"tenant B's TTFT beside tenant A's backlog ({users} users, {tokens} tokens a job)")

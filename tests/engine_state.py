@@ -31,14 +31,14 @@ def admit(s: Scheduler, job_id: str, tokens: list[int], max_tokens: int = 16) ->
     return s.start_waiting()
 
 
-def execute(s: Scheduler, plan: StepPlan) -> None:
+def execute(s: Scheduler, plan: StepPlan, seconds: float = 0.0) -> None:
     """A step of a model that samples token 7 on every row, through the scheduler's own rules
     (Scheduler.update): what the executor does, minus llama.cpp. Every call succeeds."""
     for call in plan.calls:
         sampled = Sampled()
         for job in _sampling(call):
             sampled.rows[job.seq_id] = _sevens(call.drafts.get(job.seq_id, ()))
-        s.update(call, sampled)
+        s.update(call, sampled, seconds)
     s.end_step()
 
 

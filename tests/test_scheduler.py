@@ -104,6 +104,22 @@ def test_newcomers_go_first_and_the_decoders_are_never_skipped_twice() -> None:
         decoders.add(f"new{n}")
 
 
+def test_newcomers_steps_run_back_to_back_only_while_they_cost_less_than_the_decoders_call() -> None:
+    s = engine()
+    for i in range(4):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    execute(s, s.plan_step())
+    execute(s, s.plan_step(), seconds=0.060)  # the decoders' call: 60 ms
+    skipped = []
+    for n in range(5):  # newcomers arrive before every step; each of their calls takes 25 ms
+        admit(s, f"new{n}", prompt(10, 10_000 + 100 * n), max_tokens=1000)
+        plan = s.plan_step()
+        skipped.append(not any(c.decoders for c in plan.calls))
+        execute(s, plan, seconds=0.025)
+    # 0 ms, 25, 50 of newcomers' steps are under 60: three in a row; at 75 the decoders run
+    assert skipped == [True, True, True, False, True]
+
+
 def test_decoders_share_one_equal_width_ubatch_over_consecutive_ids() -> None:
     s = engine(slots=4, prefix_cache=0)
     for i in range(3):
@@ -135,6 +151,24 @@ def test_short_prompts_share_a_ubatch_while_it_fits_the_rest_run_alone() -> None
     assert [j.job_id for j, _ in shared.prompts] == ["p0", "p1", "p2"]
     assert shared.span == (0, 2) and shared.width == 40  # 3 x 40 rows; a 4th id would be 160
     assert [(j.job_id, n) for j, n in alone.prompts] == [("p3", 40)] and alone.span is None
+
+
+@pytest.mark.parametrize(("width", "spans"), [(4, [(0, 6)]), (30, [(0, 0), (2, 2), (4, 4), (6, 6)])])
+def test_short_prompts_between_busy_slots_split_where_padding_costs_more_than_a_call(
+        width: int, spans: list[tuple[int, int]]) -> None:
+    s = engine(slots=8, prefix_cache=0)
+    for i in range(8):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    execute(s, s.plan_step())
+    execute(s, s.plan_step())
+    for i in range(0, 8, 2):  # newcomers land in the even slots, decoders hold the odd ones
+        s.release(s.active[f"d{i}"])
+        admit(s, f"new{i}", prompt(width, 10_000 + 100 * i))
+    calls = s.plan_step().calls  # newcomers first: no decoder in this step
+    assert not any(c.decoders for c in calls)
+    assert [c.span for c in calls] == spans
+    # one padded span of 7 ids x 30 rows (210) costs more than 4 calls of 30 (120 + 3 calls)
+    assert sum(c.n_rows() for c in calls) == (7 * 4 if width == 4 else 4 * 30)
 
 
 def test_unified_pool_fills_one_call_up_to_n_batch_in_admission_order() -> None:

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from redis import Redis
 from rq import Queue
 
@@ -138,6 +139,24 @@ def test_slots_are_shared_so_a_newcomer_starts_at_once(redis_url: str, redis: Re
         assert got == (["b"] if 16 - a_held < 12 else []), (a_held, got)
     got = [tenant_of(redis, raw) for raw, _ in claimer.claim(4, held={"a": 3, "b": 9})]
     assert Counter(got) == {"a": 1, "b": 3}, got
+
+
+def test_a_tenant_between_two_requests_keeps_its_share_for_a_moment(
+        redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closed-loop users resubmit moments after an answer: the slots they just freed are not
+    another tenant's backlog's meanwhile (or they would wait for it to give way), for
+    RECENT_SECONDS; after that a lone tenant takes all but one slot again."""
+    import worker.claim as claim
+
+    fleet = Fleet(redis_url)
+    claimer = Claimer(redis, "w", [QUEUE], slots=16)
+    submit(fleet, "a", 100)
+    assert len(claimer.claim(8, held={"a": 4, "b": 8})) == 4  # a and b: 8 slots each
+    # b's 8 jobs ended a moment ago, none queued: a still stops at its 8
+    assert claimer.claim(8, held={"a": 8}) == []
+    monkeypatch.setattr(claim, "RECENT_SECONDS", 0.2)
+    time.sleep(0.25)
+    assert len(claimer.claim(8, held={"a": 8})) == 7  # b is gone: all but one slot
 
 
 def test_a_full_worker_learns_who_should_give_way(redis_url: str, redis: Redis) -> None:

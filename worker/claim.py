@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,10 @@ _CLAIM = lua_script("worker", "tenant_share.lua", "balance.lua", "placement.lua"
 _STARVED = lua_script("worker", "tenant_share.lua", "starved.lua")
 
 FAIR_EVERY = 8  # the claim script's fairness cycle (picks)
+# a tenant that ran jobs here this recently still has its share of the slots kept: closed-loop
+# users resubmit moments after an answer, and another tenant's backlog must not take their slots
+# in between (they would wait for it to give way)
+RECENT_SECONDS = 1.0
 
 
 def tenant_reserve(slots: int) -> int:
@@ -75,6 +80,7 @@ class Claimer:
         self._claim = redis.register_script(_CLAIM)
         self._starved = redis.register_script(_STARVED)
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
+        self._last_held: dict[str, float] = {}  # tenant -> when it last held a job here (monotonic)
         self.server_ms = 0  # Redis server time of the last claim
 
     def claim(self, n: int, limits: Sequence[int] = (), held: Mapping[str, int] | None = None
@@ -103,7 +109,13 @@ class Claimer:
         return pairs
 
     def _share(self, held: Mapping[str, int] | None) -> str:
-        return json.dumps({"w": self.weights, "held": dict(held or {}), "slots": self.slots,
+        held = {t: n for t, n in (held or {}).items() if n > 0}
+        now = time.monotonic()
+        for tenant in held:
+            self._last_held[tenant] = now
+        recent = {t: 1 for t, at in self._last_held.items() if t not in held and now - at < RECENT_SECONDS}
+        self._last_held = {t: at for t, at in self._last_held.items() if now - at < RECENT_SECONDS}
+        return json.dumps({"w": self.weights, "held": held, "recent": recent, "slots": self.slots,
                            "reserve": tenant_reserve(self.slots), "placement": self.placement})
 
     def starved(self, held: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:

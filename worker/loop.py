@@ -13,8 +13,8 @@ OUTAGE_BUFFER_ENTRIES unwritten deltas the job holding most is cancelled and han
 queue once Redis is back. After an outage the loop compares its jobs with its in-flight list: a
 job the reaper took meanwhile is dropped here; an id claimed whose reply was lost is started.
 
-A heartbeat thread (worker/heartbeat.py) keeps the worker visibly alive and reaps dead workers'
-jobs, independent of how long one step takes.
+A heartbeat thread (worker/heartbeat.py) keeps the worker alive to the fleet and reaps dead
+workers' jobs, however long one step takes.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class _WokenBySignal(Exception):
 class FleetWorker:
     def __init__(self, settings: FleetSettings, backend: Backend, redis: Redis, name: str,
                  link: RedisLink | None = None, hooks: Sequence[JobHook] | None = None) -> None:
-        """`hooks`: what the job writes carry besides their own (worker/hooks.py); None: the
-        ones worker/assembly.py chooses for `settings`."""
+        """`hooks`: what job writes carry besides their own (worker/hooks.py); None: assembly's."""
         self.settings = settings
         self.backend = backend
         self.embeds = EmbedQueue(backend)  # embedding jobs, run between generation steps
@@ -210,14 +209,14 @@ class FleetWorker:
 
     def _claim(self) -> None:
         self._start_unstarted()
-        free = self.backend.free_slots() - len(self.unstarted) - self.embeds.held()
-        held = Counter(rqjobs.tenant_of(j) for j in self.inflight.values())
+        free, held = self._room()
         if free <= 0 and set(held) - {DEFAULT_TENANT} and time.monotonic() >= self._next_give_way:
             # every slot taken: tenants above their share give way to one below (worker/handover.py)
             self._next_give_way = time.monotonic() + GIVE_WAY_EVERY
             for job in handover.give_way(self.inflight.values(), *self.claimer.starved(held)):
                 self._hand_back(job, "preempted: its tenant held more than its share", counted=False)
                 self.counters.preempted += 1
+            free, held = self._room()  # an engine frees a cancelled job's slot at once: claim now
         if free <= 0 or not self.engine_hold.ready(self.backend.probe):
             return
         limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
@@ -229,6 +228,11 @@ class FleetWorker:
             claimed = self.claimer.claim(free, limits, held)
         self.unstarted.extend((raw, queue, self.claimer.server_ms) for raw, queue in claimed)
         self._start_unstarted()
+
+    def _room(self) -> tuple[int, Counter[str]]:
+        """Free slots, and the jobs in flight by tenant (their share of the slots)."""
+        held = Counter(rqjobs.tenant_of(j) for j in self.inflight.values())
+        return self.backend.free_slots() - len(self.unstarted) - self.embeds.held(), held
 
     def _wait_for_wake(self) -> bool:
         """Block up to IDLE_WAIT on the wake list; False when a stop signal cut the wait short."""

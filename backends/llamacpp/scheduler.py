@@ -42,6 +42,10 @@ from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
 from backends.llamacpp.state import ActiveJob, Sampled, WaitingJob
 from backends.llamacpp.updates import CallUpdate, advance
 
+# What one more llama_decode costs, in prompt rows: a lone prompt's call took ~10.6 ms + 1.0 ms
+# a row on the embedded model (2 cores, AMD EPYC; 3 to 88 rows)
+CALL_ROWS = 11
+
 
 @dataclass(slots=True)
 class DecodeCall:
@@ -102,7 +106,11 @@ class Scheduler:
         self.tokens_generated = 0
         self.draft_tokens = 0  # proposed by prompt lookup (speculation.py) ...
         self.draft_accepted = 0  # ... and kept
-        self._decoders_owed = False  # the last step ran newcomers only: decoders go next
+        # newcomers-only steps since the decoders last ran: how many, and their decode time; and
+        # the decoders' last call (what a further newcomers-only step is weighed against)
+        self._skips = 0
+        self._skipped_seconds = 0.0
+        self._decoders_seconds = 0.0
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -180,6 +188,10 @@ class Scheduler:
         rows, whole, n_ctx = sampled.rows, sampled.grammar_complete, self.n_ctx_per_seq
         if call.decoders and not call.prompts:  # what the draft budget weighs (speculation.py)
             self.costs.record(call.n_rows(), call.decoder_rows(), seconds)
+        if call.decoders:
+            self._decoders_seconds, self._skipped_seconds = seconds, 0.0
+        elif self._skips:
+            self._skipped_seconds += seconds
         for job in call.decoders:
             seq_id = job.seq_id
             got = rows.get(seq_id)
@@ -274,19 +286,19 @@ class Scheduler:
     def _invariant_calls(self, decoding: list[ActiveJob], prefilling: list[ActiveJob]) -> list[DecodeCall]:
         short, alone = self._pick_short(prefilling)
         # Newcomers first, in a step of their own, so their first token goes out one decoders'
-        # call sooner (time to first token); the decoders then run in the next step, never later.
-        newcomers_only = bool(short and decoding and not self._decoders_owed)
-        self._decoders_owed = newcomers_only
+        # call sooner (time to first token). Newcomers that arrive during that step may take one
+        # more while the newcomers' steps so far took less than one decoders' call: the decoders
+        # wait at most about one more step of their own, never without bound.
+        newcomers_only = bool(short and decoding) and (
+            self._skips == 0 or self._skipped_seconds < self._decoders_seconds)
+        self._skips = self._skips + 1 if newcomers_only else 0
         if newcomers_only:
             decoding, alone = [], []
         calls: list[DecodeCall] = []
         if decoding:
             calls.append(self._decoders_call(decoding))
         budget = self.n_batch - len(decoding)
-        if short:
-            width = max(len(j.tokens) - j.n_past for j in short)
-            call = DecodeCall(prompts=[(j, len(j.tokens) - j.n_past) for j in short],
-                              span=self._span(short, width), width=width)
+        for call in self._short_calls(short):
             calls.append(call)
             budget -= call.n_rows()
         for job in alone:
@@ -345,6 +357,34 @@ class Scheduler:
                     continue
             alone.append(job)
         return short, alone
+
+    def _short_calls(self, short: list[ActiveJob]) -> list[DecodeCall]:
+        """The short prompts as equal-width calls over runs of neighbouring ids. One span over all
+        of them pads every id between (a running job's slot) to the widest prompt: newcomers in
+        the odd slots of 16 would compute 15 prompts' rows for 8. So split where a run's padding
+        costs more than a call of its own (CALL_ROWS): the partition of the sorted ids with the
+        fewest rows and calls in all (a small dynamic programme; the newcomers of one step)."""
+        jobs = sorted(short, key=lambda j: j.seq_id)
+        n = len(jobs)
+        best: list[tuple[int, int]] = [(0, 0)] + [(1 << 30, 0)] * n  # (cost, start of last run)
+        for end in range(1, n + 1):
+            width = 0
+            for start in range(end, 0, -1):
+                width = max(width, len(jobs[start - 1].tokens) - jobs[start - 1].n_past)
+                rows = (jobs[end - 1].seq_id - jobs[start - 1].seq_id + 1) * width
+                cost = best[start - 1][0] + rows + CALL_ROWS
+                if cost < best[end][0]:
+                    best[end] = (cost, start - 1)
+        calls: list[DecodeCall] = []
+        end = n
+        while end > 0:
+            start = best[end][1]
+            run = jobs[start:end]
+            width = max(len(j.tokens) - j.n_past for j in run)
+            calls.append(DecodeCall(prompts=[(j, len(j.tokens) - j.n_past) for j in run],
+                                    span=self._span(run, width), width=width))
+            end = start
+        return calls[::-1]
 
     def _span(self, members: list[ActiveJob], width: int) -> tuple[int, int]:
         """The ids an equal-width ubatch covers. A lone decoder past SPLIT_KV_CELLS // 2 cells
