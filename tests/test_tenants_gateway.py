@@ -1,7 +1,7 @@
 """Tenants through real `fleet serve` processes and real `fleet worker`s (fake engine, real
 redis-server): each limit answers 429 at its count and recovers, two gateways together never pass
-`max_concurrent`, a tenant sees only its own batches and files, operators see all, usage counts
-what the results report, a plain-RQ tenant job is counted, `max_priority` and `models` hold."""
+`max_concurrent`, a tenant sees only its own batches and files, operators see (and delete) all,
+usage counts what the results report, a plain-RQ tenant job is counted, `max_priority` and `models` hold."""
 
 from __future__ import annotations
 
@@ -123,6 +123,15 @@ def test_a_tenant_sees_only_its_own_and_an_operator_sees_all(workers: Any, gatew
     seen = httpx.get(f"{gw.url}/v1/batches", headers=auth("key-admin"), timeout=10).json()["data"]
     assert [b["id"] for b in seen] == [bid]
     assert httpx.get(f"{gw.url}/v1/batches/{bid}", headers=auth("key-admin"), timeout=10).status_code == 200
+    # an operator reads a tenant's uploaded file and deletes it; then it is gone for its tenant too
+    file_url = f"{gw.url}/v1/files/{file_id}"
+    own = httpx.get(f"{file_url}/content", headers=auth("key-alpha"), timeout=10)
+    admin = httpx.get(f"{file_url}/content", headers=auth("key-admin"), timeout=10)
+    assert admin.status_code == 200 and admin.content == own.content and own.content
+    assert httpx.get(file_url, headers=auth("key-admin"), timeout=10).json()["id"] == file_id
+    assert httpx.delete(file_url, headers=auth("key-beta"), timeout=10).status_code == 404
+    assert httpx.delete(file_url, headers=auth("key-admin"), timeout=10).json()["deleted"]
+    assert httpx.get(file_url, headers=auth("key-alpha"), timeout=10).status_code == 404
     # operators' views: a tenant's key gets 403, an admin key the page's data
     assert httpx.get(f"{gw.url}/metrics", headers=auth("key-alpha"), timeout=10).status_code == 403
     assert httpx.get(f"{gw.url}/metrics", headers=auth("key-admin"), timeout=10).status_code == 200

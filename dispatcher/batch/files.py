@@ -91,24 +91,26 @@ def read_meta(redis: Redis, file_id: str, creator: str) -> dict[str, Any] | None
     return run(redis, read_meta_plan(file_id, creator))
 
 
-def read_meta_plan(file_id: str, creator: str) -> Plan[dict[str, Any] | None]:
-    """The file's metadata if `creator` made it (anyone else: None, as for an unknown id)."""
+def read_meta_plan(file_id: str, creator: str | None) -> Plan[dict[str, Any] | None]:
+    """The file's metadata if `creator` made it (anyone else: None, as for an unknown id; creator
+    None: an operator, any file)."""
     if not FILE_ID_PATTERN.fullmatch(file_id):
         return None
     raw = yield from ask(cmd("hmget", file_key(file_id), list(META_FIELDS)))
     meta = dict(zip(META_FIELDS, (as_str(v) for v in raw), strict=True))
-    return meta if meta["filename"] is not None and meta["owner"] == creator else None
+    return meta if meta["filename"] is not None and creator in (None, meta["owner"]) else None
 
 
-def read_content(redis: Redis, file_id: str, creator: str) -> bytes | None:
+def read_content(redis: Redis, file_id: str, creator: str | None) -> bytes | None:
     return run(redis, read_content_plan(file_id, creator))
 
 
-def read_content_plan(file_id: str, creator: str) -> Plan[bytes | None]:
+def read_content_plan(file_id: str, creator: str | None) -> Plan[bytes | None]:
+    """The file's bytes if `creator` made it (None: an operator, any file)."""
     if not FILE_ID_PATTERN.fullmatch(file_id):
         return None
     owner, content = yield from ask(cmd("hmget", file_key(file_id), ["owner", "content"]))
-    if as_str(owner) != creator or content is None:
+    if creator not in (None, as_str(owner)) or content is None:
         return None
     return content if isinstance(content, bytes) else str(content).encode()
 

@@ -63,8 +63,9 @@ def _creator(request: Request) -> str:
     return files.creator_of(token.strip())
 
 
-def _batch_reader(request: Request) -> str | None:
-    """Whose batches the caller may read and cancel: its own; an operator (admin key) everyone's."""
+def _reader(request: Request) -> str | None:
+    """Whose files and batches the caller may read, cancel and delete: its own; an operator (admin
+    key) everyone's."""
     return None if request.state.caller.admin else _creator(request)
 
 
@@ -131,7 +132,7 @@ def _owned_batch(batch_id: str, creator: str | None) -> Plan[dict[str, Any] | No
     return state if mine else None
 
 
-def _read_file_meta(file_id: str, creator: str) -> Plan[dict[str, Any]]:
+def _read_file_meta(file_id: str, creator: str | None) -> Plan[dict[str, Any]]:
     result = RESULT_FILE_ID.fullmatch(file_id)
     if result:
         state = yield from _owned_batch(result.group(2), creator)
@@ -149,12 +150,12 @@ def _read_file_meta(file_id: str, creator: str) -> Plan[dict[str, Any]]:
 async def get_file(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     file_id = request.path_params["file_id"]
-    meta = await _run(request, _read_file_meta(file_id, _creator(request)))
+    meta = await _run(request, _read_file_meta(file_id, _reader(request)))
     return JSONResponse(_file_object(file_id, meta, gw.settings.gateway.file_ttl))
 
 
 async def file_content(request: Request) -> Response:
-    file_id, creator = request.path_params["file_id"], _creator(request)
+    file_id, creator = request.path_params["file_id"], _reader(request)
     result = RESULT_FILE_ID.fullmatch(file_id)
     if result:
         await _run(request, _read_file_meta(file_id, creator))  # 404 unless the caller's batch
@@ -167,8 +168,11 @@ async def file_content(request: Request) -> Response:
 
 
 async def delete_file(request: Request) -> Response:
-    file_id = request.path_params["file_id"]
-    if not await _run(request, files.delete_plan(file_id, _creator(request))):
+    file_id, creator = request.path_params["file_id"], _creator(request)
+    if request.state.caller.admin:  # an operator deletes any file: in its creator's name
+        meta = await _run(request, files.read_meta_plan(file_id, None))
+        creator = (meta or {}).get("owner") or creator
+    if not await _run(request, files.delete_plan(file_id, creator)):
         raise _no_file(file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
@@ -296,7 +300,7 @@ def _record_failed(spec: BatchSpec, errors: list[dict[str, Any]]) -> Plan[None]:
 
 async def get_batch(request: Request) -> Response:
     batch_id = request.path_params["batch_id"]
-    state = await _run(request, _owned_batch(batch_id, _batch_reader(request)))
+    state = await _run(request, _owned_batch(batch_id, _reader(request)))
     if state is None:
         raise _no_batch(batch_id)
     return JSONResponse(batch_object(state))
@@ -305,7 +309,7 @@ async def get_batch(request: Request) -> Response:
 async def cancel_batch(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     batch_id = request.path_params["batch_id"]
-    if await _run(request, _owned_batch(batch_id, _batch_reader(request))) is None:
+    if await _run(request, _owned_batch(batch_id, _reader(request))) is None:
         raise _no_batch(batch_id)
     try:
         await _run(request, control.cancel_plan(batch_id, gw.settings.job_timeout))
@@ -320,7 +324,7 @@ async def list_batches(request: Request) -> Response:
     except ValueError:
         raise ApiError(400, "limit must be an integer", param="limit", code="invalid_value") from None
     after = request.query_params.get("after")
-    states = await _run(request, control.list_plan(1000, _batch_reader(request)))
+    states = await _run(request, control.list_plan(1000, _reader(request)))
     if after:
         ids = [s["id"] for s in states]
         states = states[ids.index(after) + 1:] if after in ids else []
