@@ -30,6 +30,10 @@ class LlamaCppSettings(EngineSettings):
                              "(per-slot streams): checkpoints of that window kept per slot, taken where "
                              "a prompt ends, so a chat's next turn reuses its history even when the "
                              "client edited the answer (0: off)")
+    cache_ram_mib: int | None = Field(
+        None, ge=0, description="per-slot streams: host RAM (MiB) for finished conversations' KV "
+        "state, so a chat whose slot went to other jobs finds its history again (LRU; as "
+        "llama-server's --cache-ram); None: an eighth of the host's memory, at most 8192; 0: off")
     draft_max: int = Field(6, ge=0, le=16, description="speculation by prompt lookup: draft tokens a "
                            "decoder may verify per step, used only while 1-3 slots decode (0: off)")
     overlap: bool = Field(False, description="decode the next step on a helper thread while the worker "

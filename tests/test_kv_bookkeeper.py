@@ -6,21 +6,25 @@ from __future__ import annotations
 from backends.llamacpp.kv import (
     MIN_CHECKPOINT_PROMPT,
     MIN_SLOT_CHOICE_PREFIX,
+    MIN_STASH_TOKENS,
     Copy,
+    Drop,
     KvBookkeeper,
     Remove,
     Restore,
     Reuse,
     Save,
+    Stash,
+    Unstash,
 )
 from backends.llamacpp.state import ActiveJob, WaitingJob
 from tests.engine_state import prompt, sampling
 
 
 def bookkeeper(*, slots: int = 4, prefix_cache: int = 2, n_ctx: int = 4096,
-               per_slot: bool = True, invariant: bool = False) -> KvBookkeeper:
+               per_slot: bool = True, invariant: bool = False, ram_budget: int = 0) -> KvBookkeeper:
     return KvBookkeeper(slots=slots, prefix_cache=prefix_cache, n_ctx=n_ctx, n_batch=512,
-                        per_slot=per_slot, invariant=invariant)
+                        per_slot=per_slot, invariant=invariant, ram_budget=ram_budget)
 
 
 def start(kv: KvBookkeeper, job_id: str, tokens: list[int], running: list[ActiveJob] | None = None,
@@ -271,3 +275,61 @@ def test_a_returning_prompt_gets_the_free_slot_that_holds_its_history() -> None:
     assert job.seq_id == 1 and reuse == Reuse(102, "kept", 1)  # not slot 0, the lowest free id
     short, _ = start(kv, "c", [*prompt(MIN_SLOT_CHOICE_PREFIX - 2), *prompt(5, 9000)])
     assert short.seq_id == 0  # a short shared prefix is not worth a gap: the lowest free id
+
+
+# -- host RAM ---------------------------------------------------------------------------------------
+
+
+def conversation(i: int, n: int = 100) -> list[int]:
+    return prompt(n, 10_000 * (i + 1))
+
+
+def test_a_slots_kv_another_conversation_replaces_is_stashed_and_found_again() -> None:
+    kv = bookkeeper(slots=1, prefix_cache=0, ram_budget=1 << 30)
+    a, _ = start(kv, "a1", conversation(0))
+    kv.release(prefilled(a, output=(7, 8)))
+    b, reuse = start(kv, "b", conversation(1))  # nothing shared: a's KV goes to RAM first
+    assert reuse is None and kv.take_ops() == [Stash(0, -1), Remove(0)]
+    kv.release(prefilled(b))
+    a2, reuse = start(kv, "a2", [*conversation(0), 7, *prompt(5, 50)])
+    assert reuse == Reuse(101, "ram", -1) and a2.n_past == 101
+    # b's KV is stashed in turn, the slot emptied, a's state put back and cut to what is shared
+    assert kv.take_ops() == [Stash(0, -2), Remove(0), Unstash(-1, 0), Remove(0, 101)]
+    assert kv.ram_reuses == 1 and list(kv.ram) == [-2, -1]  # a's entry is the most recently used
+
+
+def test_short_sequences_are_not_stashed_nor_is_anything_without_a_budget() -> None:
+    for budget, n, stashed in ((1 << 30, MIN_STASH_TOKENS - 1, False), (0, 500, False), (1 << 30, 500, True)):
+        kv = bookkeeper(slots=1, prefix_cache=0, ram_budget=budget)
+        a, _ = start(kv, "a", conversation(0, n))
+        kv.release(prefilled(a))
+        start(kv, "b", conversation(1))
+        assert any(isinstance(op, Stash) for op in kv.take_ops()) == stashed, (budget, n)
+
+
+def test_the_ram_entries_are_an_lru_within_the_byte_budget() -> None:
+    kv = bookkeeper(slots=1, prefix_cache=0, ram_budget=250)
+    drops = []
+    for i in range(5):  # each conversation's KV replaced by the next one's (stashed)
+        job, _ = start(kv, f"c{i}", conversation(i))
+        drops += [op.key for op in kv.take_ops() if isinstance(op, Drop)]
+        kv.stash_sizes.update({k: 100 for k in kv.ram})  # what the executor measured
+        kv.release(prefilled(job))
+    # 100 bytes each, 250 allowed: each stash past two entries evicts the least recently used
+    assert list(kv.ram) == [-3, -4] and drops == [-1, -2] and kv.ram_bytes() == 200
+
+
+def test_an_entry_the_newer_one_holds_all_of_is_dropped() -> None:
+    kv = bookkeeper(slots=1, prefix_cache=0, ram_budget=1 << 30)
+    a, _ = start(kv, "a1", conversation(0))
+    kv.release(prefilled(a))
+    b, _ = start(kv, "b", conversation(1))  # a's 100 tokens stashed as -1
+    kv.take_ops()
+    kv.release(prefilled(b))
+    a2, reuse = start(kv, "a2", [*conversation(0), *prompt(30, 70)])  # b stashed (-2), a restored
+    assert reuse is not None and reuse.source == "ram"
+    kv.take_ops()
+    kv.release(prefilled(a2))
+    start(kv, "c", conversation(2))  # a's 130 tokens stashed: the 100-token entry goes
+    assert [op for op in kv.take_ops() if isinstance(op, Drop)] == [Drop(-1)]
+    assert [len(e.tokens) for e in kv.ram.values()] == [100, 130]  # b's, then a's longer one

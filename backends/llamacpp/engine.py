@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp as ll
+import psutil
 
 from backends.base import Done, Embedding, Event
 from backends.contract.schema import GenerateRequest
@@ -47,6 +48,14 @@ from backends.model_card import capabilities, gguf_card
 def keeps_whole_window(settings: LlamaCppSettings) -> bool:
     """swa_full: keep sliding-window layers whole (see the module docstring)."""
     return settings.kv_unified or settings.batch_invariant
+
+
+def ram_budget(settings: LlamaCppSettings) -> int:
+    """Bytes of finished sequences' state kept in host RAM: the setting, else an eighth of the
+    host's memory, at most 8 GiB (llama-server's --cache-ram default)."""
+    if settings.cache_ram_mib is not None:
+        return settings.cache_ram_mib << 20
+    return min(8 << 30, psutil.virtual_memory().total // 8)
 
 
 class LlamaCppBackend:
@@ -75,11 +84,12 @@ class LlamaCppBackend:
         self.kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
                                n_batch=self.n_batch, per_slot=self.per_slot,
                                invariant=settings.batch_invariant, window=self.model.n_swa,
-                               checkpoints=settings.checkpoints)
+                               checkpoints=settings.checkpoints, ram_budget=ram_budget(settings))
         self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
                                    draft_max=settings.draft_max)
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
                                  per_slot=self.per_slot)
+        self.executor.stash_sizes = self.kv.stash_sizes  # the RAM budget weighs what was stored
         self._finished: list[Event] = []
         self.grammar_rejections = 0
         self.embed_batch = settings.embed_batch
@@ -178,6 +188,10 @@ class LlamaCppBackend:
             "prompt_tokens_reused": self.kv.reused_tokens,
             "checkpoint_reuses": self.kv.checkpoint_reuses,
             "checkpoint_bytes": self.executor.checkpoint_bytes(),
+            "ram_entries": len(self.kv.ram),
+            "ram_bytes": self.executor.ram_bytes(),
+            "ram_budget": self.kv.ram_budget,
+            "ram_reuses": self.kv.ram_reuses,
             "tokens_generated": self.scheduler.tokens_generated,
             "draft_tokens": self.scheduler.draft_tokens,
             "draft_accepted": self.scheduler.draft_accepted,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import llama_cpp as ll
 
 from backends.base import JobRejected
-from backends.llamacpp.kv import KvOp, Remove, Restore, Save
+from backends.llamacpp.kv import Drop, KvOp, Remove, Restore, Save, Stash, Unstash
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.sampling import Candidates, SequenceSampler, TopCandidates
 from backends.llamacpp.scheduler import DecodeCall, StepPlan
@@ -50,6 +50,11 @@ class Executor:
         self._logits_row = [-1] * n_streams  # per sequence id: its logits' row in the last batch
         # checkpoints of sequences' windowed layers (kv.py: Save, Restore), by (seq id, position)
         self._checkpoints: dict[tuple[int, int], ctypes.Array[ctypes.c_uint8]] = {}
+        # host-RAM entries (kv.py: Stash, Unstash, Drop): a finished sequence's whole state, by
+        # the entry's (negative) id; each one's bytes, checkpoints included, go in stash_sizes
+        # (the bookkeeper's budget reads them: the engine shares one dict between the two)
+        self._ram: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
+        self.stash_sizes: dict[int, int] = {}
         self.decode_calls = 0
         self.decode_seconds = 0.0
         self.last_decode_seconds = 0.0
@@ -78,6 +83,14 @@ class Executor:
                 self._save(op)
             elif isinstance(op, Restore):
                 self._restore(op)
+            elif isinstance(op, Stash):
+                self._stash(op)
+            elif isinstance(op, Unstash):
+                self._set_state(op.seq_id, self._ram[op.key], 0)  # only what was stashed
+            elif isinstance(op, Drop):
+                self._ram.pop(op.key, None)
+                self._forget_after(op.key, -1)
+                self.stash_sizes.pop(op.key, None)
             elif self.per_slot:  # across streams llama.cpp copies a whole stream: copy, then cut
                 ll.llama_memory_seq_cp(self._memory, op.src, op.dst, -1, -1)
                 ll.llama_memory_seq_rm(self._memory, op.dst, op.n_tokens, -1)
@@ -87,16 +100,32 @@ class Executor:
     def _save(self, op: Save) -> None:
         if op.forget is not None:
             self._checkpoints.pop((op.seq_id, op.forget), None)
-        size = ll.llama_state_seq_get_size_ext(self._ctx, op.seq_id, _WINDOWED)
+        self._checkpoints[(op.seq_id, op.pos)] = self._state(op.seq_id, _WINDOWED)
+
+    def _stash(self, op: Stash) -> None:
+        self._ram[op.key] = data = self._state(op.seq_id, 0)
+        for seq_id, pos in [k for k in self._checkpoints if k[0] == op.seq_id]:
+            self._checkpoints[(op.key, pos)] = self._checkpoints.pop((seq_id, pos))
+        self.stash_sizes[op.key] = len(data) + sum(len(d) for k, d in self._checkpoints.items()
+                                                   if k[0] == op.key)
+
+    def _state(self, seq_id: int, flags: int) -> ctypes.Array[ctypes.c_uint8]:
+        size = ll.llama_state_seq_get_size_ext(self._ctx, seq_id, flags)
         data = (ctypes.c_uint8 * size)()
-        if ll.llama_state_seq_get_data_ext(self._ctx, data, size, op.seq_id, _WINDOWED) != size:
-            raise RuntimeError(f"llama.cpp could not checkpoint sequence {op.seq_id}")
-        self._checkpoints[(op.seq_id, op.pos)] = data
+        if ll.llama_state_seq_get_data_ext(self._ctx, data, size, seq_id, flags) != size:
+            raise RuntimeError(f"llama.cpp could not save the state of sequence {seq_id}")
+        return data
+
+    def ram_bytes(self) -> int:
+        return sum(self.stash_sizes.values())
 
     def _restore(self, op: Restore) -> None:
-        data = self._checkpoints[(op.src, op.pos)]  # the bookkeeper only restores what was saved
-        if not ll.llama_state_seq_set_data_ext(self._ctx, data, len(data), op.seq_id, _WINDOWED):
-            raise RuntimeError(f"llama.cpp could not restore a checkpoint into sequence {op.seq_id}")
+        # the bookkeeper only restores what was saved
+        self._set_state(op.seq_id, self._checkpoints[(op.src, op.pos)], _WINDOWED)
+
+    def _set_state(self, seq_id: int, data: ctypes.Array[ctypes.c_uint8], flags: int) -> None:
+        if not ll.llama_state_seq_set_data_ext(self._ctx, data, len(data), seq_id, flags):
+            raise RuntimeError(f"llama.cpp could not restore a saved state into sequence {seq_id}")
 
     def _forget_after(self, seq_id: int, start: int) -> None:
         for key in [k for k in self._checkpoints if k[0] == seq_id and (start < 0 or k[1] > start)]:

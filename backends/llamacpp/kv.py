@@ -32,7 +32,11 @@ MIN_CHECKPOINT_PROMPT = 64
 # id: the prefill it saves outweighs the padding rows a gap among busy ids costs each step
 MIN_SLOT_CHOICE_PREFIX = 64
 
-ReuseSource = Literal["kept", "entry", "other slot", "running"]
+# a finished sequence shorter than this is not kept in host RAM: prefilling it again costs about
+# what storing and restoring its state does
+MIN_STASH_TOKENS = 64
+
+ReuseSource = Literal["kept", "entry", "other slot", "running", "ram"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +76,31 @@ class Restore:
     src: int
 
 
-KvOp = Remove | Copy | Save | Restore
+@dataclass(frozen=True, slots=True)
+class Stash:
+    """Keep `seq_id`'s whole state (every layer) in host RAM as entry `key` (a negative id), with
+    its windowed layers' checkpoints, before the sequence is emptied for another job."""
+
+    seq_id: int
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unstash:
+    """Put host-RAM entry `key`'s state into the empty sequence `seq_id` (the entry stays)."""
+
+    key: int
+    seq_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """Free host-RAM entry `key` (LRU eviction past the byte budget)."""
+
+    key: int
+
+
+KvOp = Remove | Copy | Save | Restore | Stash | Unstash | Drop
 
 
 @dataclass(slots=True)
@@ -93,7 +121,8 @@ class Reuse:
 
 class KvBookkeeper:
     def __init__(self, *, slots: int, prefix_cache: int, n_ctx: int, n_batch: int, per_slot: bool,
-                 invariant: bool = False, window: int = 0, checkpoints: int = 1) -> None:
+                 invariant: bool = False, window: int = 0, checkpoints: int = 1,
+                 ram_budget: int = 0) -> None:
         self.slots = slots
         self.n_streams = slots + prefix_cache
         self.n_ctx = n_ctx  # cells of the unified pool (checked by fits() only when not invariant)
@@ -118,6 +147,17 @@ class KvBookkeeper:
         self._free_prefix_ids = list(range(slots, self.n_streams))
         self.prefixes: OrderedDict[int, PrefixEntry] = OrderedDict()  # LRU, oldest first
         self.slot_kv: dict[int, PrefixEntry] = {}  # a free slot's kept KV (per-slot streams)
+        # Host RAM (llama-server's --cache-ram): a free slot's kept KV that a newcomer is about
+        # to replace is stashed whole (with its checkpoints), so the conversation finds it again
+        # when it returns after its slot went to others. Entries have negative ids, LRU; the
+        # executor holds the bytes and reports each entry's size in `stash_sizes` (shared, read
+        # when the budget is checked); past `ram_budget` bytes the oldest go.
+        self.ram_budget = ram_budget if per_slot else 0
+        self.ram: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self.ram_oldest: dict[int, int] = {}  # entry -> oldest position its windowed layers held
+        self.stash_sizes: dict[int, int] = {}
+        self._next_key = -1
+        self.ram_reuses = 0
         self.reserved = 0
         self.reused_tokens = 0
         self._ops: list[KvOp] = []
@@ -129,7 +169,7 @@ class KvBookkeeper:
         self._changing.clear()
         return ops
 
-    def _queue(self, op: KvOp) -> None:
+    def _queue(self, op: Remove | Copy | Save | Restore | Stash | Unstash) -> None:
         self._ops.append(op)
         self._changing.add(op.dst if isinstance(op, Copy) else op.seq_id)
         if isinstance(op, Remove) and op.seq_id in self.checkpoints:  # the executor does the same
@@ -216,17 +256,28 @@ class KvBookkeeper:
         best = self._choose_source(job, kept, running)
         if best is None:
             if kept is not None:
+                self._stash(kept)
                 self._queue(Remove(job.seq_id))
             return None
         n, source, kind, restore = best
         if kind == "kept":
+            # most of what the slot held is cut off (another conversation, sharing a template's
+            # first tokens): keep it in host RAM first, with the checkpoints
+            key = self._stash(source) if len(source.tokens) - n >= MIN_STASH_TOKENS else None
             if restore:
-                self._queue(Restore(job.seq_id, n, job.seq_id))
+                self._queue(Restore(job.seq_id, n, job.seq_id if key is None else key))
             self._queue(Remove(job.seq_id, n))
         else:
             if kept is not None:  # the copy goes into an empty sequence
+                self._stash(kept)
                 self._queue(Remove(job.seq_id))
-            self._queue(Copy(source.seq_id, job.seq_id, n))
+            if kind == "ram":
+                self._queue(Unstash(source.seq_id, job.seq_id))
+                self._queue(Remove(job.seq_id, n))
+                self.ram.move_to_end(source.seq_id)
+                self.ram_reuses += 1
+            else:
+                self._queue(Copy(source.seq_id, job.seq_id, n))
             if restore:
                 self._queue(Restore(job.seq_id, n, source.seq_id))
         self.checkpoint_reuses += restore
@@ -249,6 +300,7 @@ class KvBookkeeper:
         checkpoint of the source's windowed layers restored)."""
         sources: list[tuple[PrefixEntry, ReuseSource]] = [(e, "entry") for e in self.prefixes.values()]
         sources += [(e, "other slot") for e in self.slot_kv.values()]
+        sources += [(e, "ram") for e in self.ram.values()]
         sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
                     for o in running]
         if kept is not None:
@@ -279,10 +331,59 @@ class KvBookkeeper:
         layers recycle a sequence's cells once its own tokens have moved past them.)"""
         if not self.window:
             return True
+        if seq_id < 0:  # a host-RAM entry: as its sequence was when stashed
+            return self.ram_oldest[seq_id] <= max(0, n - self.window)
         # not read, or queued operations will change what was read
         if seq_id in self._changing or seq_id >= len(self.oldest_held):
             return False
         return self.oldest_held[seq_id] <= max(0, n - self.window)
+
+
+    # -- host RAM ---------------------------------------------------------------------------------
+
+    def _stash(self, kept: PrefixEntry) -> int | None:
+        """Keep a free slot's KV in host RAM before it is emptied, within the byte budget: the
+        entry's id, or None (too short, too big, or no budget)."""
+        n = len(kept.tokens)
+        if (not self.ram_budget or n < MIN_STASH_TOKENS or kept.seq_id in self._changing
+                or self._estimate(n) > self.ram_budget):
+            return None
+        for key in [k for k, e in self.ram.items()  # what the new entry holds all of
+                    if len(e.tokens) <= n and common_prefix(e.tokens, kept.tokens) == len(e.tokens)]:
+            self._drop_ram(key)
+        key, self._next_key = self._next_key, self._next_key - 1
+        self._queue(Stash(kept.seq_id, key))
+        self.ram[key] = PrefixEntry(key, kept.tokens, kept.n_prompt)
+        held = self.oldest_held[kept.seq_id] if kept.seq_id < len(self.oldest_held) else 0
+        self.ram_oldest[key] = held if self.window else 0
+        self.checkpoints[key] = self.checkpoints.pop(kept.seq_id, [])  # the executor moves them too
+        self._fit_ram(self._estimate(n))
+        return key
+
+    def _estimate(self, n_tokens: int) -> int:
+        """Bytes an entry of n_tokens will take, from the sizes of the entries measured so far."""
+        sized = [(len(self.ram[k].tokens), b) for k, b in self.stash_sizes.items() if k in self.ram]
+        tokens = sum(t for t, _ in sized)
+        return sum(b for _, b in sized) * n_tokens // tokens if tokens else 0
+
+    def _fit_ram(self, coming: int = 0) -> None:
+        """Drop the least recently used entries while the entries (and `coming` bytes) pass the
+        budget; the newest entry stays."""
+        while len(self.ram) > 1:
+            used = sum(self.stash_sizes.get(k, 0) for k in self.ram) + coming
+            if used <= self.ram_budget:
+                return
+            self._drop_ram(next(iter(self.ram)))
+
+    def _drop_ram(self, key: int) -> None:
+        del self.ram[key]
+        self.ram_oldest.pop(key, None)
+        self.checkpoints.pop(key, None)
+        self.stash_sizes.pop(key, None)  # the executor frees the bytes when it applies the Drop
+        self._ops.append(Drop(key))
+
+    def ram_bytes(self) -> int:
+        return sum(self.stash_sizes.get(k, 0) for k in self.ram)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
