@@ -112,6 +112,7 @@ def test_two_gateways_never_admit_more_than_max_concurrent(redis: Redis, workers
 
 
 def test_a_tenant_sees_only_its_own_and_an_operator_sees_all(workers: Any, gateways: Gateways) -> None:
+    workers.start("w1", **FAKE, **SETTINGS)
     gw = gateways.start(**SETTINGS)
     mine = batch_of(gw.url, jsonl(2), "key-alpha")
     file_id, bid = mine["input_file_id"], mine["id"]
@@ -138,6 +139,16 @@ def test_a_tenant_sees_only_its_own_and_an_operator_sees_all(workers: Any, gatew
     status = f"{gw.url}/dashboard/api/status"
     assert httpx.get(status, headers=auth("key-alpha"), timeout=10).status_code == 401
     assert httpx.get(status, headers=auth("key-admin"), timeout=10).status_code == 200
+    # a job (and its stream) has no address a tenant can use: only the operators' dashboard
+    # reads one, and it tells a tenant's key nothing, not even whether the id exists
+    job_id = complete(gw.url, "key-alpha").json()["id"].removeprefix("cmpl-")
+    job = f"{gw.url}/dashboard/api/job/{job_id}"
+    unknown = f"{gw.url}/dashboard/api/job/{'f' * 32}"
+    for key in ("key-alpha", "key-beta"):
+        assert httpx.get(job, headers=auth(key), timeout=10).status_code == 401
+        assert httpx.get(unknown, headers=auth(key), timeout=10).status_code == 401
+    wait_for(lambda: httpx.get(job, headers=auth("key-admin"), timeout=10).status_code == 200, 10,
+             "the operator reads the job's record")
 
 
 def test_usage_counts_what_the_results_report(redis_url: str, redis: Redis, workers: Any,
