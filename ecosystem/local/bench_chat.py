@@ -3,7 +3,7 @@ streaming `/v1/chat/completions`, against `fleet serve` in front of the fleet an
 llama-server's own HTTP API (its defaults otherwise: context checkpoints, the host-RAM prompt
 cache), same model, same chat template (llama.cpp's built-in gemma), same run, ABBA by round.
 
-U users hold one conversation each: turn 1 is a ~600-token document and a question, every later
+U users hold one conversation each: turn 1 is a 400-600-token document and a question, every later
 turn resends the whole history (the answers as the server gave them: `real`; or each answer
 edited by the client before it is resent, as chat UIs trim and reformat: `edited`) and asks a
 new question. Later-turn TTFT is what a returning conversation costs.
@@ -47,7 +47,7 @@ CHAT_MAX_TOKENS = 64
 # llama.cpp's built-in gemma template, as the fleet's: with jinja (llama-server's default)
 # `--chat-template gemma` is read as a template text of its own and every chat renders "gemma"
 SERVER_CHAT_ARGS = ("--no-jinja", "--chat-template", "gemma")
-OPENING_PARAGRAPHS = 5  # ~600 tokens
+OPENING_PARAGRAPHS = 5  # 400-600 tokens
 TURN_OVERHEAD_TOKENS = 24  # per turn: gemma's turn markers around a question and an answer, the edit
 WARMUP_TOKENS = 8
 
