@@ -13,30 +13,32 @@ server, so the comparison is fleet-in-front-of-llama-server vs direct clients.
 
 Prints a table (users, system, tok/s, ratio fleet/peer, TTFT and end-to-end p50/p95, CPU seconds
 per 1k tokens by process group) and writes JSON (and a PNG when matplotlib is installed).
+
+`--workload chat` measures multi-turn conversations over HTTP instead (`fleet serve` against
+llama-server's own API): ecosystem/local/bench_chat.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 import psutil
+from click.core import ParameterSource
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from backends.model import default_model_path
+from ecosystem.local.bench_chat import CHAT_MAX_TOKENS, HISTORIES, ChatConfig, run_chat
 from ecosystem.local.bench_html import write_html
 from ecosystem.local.bench_load import FleetTarget, LlamaServerTarget, Sample, Target, closed_loop
 from ecosystem.local.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
+from ecosystem.local.bench_setup import machine_meta, start_fleet_workers, workdir
 from ecosystem.local.bench_workloads import (
     WORKLOADS,
     BenchRequest,
@@ -48,8 +50,10 @@ from ecosystem.local.bench_workloads import (
     with_max_tokens,
 )
 from ecosystem.local.llama_server import LlamaServer, llama_server_binary, start_llama_server
-from ecosystem.local.processes import RedisServer, WorkerProcess, start_worker
-from worker.settings import format_cpu_list
+from ecosystem.local.processes import RedisServer, WorkerProcess
+
+CHAT = "chat"  # multi-turn conversations over HTTP: ecosystem/local/bench_chat.py
+CHAT_USERS = 4  # --users unless given
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -108,19 +112,9 @@ class Bench:
 
     def _start_workers(self, redis_url: str, tag: str, **backend: Any) -> list[WorkerProcess]:
         """`workers` fleet workers; with several, each pinned to its share of the cores."""
-        n = self.cfg.workers
-        cores = sorted(os.sched_getaffinity(0))
-        per = max(1, self.cfg.threads // n)
-        started = []
-        for i in range(n):
-            extra: dict[str, Any] = {f"backend__{k}": v for k, v in backend.items()}
-            extra.update(kv.partition("=")[::2] for kv in self.cfg.worker_settings)
-            if n > 1:
-                extra["cpus"] = format_cpu_list(cores[i * per:(i + 1) * per] or cores)
-            if backend.get("type") == "llama-cpp":  # another engine refuses a thread count
-                extra.setdefault("backend__threads", per)
-            started.append(start_worker(redis_url, f"bench-{tag}-{i}", self.logs, timeout=180, **extra))
-        return started
+        settings = dict(kv.split("=", 1) for kv in self.cfg.worker_settings)
+        return start_fleet_workers(redis_url, f"bench-{tag}", self.logs, workers=self.cfg.workers,
+                                   threads=self.cfg.threads, worker_settings=settings, backend=backend)
 
     def _slots(self) -> int:
         return -(-max(self.cfg.users) // self.cfg.workers)
@@ -257,51 +251,51 @@ def _user_counts(_ctx: click.Context, _param: click.Parameter, value: str) -> li
 
 def _workloads(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
-    unknown = [n for n in names if n not in WORKLOADS]
+    unknown = [n for n in names if n not in (*WORKLOADS, CHAT)]
     if unknown or not names:
-        raise click.BadParameter(f"unknown workload {', '.join(unknown) or repr(value)}; "
-                                 f"choose from {', '.join(WORKLOADS)} (a comma list runs each)")
+        raise click.BadParameter(f"unknown workload {', '.join(unknown) or repr(value)}; choose from "
+                                 f"{', '.join(WORKLOADS)} (a comma list runs each), or {CHAT}")
+    if CHAT in names and len(names) > 1:
+        raise click.BadParameter(f"{CHAT} runs alone (it has its own systems and table)")
     return names
 
 
-def machine_meta() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError):
-        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("model name")), "")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
-    return {"cores": len(os.sched_getaffinity(0)), "cpu": model, "loadavg": os.getloadavg(),
-            "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+def _given(name: str) -> bool:
+    return click.get_current_context().get_parameter_source(name) is not ParameterSource.DEFAULT
 
 
-@contextlib.contextmanager
-def workdir(keep: bool) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
-    ok = False
-    try:
-        yield path
-        ok = True
-    finally:
-        if ok and not keep:
-            shutil.rmtree(path, ignore_errors=True)
+def _refuse(options: dict[str, str], why: str) -> None:
+    """A usage error for the first of these options (parameter name -> flag) given on the line."""
+    for name, flag in options.items():
+        if _given(name):
+            raise click.UsageError(f"{flag} {why}")
+
+
+def _warn_if_busy(console: Console) -> None:
+    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    if load > 0.5 * cores:
+        console.print(f"[yellow]load average {load:.2f} on {cores} cores: "
+                      "other work is running, the numbers will be noisy")
 
 
 @click.command("bench")
 @click.option("--users", default="1,4,16,32", callback=_user_counts, show_default=True,
-              help="closed-loop user counts, one level each")
+              help=f"closed-loop user counts, one level each ({CHAT}: one count, default {CHAT_USERS})")
 @click.option("--workload", "workloads", default="short", callback=_workloads, show_default=True,
-              help=f"{', '.join(WORKLOADS)}, or a comma list (docs/bench.md says what each sends)")
+              help=f"{', '.join(WORKLOADS)}, or a comma list (docs/bench.md says what each sends); "
+                   f"or {CHAT}: multi-turn conversations over HTTP (--turns, --history)")
 @click.option("--seed", type=int, default=0, show_default=True, help="the workloads' requests come from it")
 @click.option("--requests-per-user", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(1, 4096), default=None,
               help="cap on output tokens (default: the workload's own: short 64, mixed 16-256, "
-                   "shared-prefix 64, grounded 256)")
+                   "shared-prefix 64, grounded 256, chat 64)")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="the short workload's prompts, one a line (default: 16 built-in ones)")
 @click.option("--fleet-backend", type=click.Choice(["llama-cpp", "llama-server"]), default="llama-cpp",
               show_default=True, help="llama-server: the fleet worker fronts the same llama-server")
-@click.option("--workers", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
+              help=f"fleet workers, each pinned to its share of the cores when several ({CHAT}: as many "
+                   "llama-servers, and the same fleet claiming blind to prefixes)")
 @click.option("--threads", type=click.IntRange(1), default=None, help="default: the cores we may run on")
 @click.option("--ctx-per-user", type=click.IntRange(64), default=512, show_default=True,
               help="least KV cells per job, raised to fit the workload's longest request "
@@ -316,6 +310,10 @@ def workdir(keep: bool) -> Iterator[Path]:
                    "e.g. --fleet-set batch_invariant=true")
 @click.option("--worker-set", "worker_settings", multiple=True, callback=lambda _c, _p, v: _key_values(v),
               help="worker setting of the fleet's workers (repeatable), e.g. --worker-set observe=false")
+@click.option("--turns", type=click.IntRange(1), default=5, show_default=True,
+              help="chat: turns per conversation")
+@click.option("--history", type=click.Choice(["real", "edited", "both"]), default="both", show_default=True,
+              help="chat: resend each answer as given (real), reformatted by the client (edited), or both")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="JSON file (default ./bench-results/fleet-bench-<time>.json); a .png beside it")
 @click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")
@@ -323,29 +321,41 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
           max_tokens: int | None, prompts_file: str | None,
           fleet_backend: str, workers: int, threads: int | None, ctx_per_user: int, rounds: int,
           warmup: bool, server_args: tuple[str, ...], fleet_settings: tuple[str, ...],
-          worker_settings: tuple[str, ...], out: Path | None, keep_logs: bool) -> None:
+          worker_settings: tuple[str, ...], turns: int, history: str, out: Path | None,
+          keep_logs: bool) -> None:
     """Benchmark the fleet against llama-server -np C on the same model and machine, in one run."""
     console = Console()
     if not console.is_terminal:  # a log file: no need to squeeze the table into 80 columns
         console = Console(width=150)
+    per_seq = dict(kv.split("=", 1) for kv in fleet_settings).get("n_ctx_per_seq")
+    if per_seq is not None and not per_seq.isdigit():
+        raise click.BadParameter(f"n_ctx_per_seq={per_seq!r} is not a token count", param_hint="--fleet-set")
+    threads = threads or len(os.sched_getaffinity(0))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if workloads == (CHAT,):
+        _refuse({"requests_per_user": "--requests-per-user", "prompts_file": "--prompts",
+                 "fleet_backend": "--fleet-backend"}, f"does not apply to --workload {CHAT}")
+        if len(users) > 1:
+            raise click.BadParameter(f"--workload {CHAT} takes one user count", param_hint="--users")
+        chat = ChatConfig(users[0] if _given("users") else CHAT_USERS, turns, max_tokens or CHAT_MAX_TOKENS,
+                          HISTORIES if history == "both" else (history,), workers, threads, rounds,
+                          ctx_per_user, warmup, seed, server_args, fleet_settings, worker_settings)
+        _warn_if_busy(console)
+        run_chat(chat, console, out or Path("bench-results") / f"fleet-bench-chat-{stamp}.json", keep_logs)
+        return
+    _refuse({"turns": "--turns", "history": "--history"}, f"applies to --workload {CHAT} only")
     prompts = PROMPTS
     if prompts_file:
         prompts = [ln.strip() for ln in Path(prompts_file).read_text().splitlines() if ln.strip()]
         if not prompts:
             raise click.BadParameter("the prompts file has no prompts", param_hint="--prompts")
-    cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers,
-                      threads or len(os.sched_getaffinity(0)), ctx_per_user, rounds, warmup, server_args,
-                      fleet_settings, worker_settings, workloads, seed)
+    cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers, threads,
+                      ctx_per_user, rounds, warmup, server_args, fleet_settings, worker_settings, workloads,
+                      seed)
     config = {k: v for k, v in vars(cfg).items() if k != "prompts"}
-    per_seq = dict(kv.split("=", 1) for kv in fleet_settings).get("n_ctx_per_seq")
-    if per_seq is not None and not per_seq.isdigit():
-        raise click.BadParameter(f"n_ctx_per_seq={per_seq!r} is not a token count", param_hint="--fleet-set")
     meta: dict[str, Any] = {**machine_meta(), "config": config, "prompts": len(prompts),
                             "llama_server": str(llama_server_binary()), "model": str(default_model_path())}
-    if meta["loadavg"][0] > 0.5 * meta["cores"]:
-        console.print(f"[yellow]load average {meta['loadavg'][0]:.2f} on {meta['cores']} cores: "
-                      "other work is running, the numbers will be noisy")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    _warn_if_busy(console)
     out = out or Path("bench-results") / f"fleet-bench-{stamp}.json"
     started = time.monotonic()
     with workdir(keep_logs) as tmp:

@@ -96,9 +96,12 @@ def start_llama_server(
     model: Path | None = None,
     wait: bool = True,
     extra_args: Sequence[str] = (),
+    cpus: Sequence[int] = (),
 ) -> LlamaServer:
     """`llama-server -m MODEL -np PARALLEL -c CTX -t THREADS --slots [EXTRA_ARGS]` on 127.0.0.1 (a
-    free port unless given); the log goes to log_dir. Waits for /health unless `wait` is False."""
+    free port unless given); the log goes to log_dir. Waits for /health unless `wait` is False.
+    `cpus`: the cores it may run on, set before it starts (its threads inherit the mask; pinning
+    a running server would move its main thread only)."""
     port = port or free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"llama-server-{port}.log"
@@ -106,7 +109,8 @@ def start_llama_server(
             "--parallel", str(parallel), "-c", str(ctx), "-t", str(threads),
             "--host", "127.0.0.1", "--port", str(port), "--slots", *extra_args]
     with log.open("ab") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                   preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     server = LlamaServer(f"http://127.0.0.1:{port}", port, process, log)
     if wait:
         try:

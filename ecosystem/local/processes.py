@@ -1,11 +1,13 @@
-"""A local fleet from real processes: a private redis-server and `fleet worker` subprocesses.
-Used by `scripts/demo`, `fleet bench` and the integration tests. Workers read the config the
-caller names, else the one this process would read (FLEET_CONFIG or ./worker-config.json).
+"""A local fleet from real processes: a private redis-server, `fleet worker` and `fleet serve`
+subprocesses. Used by `scripts/demo`, `fleet bench` and the integration tests. Workers read the
+config the caller names, else the one this process would read (FLEET_CONFIG or
+./worker-config.json).
 
     with RedisServer.start(tmp) as rs:                      # redis-server on a free loopback port
         w = start_worker(rs.url, "w1", logs, backend__slots=4)  # a real `fleet worker` process
         ...
         w.stop()                                             # SIGTERM (drain), wait
+        gw = start_gateway(rs.url, logs)                     # `fleet serve` on a free port
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 from redis import Redis
 
 from backends.contract.connect import redis_from_url
@@ -155,3 +158,51 @@ def start_worker(redis_url: str, name: str, log_dir: Path, *, wait: bool = True,
 
         wait_for(up, timeout, f"worker {name} to register")
     return w
+
+
+@dataclass
+class GatewayProcess:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.alive():
+            self.process.send_signal(sig)
+        return self.process.wait(timeout)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def start_gateway(redis_url: str, log_dir: Path, *, port: int | None = None, name: str = "gateway",
+                  cwd: Path | None = None, **settings: Any) -> GatewayProcess:
+    """`fleet serve` on a free port (or `port`), settings as FLEET_* like a worker's; returns once
+    it answers HTTP."""
+    port = port or free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    env = worker_env(redis_url, name, **settings)
+    proc = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", "serve", "--port", str(port)],
+                            env=env, cwd=cwd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    gw = GatewayProcess(f"http://127.0.0.1:{port}", port, proc, log)
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fleet serve exited ({proc.returncode}):\n{gw.output()[-3000:]}")
+        try:
+            return httpx.get(f"{gw.url}/api/version", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(answers, 30, "fleet serve to answer")
+    return gw
+
+
+def wait_until_healthy(gw: GatewayProcess, timeout: float = 30) -> None:
+    wait_for(lambda: httpx.get(f"{gw.url}/health", timeout=2).status_code == 200, timeout,
+             "the gateway to see a live worker")

@@ -1,0 +1,290 @@
+"""`fleet bench --workload chat`: multi-turn chat, measured as users meet both sides: over HTTP,
+streaming `/v1/chat/completions`, against `fleet serve` in front of the fleet and against
+llama-server's own HTTP API (its defaults otherwise: context checkpoints, the host-RAM prompt
+cache), same model, same chat template (llama.cpp's built-in gemma), same run, ABBA by round.
+
+U users hold one conversation each: turn 1 is a 400-600-token document and a question, every later
+turn resends the whole history (the answers as the server gave them: `real`; or each answer
+edited by the client before it is resent, as chat UIs trim and reformat: `edited`) and asks a
+new question. Later-turn TTFT is what a returning conversation costs.
+
+With several workers, each is pinned to its share of the cores, and two more systems run: the
+same fleet claiming blind to held prefixes (`placement: false`), and as many llama-servers,
+pinned likewise, each user talking to server `user % N` (round robin over the users).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from httpx_sse import connect_sse
+from rich.console import Console
+
+from backends.model import default_model_path
+from ecosystem.local.bench_chat_report import ChatRun, print_report, summarise, write_json
+from ecosystem.local.bench_load import REQUEST_TIMEOUT, Sample, again_if_stale
+from ecosystem.local.bench_report import percentile
+from ecosystem.local.bench_setup import core_shares, machine_meta, start_fleet_workers, workdir
+from ecosystem.local.bench_text import paragraph, question
+from ecosystem.local.bench_workloads import Tokenizer, ctx_per_slot
+from ecosystem.local.llama_server import llama_server_binary, start_llama_server
+from ecosystem.local.processes import RedisServer, start_gateway, wait_until_healthy
+
+FLEET, BLIND = "fleet serve", "fleet serve, claims blind to prefixes"
+HISTORIES = ("real", "edited")
+CHAT_MAX_TOKENS = 64
+# llama.cpp's built-in gemma template, as the fleet's: with jinja (llama-server's default)
+# `--chat-template gemma` is read as a template text of its own and every chat renders "gemma"
+SERVER_CHAT_ARGS = ("--no-jinja", "--chat-template", "gemma")
+OPENING_PARAGRAPHS = 5  # 400-600 tokens
+TURN_OVERHEAD_TOKENS = 24  # per turn: gemma's turn markers around a question and an answer, the edit
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    users: int
+    turns: int
+    max_tokens: int
+    histories: tuple[str, ...]
+    workers: int
+    threads: int
+    rounds: int
+    ctx_per_user: int  # least per-job context, raised to fit the longest conversation
+    warmup: bool = True
+    seed: int = 0
+    server_args: tuple[str, ...] = ()  # more llama-server arguments, after SERVER_CHAT_ARGS
+    fleet_settings: tuple[str, ...] = ()  # KEY=VALUE backend settings of the fleet's workers
+    worker_settings: tuple[str, ...] = ()  # KEY=VALUE worker settings
+
+
+def opening(seed: int, user: int, round_: int, history: str) -> str:
+    """Turn 1: new for every user, round and history mode (never a cache hit of an earlier run)."""
+    rng = random.Random(f"chat-{seed}-{round_}-{history}-{user}")
+    doc = " ".join(paragraph(rng) for _ in range(OPENING_PARAGRAPHS))
+    return f"Here are my notes:\n{doc}\n\n{question(rng)}"
+
+
+def follow_ups(seed: int, user: int, round_: int, turns: int) -> list[str]:
+    """The user's questions of turns 2.."""
+    rng = random.Random(f"questions-{seed}-{round_}-{user}")
+    return [question(rng) for _ in range(turns - 1)]
+
+
+def edit(answer: str) -> str:
+    """What a client may resend instead of the answer: reformatted from its first character."""
+    return "Answer: " + answer.strip()
+
+
+def context_needed(tok: Tokenizer, cfg: ChatConfig) -> int:
+    """KV cells the longest conversation may need: its user turns, every answer at max_tokens,
+    the template's markers."""
+    most = 0
+    for round_, history, user in itertools.product(range(cfg.rounds), cfg.histories, range(cfg.users)):
+        texts = [opening(cfg.seed, user, round_, history), *follow_ups(cfg.seed, user, round_, cfg.turns)]
+        most = max(most, sum(tok.count(t) for t in texts))
+    return most + cfg.turns * (cfg.max_tokens + TURN_OVERHEAD_TOKENS)
+
+
+class ChatClient:
+    """Streaming chat completions to one server, shared by the users' threads."""
+
+    def __init__(self, url: str, users: int) -> None:
+        self.client = httpx.Client(base_url=url, timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=10),
+                                   limits=httpx.Limits(max_connections=users + 4,
+                                                       max_keepalive_connections=users + 4))
+
+    def turn(self, messages: list[dict[str, str]], max_tokens: int, user: int) -> tuple[Sample, int, str]:
+        """One streamed answer: (TTFT, e2e, completion tokens or the error), prompt tokens, text."""
+        body = {"model": "llm", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}, "user": f"user-{user}"}
+        parts: list[str] = []
+        usage: dict[str, int] = {}
+
+        def send(t0: float) -> Sample:
+            parts.clear()
+            ttft = None
+            with connect_sse(self.client, "POST", "/v1/chat/completions", json=body) as source:
+                if source.response.status_code != 200:
+                    source.response.read()
+                    return Sample(None, time.perf_counter() - t0, 0,
+                                  f"HTTP {source.response.status_code}: {source.response.text[:200]}")
+                for sse in source.iter_sse():
+                    if sse.data == "[DONE]":
+                        break
+                    chunk = json.loads(sse.data)
+                    if chunk.get("error"):
+                        return Sample(ttft, time.perf_counter() - t0, 0, json.dumps(chunk["error"])[:300])
+                    for choice in chunk.get("choices") or []:
+                        if text := (choice.get("delta") or {}).get("content"):
+                            ttft = ttft or time.perf_counter() - t0
+                            parts.append(text)
+                    usage.update(chunk.get("usage") or {})
+            if "completion_tokens" not in usage:
+                return Sample(ttft, time.perf_counter() - t0, 0, "the stream ended without usage")
+            return Sample(ttft, time.perf_counter() - t0, int(usage["completion_tokens"]))
+
+        try:
+            sample = again_if_stale(send)
+        except Exception as e:  # a broken turn is a data point, not the end of the run
+            sample = Sample(None, 0.0, 0, f"{type(e).__name__}: {e}")
+        return sample, int(usage.get("prompt_tokens", 0)), "".join(parts)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def conversation(client: ChatClient, user: int, run: ChatRun, turns: int, max_tokens: int, seed: int,
+                 lock: threading.Lock) -> None:
+    messages = [{"role": "user", "content": opening(seed, user, run.round, run.history)}]
+    questions = follow_ups(seed, user, run.round, turns)
+    for turn in range(turns):
+        sample, prompt_tokens, answer = client.turn(messages, max_tokens, user)
+        with lock:
+            if sample.error is not None:
+                run.errors.append(f"user {user} turn {turn + 1}: {sample.error}")
+                return
+            run.tokens += sample.tokens
+            ttft_ms = (sample.ttft if sample.ttft is not None else sample.e2e) * 1000
+            (run.ttft_later_ms if turn else run.ttft_first_ms).append(ttft_ms)
+            run.first_prompt_tokens += 0 if turn else prompt_tokens
+        if turn + 1 < turns:
+            resent = edit(answer) if run.history == "edited" else answer
+            messages += [{"role": "assistant", "content": resent},
+                         {"role": "user", "content": questions[turn]}]
+
+
+def measure(system: str, clients: Sequence[ChatClient], history: str, round_: int, users: int,
+            turns: int, max_tokens: int, seed: int) -> ChatRun:
+    """Every user's conversation at once, user u on clients[u % len(clients)]."""
+    run = ChatRun(system, history, round_)
+    lock = threading.Lock()
+    start = threading.Barrier(users + 1)
+
+    def user(u: int) -> None:
+        start.wait()
+        conversation(clients[u % len(clients)], u, run, turns, max_tokens, seed, lock)
+
+    threads = [threading.Thread(target=user, args=(u,), daemon=True, name=f"chat-{u}") for u in range(users)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
+class ChatBench:
+    """One chat benchmark: starts every system, runs the rounds, stops it all on the way out."""
+
+    def __init__(self, cfg: ChatConfig, console: Console, workdir: Path, tok: Tokenizer) -> None:
+        self.cfg = cfg
+        self.console = console
+        self.workdir = workdir
+        self.logs = workdir / "logs"
+        self.tok = tok
+        several = cfg.workers > 1
+        self.peer = f"{cfg.workers} llama-servers, round robin" if several else "llama-server"
+        self.systems = [FLEET, *([BLIND] if several else []), self.peer]  # the peer last: ratios are over it
+        self.per_slot = 0
+        self.needed = 0
+
+    def _context(self) -> int:
+        self.needed = context_needed(self.tok, self.cfg)
+        explicit = dict(kv.split("=", 1) for kv in self.cfg.fleet_settings).get("n_ctx_per_seq")
+        per_slot = int(explicit) if explicit else ctx_per_slot(self.needed, self.cfg.ctx_per_user)
+        self.console.log(f"chat: context {per_slot} tokens per conversation on both sides; the longest "
+                         f"may need {self.needed}")
+        return per_slot
+
+    def _fleet(self, stack: contextlib.ExitStack, placement: bool) -> list[str]:
+        cfg, tag = self.cfg, "chat" if placement else "chat-blind"
+        redis = stack.enter_context(RedisServer.start(self.workdir / f"redis-{tag}"))
+        backend = {"type": "llama-cpp", "slots": cfg.users, "n_ctx": cfg.users * self.per_slot,
+                   "n_ctx_per_seq": self.per_slot, "chat_template": "gemma",
+                   **dict(kv.split("=", 1) for kv in cfg.fleet_settings)}
+        settings = {**dict(kv.split("=", 1) for kv in cfg.worker_settings), "placement": placement}
+        self.console.log(f"starting {cfg.workers} fleet worker(s), {cfg.users} slots each, "
+                         f"placement {'on' if placement else 'off'}, and fleet serve")
+        for w in start_fleet_workers(redis.url, f"bench-{tag}", self.logs, workers=cfg.workers,
+                                     threads=cfg.threads, worker_settings=settings, backend=backend):
+            stack.callback(w.stop)
+        gw = start_gateway(redis.url, self.logs, name=f"gateway-{tag}")
+        stack.callback(gw.stop)
+        wait_until_healthy(gw, 60)
+        return [gw.url]
+
+    def _servers(self, stack: contextlib.ExitStack) -> list[str]:
+        cfg = self.cfg
+        per_server = -(-cfg.users // cfg.workers)
+        args = (*SERVER_CHAT_ARGS, *cfg.server_args)
+        urls = []
+        for cores in core_shares(cfg.workers, cfg.threads) if cfg.workers > 1 else [[]]:
+            threads = len(cores) or cfg.threads
+            self.console.log(f"starting llama-server -np {per_server} -c {per_server * self.per_slot} "
+                             f"-t {threads}", *args, f"(cores {cores})" if cores else "")
+            srv = stack.enter_context(start_llama_server(self.logs, parallel=per_server,
+                                                         ctx=per_server * self.per_slot, threads=threads,
+                                                         extra_args=args, cpus=cores))
+            urls.append(srv.url)
+        return urls
+
+    def run(self) -> list[ChatRun]:
+        cfg = self.cfg
+        runs: list[ChatRun] = []
+        self.per_slot = self._context()
+        with contextlib.ExitStack() as stack:
+            urls = {FLEET: self._fleet(stack, True)}
+            if BLIND in self.systems:
+                urls[BLIND] = self._fleet(stack, False)
+            urls[self.peer] = self._servers(stack)
+            clients = {name: [ChatClient(u, cfg.users) for u in us] for name, us in urls.items()}
+            for c in itertools.chain(*clients.values()):
+                stack.callback(c.close)
+            if cfg.warmup:  # every slot once, a few tokens: allocations off the clock
+                for name in self.systems:
+                    measure(name, clients[name], "warmup", -1, cfg.users, 1, WARMUP_TOKENS, cfg.seed)
+            for round_, history in itertools.product(range(cfg.rounds), cfg.histories):
+                order = self.systems if round_ % 2 == 0 else self.systems[::-1]
+                for name in order:
+                    run = measure(name, clients[name], history, round_, cfg.users, cfg.turns,
+                                  cfg.max_tokens, cfg.seed)
+                    runs.append(run)
+                    self.console.log(f"round {round_} {history:6} {name}: {run.tok_s:.1f} tok/s, later-turn "
+                                     f"TTFT p50 {percentile(run.ttft_later_ms, 50) or 0:.0f} ms"
+                                     + (f", {len(run.errors)} errors" if run.errors else ""))
+        return runs
+
+
+def run_chat(cfg: ChatConfig, console: Console, out: Path, keep_logs: bool) -> dict[str, Any]:
+    """The whole benchmark: run it, print the table, write the JSON; returns the summary."""
+    meta: dict[str, Any] = {**machine_meta(), "config": asdict(cfg),
+                            "llama_server": str(llama_server_binary()), "model": str(default_model_path())}
+    started = time.monotonic()
+    with workdir(keep_logs) as tmp:
+        console.log(f"logs in {tmp / 'logs'}")
+        chat = ChatBench(cfg, console, tmp, Tokenizer(default_model_path()))
+        runs = chat.run()
+    meta.update(ctx_per_slot=chat.per_slot, context_needed=chat.needed, systems=chat.systems,
+                seconds=round(time.monotonic() - started, 1), loadavg_after=os.getloadavg())
+    summary = summarise(runs, chat.systems, cfg.histories)
+    title = (f"Multi-turn chat over HTTP on {meta['cpu'] or 'an unnamed CPU'}: {cfg.users} users x "
+             f"{cfg.turns} turns, <= {cfg.max_tokens} tokens/answer, {cfg.workers} worker(s), "
+             f"{cfg.rounds} round(s)")
+    print_report(console, summary, chat.peer, title)
+    write_json(out, meta, summary, runs)
+    console.print(f"JSON: {out}")
+    return summary
