@@ -312,6 +312,9 @@ def _warn_if_busy(console: Console) -> None:
               help="worker setting of the fleet's workers (repeatable), e.g. --worker-set observe=false")
 @click.option("--turns", type=click.IntRange(1), default=5, show_default=True,
               help="chat: turns per conversation")
+@click.option("--slots", type=click.IntRange(0), default=0, show_default=True,
+              help="chat: slots of each fleet worker and llama-server (0: as many as users); fewer "
+                   "than --users: conversations find their KV only in a cache beyond the slots")
 @click.option("--history", type=click.Choice(["real", "edited", "both"]), default="both", show_default=True,
               help="chat: resend each answer as given (real), reformatted by the client (edited), or both")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -321,7 +324,7 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
           max_tokens: int | None, prompts_file: str | None,
           fleet_backend: str, workers: int, threads: int | None, ctx_per_user: int, rounds: int,
           warmup: bool, server_args: tuple[str, ...], fleet_settings: tuple[str, ...],
-          worker_settings: tuple[str, ...], turns: int, history: str, out: Path | None,
+          worker_settings: tuple[str, ...], turns: int, slots: int, history: str, out: Path | None,
           keep_logs: bool) -> None:
     """Benchmark the fleet against llama-server -np C on the same model and machine, in one run."""
     console = Console()
@@ -339,11 +342,12 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
             raise click.BadParameter(f"--workload {CHAT} takes one user count", param_hint="--users")
         chat = ChatConfig(users[0] if _given("users") else CHAT_USERS, turns, max_tokens or CHAT_MAX_TOKENS,
                           HISTORIES if history == "both" else (history,), workers, threads, rounds,
-                          ctx_per_user, warmup, seed, server_args, fleet_settings, worker_settings)
+                          ctx_per_user, warmup, seed, server_args, fleet_settings, worker_settings, slots)
         _warn_if_busy(console)
         run_chat(chat, console, out or Path("bench-results") / f"fleet-bench-chat-{stamp}.json", keep_logs)
         return
-    _refuse({"turns": "--turns", "history": "--history"}, f"applies to --workload {CHAT} only")
+    _refuse({"turns": "--turns", "history": "--history", "slots": "--slots"},
+            f"applies to --workload {CHAT} only")
     prompts = PROMPTS
     if prompts_file:
         prompts = [ln.strip() for ln in Path(prompts_file).read_text().splitlines() if ln.strip()]

@@ -67,6 +67,9 @@ class ChatConfig:
     server_args: tuple[str, ...] = ()  # more llama-server arguments, after SERVER_CHAT_ARGS
     fleet_settings: tuple[str, ...] = ()  # KEY=VALUE backend settings of the fleet's workers
     worker_settings: tuple[str, ...] = ()  # KEY=VALUE worker settings
+    # slots of each fleet worker and each llama-server (0: the users, over the servers); fewer
+    # than the conversations, returning ones find their KV only in a cache beyond the slots
+    slots: int = 0
 
 
 def opening(seed: int, user: int, round_: int, history: str) -> str:
@@ -213,11 +216,12 @@ class ChatBench:
     def _fleet(self, stack: contextlib.ExitStack, placement: bool) -> list[str]:
         cfg, tag = self.cfg, "chat" if placement else "chat-blind"
         redis = stack.enter_context(RedisServer.start(self.workdir / f"redis-{tag}"))
-        backend = {"type": "llama-cpp", "slots": cfg.users, "n_ctx": cfg.users * self.per_slot,
+        slots = cfg.slots or cfg.users
+        backend = {"type": "llama-cpp", "slots": slots, "n_ctx": slots * self.per_slot,
                    "n_ctx_per_seq": self.per_slot, "chat_template": "gemma",
                    **dict(kv.split("=", 1) for kv in cfg.fleet_settings)}
         settings = {**dict(kv.split("=", 1) for kv in cfg.worker_settings), "placement": placement}
-        self.console.log(f"starting {cfg.workers} fleet worker(s), {cfg.users} slots each, "
+        self.console.log(f"starting {cfg.workers} fleet worker(s), {slots} slots each, "
                          f"placement {'on' if placement else 'off'}, and fleet serve")
         for w in start_fleet_workers(redis.url, f"bench-{tag}", self.logs, workers=cfg.workers,
                                      threads=cfg.threads, worker_settings=settings, backend=backend):
@@ -229,7 +233,7 @@ class ChatBench:
 
     def _servers(self, stack: contextlib.ExitStack) -> list[str]:
         cfg = self.cfg
-        per_server = -(-cfg.users // cfg.workers)
+        per_server = cfg.slots or -(-cfg.users // cfg.workers)
         args = (*SERVER_CHAT_ARGS, *cfg.server_args)
         urls = []
         for cores in core_shares(cfg.workers, cfg.threads) if cfg.workers > 1 else [[]]:
