@@ -39,6 +39,7 @@ def test_ratios_are_medians_of_per_round_ratios() -> None:
     (["--workload", "chat", "--requests-per-user", "3"], "--requests-per-user does not apply to --workload"),
     (["--workload", "chat", "--fleet-backend", "llama-server"], "--fleet-backend does not apply"),
     (["--turns", "3"], "--turns applies to --workload chat only"),
+    (["--slots", "2"], "--slots applies to --workload chat only"),
     (["--workload", "chat", "--history", "all"], "'all' is not one of 'real', 'edited', 'both'"),
     (["--workload", "chat", "--turns", "0"], "0 is not in the range x>=1"),
 ])
@@ -51,13 +52,15 @@ def test_chat_options_are_checked(args: list[str], message: str) -> None:
 def test_one_tiny_chat_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "chat.json"
     result = CliRunner().invoke(bench, ["--workload", "chat", "--users", "2", "--turns", "2", "--rounds", "1",
-                                        "--max-tokens", "8", "--no-warmup", "--out", str(out)])
+                                        "--max-tokens", "8", "--no-warmup", "--slots", "1",
+                                        "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "Multi-turn chat over HTTP" in result.output
     doc = json.loads(out.read_text())
     assert doc["meta"]["cpu"] and doc["meta"]["systems"] == [FLEET, PEER]
     meta = doc["meta"]
     assert meta["config"]["users"] == 2 and meta["ctx_per_slot"] >= meta["context_needed"]
+    assert meta["config"]["slots"] == 1  # two conversations take turns in one slot on both sides
     summary = doc["summary"]
     assert set(summary) == {f"{h}/{s}" for h in HISTORIES for s in (FLEET, PEER)}
     for history in HISTORIES:
