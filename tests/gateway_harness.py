@@ -1,65 +1,23 @@
-"""A real `fleet serve` process for the gateway tests (settings as FLEET_* like the workers')."""
+"""A real `fleet serve` process for the gateway tests (settings as FLEET_* like the workers'); the
+process helpers live in ecosystem.local.gateway."""
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from ecosystem.local import gateway as local_gateway
+from ecosystem.local.gateway import GatewayProcess, wait_until_healthy
+from tests.harness import ROOT
 
-from ecosystem.local.processes import free_port
-from tests.harness import ROOT, wait_for, worker_env
-
-
-@dataclass
-class GatewayProcess:
-    url: str
-    port: int
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.alive():
-            self.process.send_signal(sig)
-        return self.process.wait(timeout)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+__all__ = ["GatewayProcess", "Gateways", "start_gateway", "wait_until_healthy"]
 
 
 def start_gateway(redis_url: str, log_dir: Path, *, port: int | None = None, name: str = "gateway",
                   **settings: Any) -> GatewayProcess:
-    """`fleet serve` on a free port (or `port`); returns once it answers HTTP."""
-    port = port or free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{name}.log"
-    env = worker_env(redis_url, name, **settings)
-    proc = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", "serve", "--port", str(port)],
-                            env=env, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
-    gw = GatewayProcess(f"http://127.0.0.1:{port}", port, proc, log)
-
-    def answers() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"fleet serve exited ({proc.returncode}):\n{gw.output()[-3000:]}")
-        try:
-            return httpx.get(f"{gw.url}/api/version", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(answers, 30, "fleet serve to answer")
-    return gw
-
-
-def wait_until_healthy(gw: GatewayProcess, timeout: float = 30) -> None:
-    wait_for(lambda: httpx.get(f"{gw.url}/health", timeout=2).status_code == 200, timeout,
-             "the gateway to see a live worker")
+    """`fleet serve` on a free port (or `port`), run from the repository root."""
+    return local_gateway.start_gateway(redis_url, log_dir, port=port, name=name, cwd=ROOT, **settings)
 
 
 class Gateways:
