@@ -114,7 +114,7 @@ class CompletionsTarget:
     @classmethod
     def llama_server(cls, url: str, users: int, *, seed: int) -> CompletionsTarget:
         """With the fields the native path sends beyond OpenAI's, from the same source."""
-        native = common_fields(greedy("", 1).sampling(SamplingDefaults()))
+        native = common_fields(greedy("the fields do not depend on it", 1).sampling(SamplingDefaults()))
         return cls(url, users, seed=seed, extra={k: native[k] for k in LLAMA_SERVER_FIELDS})
 
     def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
