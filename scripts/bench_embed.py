@@ -44,8 +44,7 @@ sys.path.insert(0, str(ROOT))
 from dispatcher import Fleet  # noqa: E402
 from ecosystem.local.bench import machine_meta  # noqa: E402
 from ecosystem.local.llama_server import start_llama_server  # noqa: E402
-from ecosystem.local.processes import RedisServer, start_worker  # noqa: E402
-from tests.gateway_harness import start_gateway, wait_until_healthy  # noqa: E402
+from ecosystem.local.processes import RedisServer, start_gateway, start_worker, wait_until_healthy  # noqa: E402
 
 WORDS = ["the", "river", "city", "market", "light", "winter", "garden", "station", "report", "engine",
          "quiet", "north", "table", "letter", "music", "harbour", "paper", "forest", "bridge", "morning",

@@ -37,61 +37,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ecosystem.local.bench import PROMPTS, machine_meta  # noqa: E402
-from ecosystem.local.bench_load import (  # noqa: E402
-    REQUEST_TIMEOUT,
-    FleetTarget,
-    Sample,
-    Target,
-    again_if_stale,
-    closed_loop,
-)
+from ecosystem.local.bench_load import CompletionsTarget, FleetTarget, Target, closed_loop  # noqa: E402
 from ecosystem.local.bench_report import FLEET, PEER, Run, percentile, summarise, table  # noqa: E402
 from ecosystem.local.bench_workloads import unmeasured  # noqa: E402
 from ecosystem.local.llama_server import start_llama_server  # noqa: E402
-from ecosystem.local.processes import RedisServer, start_worker  # noqa: E402
-from tests.gateway_harness import start_gateway, wait_until_healthy  # noqa: E402
-
-
-class OpenAICompletionsTarget:
-    """POST /v1/completions with stream: true; tokens from the usage chunk (include_usage)."""
-
-    def __init__(self, base_url: str, users: int, model: str) -> None:
-        self.model = model
-        self.client = httpx.Client(base_url=base_url, timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=10),
-                                   limits=httpx.Limits(max_connections=users + 4))
-
-    def request(self, prompt: str, max_tokens: int) -> Sample:
-        return again_if_stale(lambda t0: self._request(prompt, max_tokens, t0))
-
-    def _request(self, prompt: str, max_tokens: int, t0: float) -> Sample:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        ttft, tokens, chunks = None, 0, 0
-        try:
-            with self.client.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    return Sample(None, time.perf_counter() - t0, 0,
-                                  f"HTTP {response.status_code}: {response.text[:200]}")
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        return Sample(ttft, time.perf_counter() - t0, 0, str(chunk["error"]))
-                    if any(c.get("text") for c in chunk.get("choices") or []):
-                        chunks += 1
-                        ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    if chunk.get("usage"):
-                        tokens = int(chunk["usage"].get("completion_tokens") or 0)
-        except httpx.RemoteProtocolError:
-            if ttft is None:
-                raise  # nothing came back: again_if_stale sends it once more
-            return Sample(ttft, time.perf_counter() - t0, 0, "the server closed the stream")
-        return Sample(ttft, time.perf_counter() - t0, tokens or chunks)
-
-    def close(self) -> None:
-        self.client.close()
+from ecosystem.local.processes import RedisServer, start_gateway, start_worker, wait_until_healthy  # noqa: E402
 
 
 def measure(args: argparse.Namespace, role: str, name: str, target: Target, prompts: list[str],
@@ -177,14 +127,14 @@ def main() -> None:
         gw = start_gateway(redis.url, logs, gateway__max_queue=args.slow_clients + 100)
         stack.callback(gw.stop)
         wait_until_healthy(gw, 60)
-        gateway_target = OpenAICompletionsTarget(gw.url, args.users, "llm")
+        gateway_target = CompletionsTarget(gw.url, args.users, seed=0)
         gateway_name, api_name = "fleet serve /v1/completions", "Python API (Fleet)"
         peer_name = f"llama-server -np {args.users} /v1/completions"
         with start_llama_server(logs, parallel=args.users, ctx=args.users * ctx,
                                 threads=args.threads) as server:  # stopped before the slow clients
             systems: list[tuple[str, str, Target]] = [
                 (FLEET, gateway_name, gateway_target), ("python-api", api_name, FleetTarget(redis.url)),
-                (PEER, peer_name, OpenAICompletionsTarget(server.url, args.users, "any"))]
+                (PEER, peer_name, CompletionsTarget.llama_server(server.url, args.users, seed=0))]
             for rnd in range(args.rounds):
                 for role, name, target in systems[rnd % 3:] + systems[:rnd % 3]:
                     runs.append(measure(args, role, name, target, prompts, rnd))

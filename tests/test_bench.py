@@ -1,4 +1,5 @@
-"""`fleet bench`: its arithmetic, and one tiny real run (redis-server, a fleet worker, llama-server)."""
+"""`fleet bench`: its arithmetic, and tiny real runs (redis-server, a fleet worker, llama-server; over
+HTTP also `fleet serve`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import pytest
 from click.testing import CliRunner
 
 from ecosystem.local.bench import bench
-from ecosystem.local.bench_load import Sample, again_if_stale
+from ecosystem.local.bench_load import (
+    LLAMA_SERVER_FIELDS,
+    CompletionsTarget,
+    Sample,
+    again_if_stale,
+    openai_chunk,
+)
 from ecosystem.local.bench_report import FLEET, PEER, Run, percentile, ratios, summaries
 
 
@@ -52,6 +59,46 @@ def test_one_small_run_end_to_end(tmp_path: Path) -> None:
     assert doc["meta"]["config"]["fleet_backend"] == "llama-cpp"
     assert doc["meta"]["config"]["fleet_settings"] == ["prefix_cache=0"]
     assert out.with_suffix(".html").read_text().count("<polyline") >= 8  # 4 plots x (fleet, peer)
+
+
+@pytest.mark.timeout(180)
+def test_one_small_run_over_http(tmp_path: Path) -> None:
+    """`--via http`: fleet serve and llama-server, each over /v1/completions with the same body."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench, ["--via", "http", "--users", "1,2", "--requests-per-user", "1",
+                                        "--max-tokens", "4", "--ctx-per-user", "256", "--no-warmup",
+                                        "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "fleet serve (llama-cpp)" in result.output and "via HTTP" in result.output
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["via"] == "http" and doc["meta"]["config"]["via"] == "http"
+    assert [(r["users"], r["role"]) for r in doc["summary"]] == [(1, FLEET), (1, PEER), (2, FLEET), (2, PEER)]
+    for row in doc["summary"]:
+        assert row["errors"] == 0, row["first_error"]
+        assert row["tokens"] == 4 * row["users"] and row["tok_s"] > 0  # the usage each side reported
+        assert row["ttft_p50_ms"] > 0 and row["e2e_p95_ms"] >= row["ttft_p95_ms"]
+        # the gateway's CPU is the fleet side's: it shares the cores with the worker
+        assert ("gateway" in row["cpu_s_per_1k_tokens"]) == (row["role"] == FLEET)
+
+
+def test_over_http_both_sides_get_the_same_body() -> None:
+    gateway = CompletionsTarget("http://127.0.0.1:1", 1, seed=7)
+    server = CompletionsTarget.llama_server("http://127.0.0.1:1", 1, seed=7)
+    ours, theirs = gateway.body("Hi", 4), server.body("Hi", 4)
+    assert ours == {"model": "llm", "prompt": "Hi", "max_tokens": 4, "temperature": 0.0, "seed": 7,
+                    "stream": True, "stream_options": {"include_usage": True}}
+    assert {k: v for k, v in theirs.items() if k not in LLAMA_SERVER_FIELDS} == ours
+    assert theirs["cache_prompt"] is True and theirs["top_k"] == 40  # what /completion gets too
+    gateway.close()
+    server.close()
+
+
+def test_over_http_tokens_are_the_usage_else_llama_servers_timings() -> None:
+    assert openai_chunk({"choices": [{"text": "Hi", "finish_reason": None}], "usage": None}) == (True, None)
+    assert openai_chunk({"choices": [], "usage": {"completion_tokens": 5}}) == (False, 5)
+    last = {"choices": [{"text": "", "finish_reason": "length"}], "timings": {"predicted_n": 4}}
+    assert openai_chunk(last) == (False, 4)
+    assert openai_chunk({"choices": [{"text": "", "finish_reason": "stop"}]}) == (False, None)
 
 
 def test_fleet_set_must_be_key_value() -> None:

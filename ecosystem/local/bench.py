@@ -11,6 +11,9 @@ round) so machine noise falls on both.
 `--fleet-backend llama-server`: the fleet's worker uses the llama-server backend on that same
 server, so the comparison is fleet-in-front-of-llama-server vs direct clients.
 
+`--via http`: the bench also starts `fleet serve` on its Redis, and one client drives both sides
+with the same body: OpenAI's `/v1/completions`, streamed (ecosystem/local/bench_load.py).
+
 Prints a table (users, system, tok/s, ratio fleet/peer, TTFT and end-to-end p50/p95, CPU seconds
 per 1k tokens by process group) and writes JSON (and a PNG when matplotlib is installed).
 
@@ -36,7 +39,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from backends.model import default_model_path
 from ecosystem.local.bench_chat import CHAT_MAX_TOKENS, HISTORIES, ChatConfig, run_chat
 from ecosystem.local.bench_html import write_html
-from ecosystem.local.bench_load import FleetTarget, LlamaServerTarget, Sample, Target, closed_loop
+from ecosystem.local.bench_load import (
+    CompletionsTarget,
+    FleetTarget,
+    LlamaServerTarget,
+    Sample,
+    Target,
+    closed_loop,
+)
 from ecosystem.local.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
 from ecosystem.local.bench_setup import machine_meta, start_fleet_workers, workdir
 from ecosystem.local.bench_workloads import (
@@ -50,7 +60,13 @@ from ecosystem.local.bench_workloads import (
     with_max_tokens,
 )
 from ecosystem.local.llama_server import LlamaServer, llama_server_binary, start_llama_server
-from ecosystem.local.processes import RedisServer, WorkerProcess
+from ecosystem.local.processes import (
+    GatewayProcess,
+    RedisServer,
+    WorkerProcess,
+    start_gateway,
+    wait_until_healthy,
+)
 
 CHAT = "chat"  # multi-turn conversations over HTTP: ecosystem/local/bench_chat.py
 CHAT_USERS = 4  # --users unless given
@@ -92,6 +108,7 @@ class BenchConfig:
     worker_settings: tuple[str, ...] = ()  # KEY=VALUE worker settings (e.g. observe=false)
     workloads: tuple[str, ...] = ("short",)
     seed: int = 0
+    via: str = "api"  # "api": Fleet.submit vs llama-server's /completion; "http": /v1/completions on both
 
 
 class Bench:
@@ -181,7 +198,8 @@ class Bench:
         self.runs.append(Run.of(users, role, system, round_, load, cpu, workload))
 
     def _level(self, progress: Progress, index: int, users: int, redis: RedisServer,
-               fleet_workers: list[WorkerProcess], workload: Workload, per_slot: int) -> None:
+               fleet_workers: list[WorkerProcess], workload: Workload, per_slot: int,
+               gateway: GatewayProcess | None) -> None:
         cfg = self.cfg
         with contextlib.ExitStack() as stack:
             server = stack.enter_context(self._server(users, per_slot))
@@ -191,16 +209,25 @@ class Bench:
                                               endpoint=server.url)
                 for w in workers:
                     stack.callback(w.stop)
-            peer = LlamaServerTarget(server.url, users)
-            stack.callback(peer.close)
-            fleet = FleetTarget(redis.url)
+            peer: LlamaServerTarget | CompletionsTarget
+            fleet: FleetTarget | CompletionsTarget
             me, rs, srv = [self.me.pid], [redis.process.pid], [server.process.pid]
             fleet_pids = {"worker": [w.process.pid for w in workers], "redis": rs, "client": me}
+            if gateway is None:
+                peer, fleet = LlamaServerTarget(server.url, users), FleetTarget(redis.url)
+            else:
+                wait_until_healthy(gateway, 60)  # its view of the workers is fresh
+                peer = CompletionsTarget.llama_server(server.url, users, seed=cfg.seed)
+                fleet = CompletionsTarget(gateway.url, users, seed=cfg.seed)
+                stack.callback(fleet.close)
+                fleet_pids["gateway"] = _with_children(gateway.process.pid)
+            stack.callback(peer.close)
+            entry = "fleet" if gateway is None else "fleet serve"
             if cfg.fleet_backend == "llama-server":
                 fleet_pids["llama-server"] = srv
-                names = {FLEET: "fleet -> llama-server", PEER: "direct -> llama-server"}
+                names = {FLEET: f"{entry} -> llama-server", PEER: "direct -> llama-server"}
             else:
-                names = {FLEET: "fleet (llama-cpp)", PEER: f"llama-server -np {users}"}
+                names = {FLEET: f"{entry} (llama-cpp)", PEER: f"llama-server -np {users}"}
             plan: dict[str, tuple[Target, dict[str, list[int]]]] = {
                 FLEET: (fleet, fleet_pids), PEER: (peer, {"llama-server": srv, "client": me})}
             if cfg.warmup:  # every slot once, short prompts, a few tokens: allocations off the clock
@@ -218,6 +245,11 @@ class Bench:
     def run(self) -> list[Run]:
         with contextlib.ExitStack() as stack:
             redis = stack.enter_context(RedisServer.start(self.workdir / "redis"))
+            gateway = None
+            if self.cfg.via == "http":
+                self.console.log("starting fleet serve (the gateway) on the bench's Redis")
+                gateway = start_gateway(redis.url, self.logs, name="bench-gateway")
+                stack.callback(gateway.stop)
             progress = stack.enter_context(Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 console=self.console))
@@ -232,8 +264,15 @@ class Bench:
                         for w in fleet_workers:
                             fleet.callback(w.stop)
                     for i, users in enumerate(self.cfg.users):
-                        self._level(progress, i, users, redis, fleet_workers, workload, per_slot)
+                        self._level(progress, i, users, redis, fleet_workers, workload, per_slot, gateway)
         return self.runs
+
+
+def _with_children(pid: int) -> list[int]:
+    """A process and its children (`fleet serve` with gateway.workers > 1 forks them)."""
+    with contextlib.suppress(psutil.Error):
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    return [pid]
 
 
 # -- the command -------------------------------------------------------------------------------------
@@ -296,6 +335,9 @@ def _warn_if_busy(console: Console) -> None:
 @click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
               help=f"fleet workers, each pinned to its share of the cores when several ({CHAT}: as many "
                    "llama-servers, and the same fleet claiming blind to prefixes)")
+@click.option("--via", type=click.Choice(["api", "http"]), default="api", show_default=True,
+              help="api: the fleet's Python API vs llama-server's /completion; http: fleet serve vs "
+                   "llama-server, both over OpenAI's /v1/completions (streamed, same body)")
 @click.option("--threads", type=click.IntRange(1), default=None, help="default: the cores we may run on")
 @click.option("--ctx-per-user", type=click.IntRange(64), default=512, show_default=True,
               help="least KV cells per job, raised to fit the workload's longest request "
@@ -322,7 +364,7 @@ def _warn_if_busy(console: Console) -> None:
 @click.option("--keep-logs", is_flag=True, help="keep the worker/server logs of a good run too")
 def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_user: int,
           max_tokens: int | None, prompts_file: str | None,
-          fleet_backend: str, workers: int, threads: int | None, ctx_per_user: int, rounds: int,
+          fleet_backend: str, workers: int, via: str, threads: int | None, ctx_per_user: int, rounds: int,
           warmup: bool, server_args: tuple[str, ...], fleet_settings: tuple[str, ...],
           worker_settings: tuple[str, ...], turns: int, slots: int, history: str, out: Path | None,
           keep_logs: bool) -> None:
@@ -337,7 +379,8 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if workloads == (CHAT,):
         _refuse({"requests_per_user": "--requests-per-user", "prompts_file": "--prompts",
-                 "fleet_backend": "--fleet-backend"}, f"does not apply to --workload {CHAT}")
+                 "fleet_backend": "--fleet-backend", "via": "--via"},
+                f"does not apply to --workload {CHAT} (always over HTTP)")
         if len(users) > 1:
             raise click.BadParameter(f"--workload {CHAT} takes one user count", param_hint="--users")
         chat = ChatConfig(users[0] if _given("users") else CHAT_USERS, turns, max_tokens or CHAT_MAX_TOKENS,
@@ -355,9 +398,9 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
             raise click.BadParameter("the prompts file has no prompts", param_hint="--prompts")
     cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers, threads,
                       ctx_per_user, rounds, warmup, server_args, fleet_settings, worker_settings, workloads,
-                      seed)
+                      seed, via)
     config = {k: v for k, v in vars(cfg).items() if k != "prompts"}
-    meta: dict[str, Any] = {**machine_meta(), "config": config, "prompts": len(prompts),
+    meta: dict[str, Any] = {**machine_meta(), "via": via, "config": config, "prompts": len(prompts),
                             "llama_server": str(llama_server_binary()), "model": str(default_model_path())}
     _warn_if_busy(console)
     out = out or Path("bench-results") / f"fleet-bench-{stamp}.json"
@@ -371,8 +414,10 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
     meta["loadavg_after"] = os.getloadavg()
     rows = summaries(runs)
     outputs = "each workload's output lengths" if max_tokens is None else f"<= {max_tokens} tokens/request"
+    driven = ("via the Python API and llama-server's /completion" if via == "api"
+              else "via HTTP: /v1/completions on fleet serve and on llama-server")
     title = (f"fleet bench on {meta['cpu'] or 'an unnamed CPU'} ({cfg.threads} threads): {outputs}, "
-             f"{requests_per_user} requests/user, fleet backend {fleet_backend}")
+             f"{requests_per_user} requests/user, fleet backend {fleet_backend}, {driven}")
     print_report(console, rows, title)
     write_json(out, meta, runs, rows)
     console.print(f"JSON: {out}")
