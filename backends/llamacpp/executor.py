@@ -117,7 +117,7 @@ class Executor:
         return data
 
     def ram_bytes(self) -> int:
-        return sum(self.stash_sizes.values())
+        return sum(list(self.stash_sizes.values()))
 
     def _restore(self, op: Restore) -> None:
         # the bookkeeper only restores what was saved
@@ -132,7 +132,8 @@ class Executor:
             del self._checkpoints[key]
 
     def checkpoint_bytes(self) -> int:
-        return sum(len(d) for d in self._checkpoints.values())
+        # stats may be read while a step runs on another thread (backend.overlap): copy in C first
+        return sum(map(len, list(self._checkpoints.values())))
 
     def open(self, job: ActiveJob) -> None:
         if job.sampling.format is not None and self._candidates is None:
