@@ -132,8 +132,9 @@ class Executor:
             del self._checkpoints[key]
 
     def checkpoint_bytes(self) -> int:
-        # stats may be read while a step runs on another thread (backend.overlap): copy in C first
-        return sum(map(len, list(self._checkpoints.values())))
+        """Checkpoints of sequences (a RAM entry's count in ram_bytes). Stats may be read while
+        a step runs on another thread (backend.overlap): the dict is copied (in C) first."""
+        return sum(len(d) for (seq_id, _), d in list(self._checkpoints.items()) if seq_id >= 0)
 
     def open(self, job: ActiveJob) -> None:
         if job.sampling.format is not None and self._candidates is None:
