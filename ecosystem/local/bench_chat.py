@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import random
 import threading
@@ -28,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from httpx_sse import connect_sse
 from rich.console import Console
 
 from backends.model import default_model_path
 from ecosystem.local.bench_chat_report import ChatRun, print_report, summarise, write_json
-from ecosystem.local.bench_load import REQUEST_TIMEOUT, Sample, again_if_stale
+from ecosystem.local.bench_load import REQUEST_TIMEOUT, Sample, again_if_stale, streamed
 from ecosystem.local.bench_report import percentile
 from ecosystem.local.bench_setup import core_shares, machine_meta, start_fleet_workers, workdir
 from ecosystem.local.bench_text import paragraph, question
@@ -115,28 +113,17 @@ class ChatClient:
         parts: list[str] = []
         usage: dict[str, int] = {}
 
+        def read(chunk: dict[str, Any]) -> tuple[bool, int | None]:
+            """Its content deltas kept (the answer is resent), usage noted (the end)."""
+            texts = [t for c in chunk.get("choices") or [] if (t := (c.get("delta") or {}).get("content"))]
+            parts.extend(texts)
+            usage.update(chunk.get("usage") or {})
+            return bool(texts), usage.get("completion_tokens")
+
         def send(t0: float) -> Sample:
             parts.clear()
-            ttft = None
-            with connect_sse(self.client, "POST", "/v1/chat/completions", json=body) as source:
-                if source.response.status_code != 200:
-                    source.response.read()
-                    return Sample(None, time.perf_counter() - t0, 0,
-                                  f"HTTP {source.response.status_code}: {source.response.text[:200]}")
-                for sse in source.iter_sse():
-                    if sse.data == "[DONE]":
-                        break
-                    chunk = json.loads(sse.data)
-                    if chunk.get("error"):
-                        return Sample(ttft, time.perf_counter() - t0, 0, json.dumps(chunk["error"])[:300])
-                    for choice in chunk.get("choices") or []:
-                        if text := (choice.get("delta") or {}).get("content"):
-                            ttft = ttft or time.perf_counter() - t0
-                            parts.append(text)
-                    usage.update(chunk.get("usage") or {})
-            if "completion_tokens" not in usage:
-                return Sample(ttft, time.perf_counter() - t0, 0, "the stream ended without usage")
-            return Sample(ttft, time.perf_counter() - t0, int(usage["completion_tokens"]))
+            usage.clear()
+            return streamed(self.client, "/v1/chat/completions", body, t0, read)
 
         try:
             sample = again_if_stale(send)
