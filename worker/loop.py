@@ -231,8 +231,8 @@ class FleetWorker:
 
     def _room(self) -> tuple[int, Counter[str]]:
         """Free slots, and the jobs in flight by tenant (their share of the slots)."""
-        held = Counter(rqjobs.tenant_of(j) for j in self.inflight.values())
-        return self.backend.free_slots() - len(self.unstarted) - self.embeds.held(), held
+        return (self.backend.free_slots() - len(self.unstarted) - self.embeds.held(),
+                Counter(rqjobs.tenant_of(j) for j in self.inflight.values()))
 
     def _wait_for_wake(self) -> bool:
         """Block up to IDLE_WAIT on the wake list; False when a stop signal cut the wait short."""
@@ -263,8 +263,10 @@ class FleetWorker:
     def _start(self, raw_id: bytes, queue: str, claimed_ms: int | None = None) -> None:
         try:
             job_id = raw_id.decode()
-        except UnicodeDecodeError:
-            self._refuse_raw(raw_id, queue)
+        except UnicodeDecodeError:  # failed visibly, by its raw id
+            self.writes.refuse(raw_id, queue, "refused: job id is not UTF-8 text")
+            self.counters.jobs_failed += 1
+            self.outcomes["failed"] += 1
             return
         if job_id in self.inflight or job_id in self.to_requeue:
             log.warning("job %s was in the queue twice; the second copy is dropped", job_id)
@@ -307,11 +309,6 @@ class FleetWorker:
 
     def _end_cancelled(self, job: ClaimedJob) -> None:
         self._end(job, endings.cancelled(job, self.name, self.backend.name))
-
-    def _refuse_raw(self, raw_id: bytes, queue: str) -> None:
-        self.writes.refuse(raw_id, queue, "refused: job id is not UTF-8 text")
-        self.counters.jobs_failed += 1
-        self.outcomes["failed"] += 1
 
     # -- one step ---------------------------------------------------------------------------------
 

@@ -104,10 +104,11 @@ class Executor:
 
     def _stash(self, op: Stash) -> None:
         self._ram[op.key] = data = self._state(op.seq_id, 0)
-        for seq_id, pos in [k for k in self._checkpoints if k[0] == op.seq_id]:
-            self._checkpoints[(op.key, pos)] = self._checkpoints.pop((seq_id, pos))
-        self.stash_sizes[op.key] = len(data) + sum(len(d) for k, d in self._checkpoints.items()
-                                                   if k[0] == op.key)
+        size = len(data)
+        for seq_id, pos in [k for k in self._checkpoints if k[0] == op.seq_id]:  # they go along
+            self._checkpoints[(op.key, pos)] = moved = self._checkpoints.pop((seq_id, pos))
+            size += len(moved)
+        self.stash_sizes[op.key] = size
 
     def _state(self, seq_id: int, flags: int) -> ctypes.Array[ctypes.c_uint8]:
         size = ll.llama_state_seq_get_size_ext(self._ctx, seq_id, flags)

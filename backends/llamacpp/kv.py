@@ -338,7 +338,6 @@ class KvBookkeeper:
             return False
         return self.oldest_held[seq_id] <= max(0, n - self.window)
 
-
     # -- host RAM ---------------------------------------------------------------------------------
 
     def _stash(self, kept: PrefixEntry) -> int | None:
@@ -369,10 +368,7 @@ class KvBookkeeper:
     def _fit_ram(self, coming: int = 0) -> None:
         """Drop the least recently used entries while the entries (and `coming` bytes) pass the
         budget; the newest entry stays."""
-        while len(self.ram) > 1:
-            used = sum(self.stash_sizes.get(k, 0) for k in self.ram) + coming
-            if used <= self.ram_budget:
-                return
+        while len(self.ram) > 1 and self.ram_bytes() + coming > self.ram_budget:
             self._drop_ram(next(iter(self.ram)))
 
     def _drop_ram(self, key: int) -> None:

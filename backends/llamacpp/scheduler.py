@@ -365,24 +365,23 @@ class Scheduler:
         costs more than a call of its own (CALL_ROWS): the partition of the sorted ids with the
         fewest rows and calls in all (a small dynamic programme; the newcomers of one step)."""
         jobs = sorted(short, key=lambda j: j.seq_id)
+        left = [len(j.tokens) - j.n_past for j in jobs]  # each one's rows to prefill
         n = len(jobs)
         best: list[tuple[int, int]] = [(0, 0)] + [(1 << 30, 0)] * n  # (cost, start of last run)
         for end in range(1, n + 1):
             width = 0
-            for start in range(end, 0, -1):
-                width = max(width, len(jobs[start - 1].tokens) - jobs[start - 1].n_past)
-                rows = (jobs[end - 1].seq_id - jobs[start - 1].seq_id + 1) * width
-                cost = best[start - 1][0] + rows + CALL_ROWS
+            for start in range(end - 1, -1, -1):
+                width = max(width, left[start])
+                cost = best[start][0] + (jobs[end - 1].seq_id - jobs[start].seq_id + 1) * width + CALL_ROWS
                 if cost < best[end][0]:
-                    best[end] = (cost, start - 1)
+                    best[end] = (cost, start)
         calls: list[DecodeCall] = []
         end = n
         while end > 0:
             start = best[end][1]
-            run = jobs[start:end]
-            width = max(len(j.tokens) - j.n_past for j in run)
-            calls.append(DecodeCall(prompts=[(j, len(j.tokens) - j.n_past) for j in run],
-                                    span=self._span(run, width), width=width))
+            width = max(left[start:end])
+            calls.append(DecodeCall(prompts=list(zip(jobs[start:end], left[start:end], strict=True)),
+                                    span=self._span(jobs[start:end], width), width=width))
             end = start
         return calls[::-1]
 
