@@ -1,12 +1,11 @@
 """Prompt-lookup speculation without a model: what a job proposes, and when the scheduler lets it
-(drafts ride in the decoders' call only while it stays in the per-row matmul regime)."""
+(drafts ride in the decoders' call while it stays within DRAFT_CALL_ROWS rows)."""
 
 from __future__ import annotations
 
 from backends.contract.schema import GenerateRequest, SamplingDefaults
-from backends.llamacpp.invariance import TILED_MM_ROWS
 from backends.llamacpp.scheduler import DecodeCall, Scheduler
-from backends.llamacpp.speculation import NgramIndex, draft_room
+from backends.llamacpp.speculation import DRAFT_CALL_ROWS, NgramIndex, StepCosts, draft_room
 from backends.llamacpp.state import ActiveJob
 from tests.engine_state import admit, engine, execute, prompt
 
@@ -44,10 +43,18 @@ def test_the_index_follows_the_output_as_it_grows() -> None:
     assert index.propose(1) == []
 
 
-def test_draft_room_keeps_the_call_below_the_tiled_matmul() -> None:
-    assert [draft_room(n, 6) for n in range(1, 6)] == [6, 2, 1, 0, 0]
+def test_draft_room_keeps_the_call_within_the_logits_rows() -> None:
+    assert [draft_room(n, 6) for n in range(1, 10)] == [6, 6, 4, 3, 2, 1, 1, 1, 0]
     assert draft_room(1, 3) == 3 and draft_room(0, 6) == 0
-    assert all(n * (1 + draft_room(n, 16)) < TILED_MM_ROWS for n in range(1, 10) if draft_room(n, 16))
+    assert all(n * (1 + draft_room(n, 16)) <= DRAFT_CALL_ROWS for n in range(1, 20) if draft_room(n, 16))
+
+
+def test_the_budget_weighs_the_undrafted_decoders_tokens_too() -> None:
+    index = NgramIndex([1, 2, 3])  # the prior record: ~0.9 of draft tokens kept
+    costs = [1.0, 1.3, 1.6]
+    assert index.budget(costs) == 2  # alone: 2.71 tokens for 1.6 beats 1 for 1
+    # beside 7 undrafted decoders the call gives 8 tokens for 1.0 undrafted, 9.9 for 1.3 drafted
+    assert index.budget(costs, others=7.0) == 0
 
 
 def _decoding(s: Scheduler, n: int, tokens: list[int], max_tokens: int = 1000) -> list[ActiveJob]:
@@ -75,15 +82,32 @@ def test_a_lone_decoder_verifies_its_draft_in_one_wider_row_group() -> None:
     assert call.span == (job.seq_id, job.seq_id) and call.width == 7 and call.n_rows() == 7
 
 
-def test_drafts_shrink_with_more_decoders_and_stop_at_four() -> None:
-    for n, width in [(2, 3), (3, 2), (4, 1), (16, 1)]:
+def test_drafts_shrink_with_more_decoders_and_stop_at_nine() -> None:
+    # untimed shapes cost the prior: m decoders drafting j tokens each, 1 + 0.2 m j calls
+    for n, width in [(2, 5), (3, 3), (4, 2), (8, 1), (9, 1), (16, 1)]:
         s = engine(draft_max=6)
         _decoding(s, n, SEVENS)
         call = _decoders_call(s)
         assert call.width == width, n
-        assert call.n_rows() < TILED_MM_ROWS or not call.drafts
+        assert call.n_rows() <= DRAFT_CALL_ROWS or not call.drafts
         if width == 1:
             assert not call.drafts
+
+
+def test_timed_calls_decide_how_far_several_decoders_draft() -> None:
+    s = engine(draft_max=6)
+    _decoding(s, 4, SEVENS)
+    base = (4, 4)
+    for _ in range(3):  # as timed on a 2-core EPYC: 4 rows 33 ms, 4 x 4 rows 58 ms, 4 x 7 rows 92 ms
+        for shape, ms in [(base, 33), ((8, 8), 42), ((12, 12), 53), ((16, 16), 58)]:
+            s.costs.record(*shape, ms / 1000)
+    assert _decoders_call(s).width == 4  # 4 x 3.4 tokens for 58 ms beats 4 for 33
+    costly = StepCosts()
+    for _ in range(3):
+        for shape, ms in [(base, 33), ((8, 8), 70), ((12, 12), 100), ((16, 16), 130)]:
+            costly.record(*shape, ms / 1000)
+    s.costs = costly
+    assert _decoders_call(s).width == 1  # drafts that cost more than they give: none
 
 
 def test_no_draft_past_max_tokens_nor_without_a_match() -> None:
@@ -103,16 +127,16 @@ def test_speculation_off_by_setting() -> None:
     assert all(not c.drafts for c in s.plan_step().calls)
 
 
-def test_in_the_unified_pool_drafts_stay_below_the_tiled_matmul_and_apart_from_prompts() -> None:
+def test_in_the_unified_pool_drafts_stay_within_the_logits_rows_and_apart_from_prompts() -> None:
     s = engine(draft_max=6, per_slot=False)
     (job,) = _decoding(s, 1, SEVENS)
     (call,) = s.plan_step().calls
     assert call.drafts == {job.seq_id: [7] * 6} and call.span is None and call.n_rows() == 7
-    for n in (2, 3, 4):
+    for n in (2, 3, 4, 9):  # 9 decoders: no room in the logits rows
         s = engine(draft_max=6, per_slot=False)
         _decoding(s, n, SEVENS)
         (call,) = s.plan_step().calls
-        assert call.n_rows() < TILED_MM_ROWS and bool(call.drafts) == (n < 4), n
+        assert call.n_rows() <= DRAFT_CALL_ROWS and bool(call.drafts) == (n < 9), n
     admit(s, "newcomer", prompt(5))  # a prompt chunk in the call: no drafts beside it
     (call,) = s.plan_step().calls
     assert call.prompts and not call.drafts and not call.pad
@@ -176,4 +200,5 @@ def test_step_costs_are_learned_from_timings_and_trusted_after_a_few() -> None:
         costs.record(4, 4, 0.027)
     costs.record(4, 4, 9.0)  # one step the box stalled: the median ignores it
     assert abs(costs.relative((4, 4), (1, 1)) - 2.7) < 1e-9
-    assert costs.relative((2, 1), (1, 1)) == 1 + PRIOR_ROW_COST  # another shape: still the prior
+    assert costs.relative((2, 2), (1, 1)) == 1 + PRIOR_ROW_COST  # another shape: still the prior
+    assert costs.relative((2, 1), (1, 1)) == 1.0  # ... where a throw-away row costs nothing

@@ -14,7 +14,7 @@ import llama_cpp as ll
 
 from backends.base import JobRejected
 from backends.contract.schema import GenerateRequest, Message
-from backends.llamacpp.invariance import TILED_MM_ROWS
+from backends.llamacpp.speculation import DRAFT_CALL_ROWS
 from backends.model import default_model_path
 
 # ggml reads its kernel switches once per process, at the first matmul; the first model decides
@@ -73,8 +73,8 @@ class LoadedModel:
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_seq_max = n_seq_max
-        # logits rows: one per sequence (or a few drafts' rows), not n_batch x 262k vocab
-        cparams.n_outputs_max = max(n_seq_max, TILED_MM_ROWS)
+        # logits rows: one per sequence (or a drafted call's rows), not n_batch x 262k vocab
+        cparams.n_outputs_max = max(n_seq_max, DRAFT_CALL_ROWS)
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads
         # unified: one cell pool for all slots (flexible lengths, seq_cp of a prefix is free); else

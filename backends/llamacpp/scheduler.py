@@ -8,9 +8,9 @@ new jobs join between steps.
 
 - Unified pool (kv_unified=true): one call per step, decoders first, then prompt
   chunks in admission order until n_batch rows. Decoders draft (speculation) only in a call with
-  no prompt chunk that stays under TILED_MM_ROWS rows, and a call of a single row gets a
-  throw-away second row: so every decoder row meets the same kernels with speculation on or off
-  (a lone row over SPLIT_KV_CELLS cells would take ggml's split-KV attention, see invariance.py).
+  no prompt chunk, and a call of a single row gets a throw-away second row (a lone row over
+  SPLIT_KV_CELLS cells would take ggml's split-KV attention, see invariance.py; a drafted lone
+  decoder never does).
 - Per-slot streams (kv_unified=false, the default): the same work split so that each row meets the same ggml
   kernels as if its job ran alone (what batch_invariant relies on; docs/ARCHITECTURE.md,
   "Determinism"): one call for the decoders, one for the short
@@ -272,7 +272,7 @@ class Scheduler:
             count = min(budget, len(job.tokens) - job.n_past)
             prompts.append((job, count))
             budget -= count
-        # drafts only beside no prompt chunk: a chunk could move the call across TILED_MM_ROWS
+        # drafts only beside no prompt chunk: the chunk's rows would weigh in their cost
         n = len(decoding)
         # a lone row takes the split-KV attention past SPLIT_KV_CELLS, a drafted step never: an
         # undrafted lone decoder gets a second row (when the pool has a cell to spare), so its
@@ -280,20 +280,24 @@ class Scheduler:
         lone = n == 1 and not prompts and self.kv.fits(1)
         base = (2, 1) if lone else (n, n)  # (rows, rows with logits)
         room = 0 if prompts else draft_room(n, self.draft_max)
-        drafts = self._drafts(decoding, room, base, lambda j: (n + j, n + j))
+        drafts = self._drafts(decoding, room, base, lambda j, m: (n + m * j, n + m * j))
         return DecodeCall(decoding, prompts, drafts=drafts, pad=lone and not drafts)
 
     def _invariant_calls(self, decoding: list[ActiveJob], prefilling: list[ActiveJob]) -> list[DecodeCall]:
         short, alone = self._pick_short(prefilling)
-        # Newcomers first, in a step of their own, so their first token goes out one decoders'
-        # call sooner (time to first token). Newcomers that arrive during that step may take one
-        # more while the newcomers' steps so far took less than one decoders' call: the decoders
-        # wait at most about one more step of their own, never without bound.
-        newcomers_only = bool(short and decoding) and (
+        # Prompts this step ends (short ones, and the last chunk of a longer one: a returning
+        # conversation's few new tokens after its reused history) go first, in a step of their
+        # own, so their first token goes out one decoders' call sooner (time to first token); the
+        # decoders' tokens come out at the end of a step either way. Newcomers that arrive during
+        # that step may take one more while the newcomers' steps so far took less than one
+        # decoders' call: the decoders wait at most about one more step, never without bound.
+        chunks = [(job, self._chunk(job)) for job in alone]
+        ending = [(job, n) for job, n in chunks if job.n_past + n == len(job.tokens)]
+        newcomers_only = bool((short or ending) and decoding) and (
             self._skips == 0 or self._skipped_seconds < self._decoders_seconds)
         self._skips = self._skips + 1 if newcomers_only else 0
         if newcomers_only:
-            decoding, alone = [], []
+            decoding, chunks = [], ending
         calls: list[DecodeCall] = []
         if decoding:
             calls.append(self._decoders_call(decoding))
@@ -301,47 +305,57 @@ class Scheduler:
         for call in self._short_calls(short):
             calls.append(call)
             budget -= call.n_rows()
-        for job in alone:
+        for job, count in chunks:
             if budget <= 0:
                 break
-            # chunks end at multiples of n_batch, as when the prompt runs alone
-            count = min(len(job.tokens), (job.n_past // self.n_batch + 1) * self.n_batch) - job.n_past
             calls.append(DecodeCall(prompts=[(job, count)]))
             budget -= count
         return calls
 
+    def _chunk(self, job: ActiveJob) -> int:
+        """A prompt's next chunk when it runs alone: chunks end at multiples of n_batch, as when
+        the prompt runs with no other job (whatever the load)."""
+        return min(len(job.tokens), (job.n_past // self.n_batch + 1) * self.n_batch) - job.n_past
+
     def _decoders_call(self, decoding: list[ActiveJob]) -> DecodeCall:
         """All decoders in one equal-width ubatch: one row each, plus their drafts (speculation)
-        while the call stays in the per-row matmul regime (speculation.draft_room)."""
+        while the call stays within DRAFT_CALL_ROWS rows (speculation.draft_room)."""
         lo = min(j.seq_id for j in decoding)
         hi = max(j.seq_id for j in decoding)
         n, ids = len(decoding), hi - lo + 1
         undrafted = self._span(decoding, 1)
         drafts = self._drafts(decoding, draft_room(ids, self.draft_max),
-                              (undrafted[1] - undrafted[0] + 1, n), lambda j: (ids * (1 + j), n + j))
+                              (undrafted[1] - undrafted[0] + 1, n), lambda j, m: (ids * (1 + j), n + m * j))
         if not drafts:
             return DecodeCall(decoders=decoding, span=undrafted, width=1)
         width = 1 + max(len(d) for d in drafts.values())
         return DecodeCall(decoders=decoding, span=(lo, hi), width=width, drafts=drafts)
 
     def _drafts(self, decoding: list[ActiveJob], room: int, base: tuple[int, int],
-                shape: Callable[[int], tuple[int, int]]) -> dict[int, list[int]]:
+                shape: Callable[[int, int], tuple[int, int]]) -> dict[int, list[int]]:
         """Each decoder's proposal of at most `room` tokens (speculation.py), by sequence id.
-        `base` is the call's shape (rows, rows with logits) without drafts, shape(j) with j draft
-        tokens: their timings on this machine weigh how far a job drafts."""
+        `base` is the call's shape (rows, rows with logits) without drafts, shape(j, m) with m
+        decoders drafting j tokens each (m: those with something to propose, as when they copy
+        text together): its timings on this machine weigh how far a job drafts."""
         drafts: dict[int, list[int]] = {}
         if not room or all(job.ngrams is None for job in decoding):
             return drafts
-        costs = [self.costs.relative(shape(j), base) if j else 1.0 for j in range(room + 1)]
+        able: list[tuple[ActiveJob, NgramIndex, int]] = []
         for job in decoding:
             # no draft past the job's end: max_tokens, or the last cell of its context
             k = min(room, job.sampling.max_tokens - job.generated - 1,
                     self.n_ctx_per_seq - job.n_past - 2)
             if job.ngrams is not None and k > 0:
                 job.ngrams.follow(job.output)
-                draft = job.ngrams.propose(job.ngrams.budget(costs[:k + 1]))
-                if draft:
-                    drafts[job.seq_id] = draft
+                if job.ngrams.propose(k):
+                    able.append((job, job.ngrams, k))
+        m = len(able)
+        costs = [self.costs.relative(shape(j, m), base) if j else 1.0 for j in range(room + 1)]
+        others = (len(decoding) - m) / m if m else 0.0
+        for job, ngrams, k in able:
+            draft = ngrams.propose(ngrams.budget(costs[:k + 1], others))
+            if draft:
+                drafts[job.seq_id] = draft
         return drafts
 
     def _pick_short(self, prefilling: list[ActiveJob]) -> tuple[list[ActiveJob], list[ActiveJob]]:

@@ -5,16 +5,25 @@ followed the most recent earlier occurrence of its last n tokens (n from NGRAM_M
 NGRAM_MIN). The proposal rides in the decoders' `llama_decode` as extra rows with logits; the
 engine samples row by row and keeps a draft token only while it equals what was sampled, so
 the text is what decoding one token at a time gives (the sampler sees the same logits in the
-same order; a seeded chain draws the same numbers). The KV of the rejected rest is removed.
+same order; a seeded chain draws the same numbers; up to the kernel, below). The KV of the
+rejected rest is removed.
 
-When it pays, and why the text stays the same: ggml's CPU matmul takes a per-row `vec_dot`
-kernel below TILED_MM_ROWS rows and a tiled kernel from there (they round differently). A lone
-decoder runs in the `vec_dot` regime; so does its verification as long as the whole decoders'
-call stays below TILED_MM_ROWS rows. Drafts are therefore only proposed while
-(sequence ids in the call) x (1 + draft) < TILED_MM_ROWS: one to three busy slots. That is also
-where it pays: a step of a few rows costs about what one row costs (the weights are read once),
-while a full batch is compute-bound and extra rows are not free. With `batch_invariant` the
-tiled kernel runs at every size, so the rule keeps the text unchanged there too.
+How far a call may draft: ggml's CPU matmul takes a per-row `vec_dot` kernel below
+TILED_MM_ROWS rows and a tiled kernel from there (they round differently). Every row here carries
+logits, and the output layer (262k words x 640 on gemma-3-270m) makes a row with logits cost
+about as much as the rest of the model: in the `vec_dot` regime rows cost about what they add
+(one decoder 10.6 ms, 4 decoders 33 ms on a 2-core AMD EPYC), while the tiled kernel gets cheaper
+a row as rows grow (4 decoders x 4 rows: 58 ms, x 7 rows: 92 ms). So a few decoders copying
+text gain most by drafting into the tiled regime. A drafted call holds at most DRAFT_CALL_ROWS
+rows (the logits buffer holds that many): 1 to 7 sequence ids draft, 8 and more do not.
+
+What that does to the text: a kept draft token is the argmax (or the seeded draw) of its own
+logits row, as in one-token steps; but when drafts take the call across TILED_MM_ROWS, those
+logits come from the tiled kernel, and at a near-tie the text can differ from one-token decoding,
+as it already differs with the number of jobs decoding (8 decoders run tiled, 7 do not). With
+`batch_invariant` the tiled kernel runs at every size: the text is then the same with and without
+speculation, alone or batched, bit for bit; a lone decoder's drafts (7 rows) stay below the tiled
+kernel in either mode.
 
 Only plain jobs draft (`Sampling.is_plain`): a grammar, the penalties' history and the logprobs
 advance with every token, so those jobs decode one token at a time (simple, and surely right).
@@ -36,13 +45,14 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 
-from backends.llamacpp.invariance import TILED_MM_ROWS
-
 NGRAM_MAX = 4  # longest suffix looked up
 NGRAM_MIN = 2  # a single repeated token predicts too little to pay for its rows
 DECAY = 0.8  # weight of the older drafted steps in a job's acceptance record, per drafted step
 PROBE_EVERY = 16  # steps without a draft before a job tries one token again
-PRIOR_ROW_COST = 0.2  # a call shape not timed yet looks cheap (each extra row 0.2 steps): it gets tried
+# a call shape not timed yet looks cheap (each extra row with logits 0.2 calls, a throw-away pad
+# row nothing): it gets tried
+PRIOR_ROW_COST = 0.2
+DRAFT_CALL_ROWS = 16  # rows of a drafted decoders' call at most (the logits buffer's rows)
 TIMINGS_KEPT = 8  # per call shape: the median of the last few timings (one slow step is noise)
 TIMINGS_TRUSTED = 3  # timings of a shape before they replace the prior
 
@@ -80,12 +90,13 @@ class NgramIndex:
             self._after[key] = end
             self._first.setdefault(key, end)
 
-    def budget(self, costs: Sequence[float]) -> int:
+    def budget(self, costs: Sequence[float], others: float = 0.0) -> int:
         """How many draft tokens to propose, given costs[j] = the call's cost with j draft tokens
         (costs[0]: without; len(costs) - 1 is the most allowed): the j with the most expected
-        tokens per unit of cost, from this job's acceptance record."""
+        tokens per unit of cost, from this job's acceptance record. `others`: the tokens the
+        call's undrafted decoders give, per drafting one (they share the call's cost)."""
         p = self._hits / (self._hits + self._misses)
-        best, best_rate, expected = 0, 1.0 / costs[0], 1.0
+        best, best_rate, expected = 0, (others + 1.0) / costs[0], others + 1.0
         for j in range(1, len(costs)):
             expected += p ** j
             if expected / costs[j] > best_rate:
@@ -123,11 +134,10 @@ class NgramIndex:
 
 def draft_room(n_ids: int, k_max: int) -> int:
     """Draft tokens each decoder may propose when the decoders' call covers n_ids sequence ids
-    (equal-width ubatch): the call must stay below TILED_MM_ROWS rows (see the module doc)."""
+    (equal-width ubatch): the call holds at most DRAFT_CALL_ROWS rows (see the module doc)."""
     if n_ids <= 0:
         return 0
-    width = (TILED_MM_ROWS - 1) // n_ids
-    return max(0, min(k_max, width - 1))
+    return max(0, min(k_max, DRAFT_CALL_ROWS // n_ids - 1))
 
 
 class StepCosts:
@@ -146,5 +156,5 @@ class StepCosts:
         timed, timed_base = self._seconds.get(shape), self._seconds.get(base)
         if (timed is None or timed_base is None or len(timed) < TIMINGS_TRUSTED
                 or len(timed_base) < TIMINGS_TRUSTED):
-            return 1.0 + PRIOR_ROW_COST * (shape[0] - base[0])
+            return 1.0 + PRIOR_ROW_COST * (shape[1] - base[1])
         return statistics.median(timed) / statistics.median(timed_base)
