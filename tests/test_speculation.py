@@ -1,5 +1,10 @@
 """Prompt-lookup speculation on the real model: greedy text is the same with and without it,
-for 16 prompts run alone and batched, and it does cut the number of decode steps."""
+for 16 prompts run alone and batched, and it does cut the number of decode steps.
+
+Alone, a decoder's drafts stay under ggml's tiled matmul (8 rows): the same kernels either way.
+Batched, a draft may take a call of 2-7 decoders across 8 rows, verified by the tiled kernel, so
+by default a near-tie could tip a token (docs/ARCHITECTURE.md, speculation); these prompts keep
+their text, and with batch_invariant (every call tiled) it holds for any prompt."""
 
 from __future__ import annotations
 

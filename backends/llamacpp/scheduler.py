@@ -214,6 +214,7 @@ class Scheduler:
                 out.finished.append(job)
         for job, count in call.prompts:
             job.n_past += count
+            job.chunks += 1
             self.prompt_tokens_prefilled += count
             if job.n_past == len(job.tokens):  # its last row gave the first token
                 self.kv.prompt_done(job)
@@ -285,14 +286,15 @@ class Scheduler:
 
     def _invariant_calls(self, decoding: list[ActiveJob], prefilling: list[ActiveJob]) -> list[DecodeCall]:
         short, alone = self._pick_short(prefilling)
-        # Prompts this step ends (short ones, and the last chunk of a longer one: a returning
-        # conversation's few new tokens after its reused history) go first, in a step of their
-        # own, so their first token goes out one decoders' call sooner (time to first token); the
-        # decoders' tokens come out at the end of a step either way. Newcomers that arrive during
-        # that step may take one more while the newcomers' steps so far took less than one
-        # decoders' call: the decoders wait at most about one more step, never without bound.
+        # Newcomers whose whole prompt this step prefills (short ones, and longer ones in one
+        # chunk: a returning conversation's new tokens after its reused history) go first, in a
+        # step of their own, so their first token goes out one decoders' call sooner (time to
+        # first token); the decoders' tokens come out at the end of a step either way. Newcomers
+        # that arrive during that step may take one more while the newcomers' steps so far took
+        # less than one decoders' call: the decoders wait at most about one more step, never
+        # without bound. A prompt of several chunks prefills beside the decoders, to its end.
         chunks = [(job, self._chunk(job)) for job in alone]
-        ending = [(job, n) for job, n in chunks if job.n_past + n == len(job.tokens)]
+        ending = [(job, n) for job, n in chunks if not job.chunks and job.n_past + n == len(job.tokens)]
         newcomers_only = bool((short or ending) and decoding) and (
             self._skips == 0 or self._skipped_seconds < self._decoders_seconds)
         self._skips = self._skips + 1 if newcomers_only else 0

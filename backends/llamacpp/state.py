@@ -30,6 +30,7 @@ class ActiveJob:
     reserved: int  # KV cells reserved for this job (unified pool)
     text: TextAssembler
     n_past: int = 0  # tokens already in the KV cache
+    chunks: int = 0  # prompt chunks prefilled so far
     next_token: int | None = None  # sampled, not yet fed back: the job is decoding
     generated: int = 0
     output: list[int] = field(default_factory=list)  # generated token ids (fed back into the KV)
