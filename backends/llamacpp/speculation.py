@@ -15,7 +15,7 @@ about as much as the rest of the model: in the `vec_dot` regime rows cost about 
 (one decoder 10.6 ms, 4 decoders 33 ms on a 2-core AMD EPYC), while the tiled kernel gets cheaper
 a row as rows grow (4 decoders x 4 rows: 58 ms, x 7 rows: 92 ms). So a few decoders copying
 text gain most by drafting into the tiled regime. A drafted call holds at most DRAFT_CALL_ROWS
-rows (the logits buffer holds that many): 1 to 7 sequence ids draft, 8 and more do not.
+rows (the logits buffer holds that many): 1 to 8 sequence ids draft, 9 and more do not.
 
 What that does to the text: a kept draft token is the argmax (or the seeded draw) of its own
 logits row, as in one-token steps; but when drafts take the call across TILED_MM_ROWS, those
@@ -34,9 +34,11 @@ shape cost on this machine (`StepCosts`, learned from the executor's timings). D
 free: every row with logits pays the output layer (262k words x 640 on gemma-3-270m), and ggml's
 kernels make the cost a staircase, not a line (measured on one CPU: 2, 4 and 7 rows with logits
 cost 2.3, 2.7 and 5.2 one-row steps). So the job drafts the j tokens (0 <= j <= k) that give the
-most expected tokens per unit of time, (1 + p + ... + p^j) / cost(j): a copy (p ~ 0.9) drafts
-to the cheap end of a stair, a summary (p ~ 0.4) not at all. A job that stopped drafting tries
-one token every PROBE_EVERY steps.
+most expected tokens per unit of time, (others + 1 + p + ... + p^j) / cost(j), where cost(j) is
+the call with every decoder that has something to propose drafting j, and `others` the tokens of
+the undrafted decoders sharing it, per drafter: a copy (p ~ 0.9) drafts to the cheap end of a
+stair, a summary (p ~ 0.4) not at all. A job that stopped drafting tries one token every
+PROBE_EVERY steps.
 """
 
 from __future__ import annotations
