@@ -35,7 +35,8 @@ class LlamaCppSettings(EngineSettings):
         "state, so a chat whose slot went to other jobs finds its history again (LRU; as "
         "llama-server's --cache-ram); None: an eighth of the host's memory, at most 8192; 0: off")
     draft_max: int = Field(6, ge=0, le=16, description="speculation by prompt lookup: draft tokens a "
-                           "decoder may verify per step, used only while 1-3 slots decode (0: off)")
+                           "decoder may verify per step, while the decoders span 1-8 neighbouring "
+                           "slots and this machine's timed steps say it pays (0: off)")
     overlap: bool = Field(False, description="decode the next step on a helper thread while the worker "
                           "writes the last step's tokens to Redis; no gain measured on 2 cores that "
                           "all decode (docs/bench.md, 'Overlapping Redis with llama_decode')")

@@ -196,6 +196,19 @@ def test_short_prompts_between_busy_slots_split_where_padding_costs_more_than_a_
     assert sum(c.n_rows() for c in calls) == (7 * 4 if width == 4 else 4 * 30)
 
 
+def test_short_prompts_split_where_a_padded_stream_has_no_cells_for_the_width() -> None:
+    s = engine(slots=3, prefix_cache=0, n_ctx_per_seq=64)
+    for i in range(3):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    execute(s, s.plan_step())
+    s.active["d1"].n_past = 61  # 3 cells left in stream 1
+    for i in (0, 2):
+        s.release(s.active[f"d{i}"], keep_kv=False)
+        admit(s, f"new{i}", prompt(4, 10_000 + 100 * i))
+    # one span over ids 0..2 (4 rows each) would write 4 rows into stream 1: two calls instead
+    assert [c.span for c in s.plan_step().calls] == [(0, 0), (2, 2)]
+
+
 def test_unified_pool_fills_one_call_up_to_n_batch_in_admission_order() -> None:
     s = engine(n_batch=256, per_slot=False)
     admit(s, "a", prompt(200, 0))

@@ -45,6 +45,7 @@ def test_the_index_follows_the_output_as_it_grows() -> None:
 
 def test_draft_room_keeps_the_call_within_the_logits_rows() -> None:
     assert [draft_room(n, 6) for n in range(1, 10)] == [6, 6, 4, 3, 2, 1, 1, 1, 0]
+    assert draft_room(1, 16) == 6  # a lone decoder stays with its own (per-row) kernel
     assert draft_room(1, 3) == 3 and draft_room(0, 6) == 0
     assert all(n * (1 + draft_room(n, 16)) <= DRAFT_CALL_ROWS for n in range(1, 20) if draft_room(n, 16))
 
@@ -108,6 +109,16 @@ def test_timed_calls_decide_how_far_several_decoders_draft() -> None:
             costly.record(*shape, ms / 1000)
     s.costs = costly
     assert _decoders_call(s).width == 1  # drafts that cost more than they give: none
+
+
+def test_drafts_stop_short_of_the_fullest_streams_last_cell() -> None:
+    s = engine(slots=3, prefix_cache=0, draft_max=6, n_ctx_per_seq=64)
+    _decoding(s, 3, SEVENS)
+    s.release(s.active["d1"])  # slot 1 keeps its KV; decoders 0 and 2 draft over ids 0..2
+    assert _decoders_call(s).width == 5
+    s.kv.slot_kv[1].tokens = [7] * 62  # 2 cells left there: every id gets the widest draft's rows
+    call = _decoders_call(s)
+    assert call.span == (0, 2) and call.width == 2
 
 
 def test_no_draft_past_max_tokens_nor_without_a_match() -> None:

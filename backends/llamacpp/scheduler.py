@@ -326,8 +326,10 @@ class Scheduler:
         hi = max(j.seq_id for j in decoding)
         n, ids = len(decoding), hi - lo + 1
         undrafted = self._span(decoding, 1)
-        drafts = self._drafts(decoding, draft_room(ids, self.draft_max),
-                              (undrafted[1] - undrafted[0] + 1, n), lambda j, m: (ids * (1 + j), n + m * j))
+        # every id lo..hi gets the widest draft's rows: none may pass its stream's last cell
+        room = min(draft_room(ids, self.draft_max), min(self._cells_left(lo, hi)) - 1)
+        drafts = self._drafts(decoding, room, (undrafted[1] - undrafted[0] + 1, n),
+                              lambda j, m: (ids * (1 + j), n + m * j))
         if not drafts:
             return DecodeCall(decoders=decoding, span=undrafted, width=1)
         width = 1 + max(len(d) for d in drafts.values())
@@ -383,11 +385,19 @@ class Scheduler:
         jobs = sorted(short, key=lambda j: j.seq_id)
         left = [len(j.tokens) - j.n_past for j in jobs]  # each one's rows to prefill
         n = len(jobs)
+        lo = jobs[0].seq_id if jobs else 0
+        cells = self._cells_left(lo, jobs[-1].seq_id) if jobs else []
         best: list[tuple[int, int]] = [(0, 0)] + [(1 << 30, 0)] * n  # (cost, start of last run)
         for end in range(1, n + 1):
-            width = 0
+            width, room = 0, 1 << 30
             for start in range(end - 1, -1, -1):
                 width = max(width, left[start])
+                # the run now also pads the ids up to the next member: a running job or a free
+                # slot's kept KV there may leave too few cells for the width
+                upto = jobs[start + 1].seq_id if start + 1 < end else jobs[start].seq_id + 1
+                room = min(room, *cells[jobs[start].seq_id - lo:upto - lo])
+                if room < width:
+                    break
                 cost = best[start][0] + (jobs[end - 1].seq_id - jobs[start].seq_id + 1) * width + CALL_ROWS
                 if cost < best[end][0]:
                     best[end] = (cost, start)
@@ -400,6 +410,13 @@ class Scheduler:
                                     span=self._span(jobs[start:end], width), width=width))
             end = start
         return calls[::-1]
+
+    def _cells_left(self, lo: int, hi: int) -> list[int]:
+        """KV cells free in each stream lo..hi (per-slot streams of n_ctx_per_seq cells): after a
+        running job's KV, a free slot's kept KV or a prefix entry's."""
+        used = {e.seq_id: len(e.tokens) for e in (*self.kv.prefixes.values(), *self.kv.slot_kv.values())}
+        used.update((j.seq_id, j.n_past) for j in self.active.values())
+        return [self.n_ctx_per_seq - used.get(i, 0) for i in range(lo, hi + 1)]
 
     def _span(self, members: list[ActiveJob], width: int) -> tuple[int, int]:
         """The ids an equal-width ubatch covers. A lone decoder past SPLIT_KV_CELLS // 2 cells

@@ -15,7 +15,10 @@ about as much as the rest of the model: in the `vec_dot` regime rows cost about 
 (one decoder 10.6 ms, 4 decoders 33 ms on a 2-core AMD EPYC), while the tiled kernel gets cheaper
 a row as rows grow (4 decoders x 4 rows: 58 ms, x 7 rows: 92 ms). So a few decoders copying
 text gain most by drafting into the tiled regime. A drafted call holds at most DRAFT_CALL_ROWS
-rows (the logits buffer holds that many): 1 to 8 sequence ids draft, 9 and more do not.
+rows (the logits buffer holds that many): calls of 2 to 8 sequence ids draft, 9 and more do not;
+a lone decoder drafts at most TILED_MM_ROWS - 2 tokens, so it stays with its own kernel. Every id
+of an equal-width call gets the widest draft's rows, so drafts also stop short of the fullest
+stream's last cell.
 
 What that does to the text: a kept draft token is the argmax (or the seeded draw) of its own
 logits row, as in one-token steps; but when drafts take the call across TILED_MM_ROWS, those
@@ -38,7 +41,7 @@ most expected tokens per unit of time, (others + 1 + p + ... + p^j) / cost(j), w
 the call with every decoder that has something to propose drafting j, and `others` the tokens of
 the undrafted decoders sharing it, per drafter: a copy (p ~ 0.9) drafts to the cheap end of a
 stair, a summary (p ~ 0.4) not at all. A job that stopped drafting tries one token every
-PROBE_EVERY steps.
+PROBE_EVERY steps in which it had something to propose.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Sequence
+
+from backends.llamacpp.invariance import TILED_MM_ROWS
 
 NGRAM_MAX = 4  # longest suffix looked up
 NGRAM_MIN = 2  # a single repeated token predicts too little to pay for its rows
@@ -136,9 +141,12 @@ class NgramIndex:
 
 def draft_room(n_ids: int, k_max: int) -> int:
     """Draft tokens each decoder may propose when the decoders' call covers n_ids sequence ids
-    (equal-width ubatch): the call holds at most DRAFT_CALL_ROWS rows (see the module doc)."""
+    (equal-width ubatch): the call holds at most DRAFT_CALL_ROWS rows, and a lone decoder's
+    stays under TILED_MM_ROWS, the kernel it decodes with undrafted (see the module doc)."""
     if n_ids <= 0:
         return 0
+    if n_ids == 1:
+        return min(k_max, TILED_MM_ROWS - 2)
     return max(0, min(k_max, DRAFT_CALL_ROWS // n_ids - 1))
 
 
