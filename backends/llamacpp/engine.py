@@ -189,7 +189,7 @@ class LlamaCppBackend:
             "checkpoint_reuses": self.kv.checkpoint_reuses,
             "checkpoint_bytes": self.executor.checkpoint_bytes(),
             "ram_entries": len(self.kv.ram),
-            "ram_bytes": self.executor.ram_bytes(),
+            "ram_bytes": self.kv.ram_bytes(),
             "ram_budget": self.kv.ram_budget,
             "ram_reuses": self.kv.ram_reuses,
             "tokens_generated": self.scheduler.tokens_generated,

@@ -117,9 +117,6 @@ class Executor:
             raise RuntimeError(f"llama.cpp could not save the state of sequence {seq_id}")
         return data
 
-    def ram_bytes(self) -> int:
-        return sum(list(self.stash_sizes.values()))
-
     def _restore(self, op: Restore) -> None:
         # the bookkeeper only restores what was saved
         self._set_state(op.seq_id, self._checkpoints[(op.src, op.pos)], _WINDOWED)

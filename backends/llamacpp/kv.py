@@ -379,7 +379,9 @@ class KvBookkeeper:
         self._ops.append(Drop(key))
 
     def ram_bytes(self) -> int:
-        return sum(self.stash_sizes.get(k, 0) for k in self.ram)
+        """Bytes of the RAM entries. Stats may be read while a step runs on another thread
+        (backend.overlap): the sizes are copied (in C) first."""
+        return sum(size for key, size in list(self.stash_sizes.items()) if key in self.ram)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

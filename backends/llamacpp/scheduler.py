@@ -326,8 +326,9 @@ class Scheduler:
         hi = max(j.seq_id for j in decoding)
         n, ids = len(decoding), hi - lo + 1
         undrafted = self._span(decoding, 1)
-        # every id lo..hi gets the widest draft's rows: none may pass its stream's last cell
-        room = min(draft_room(ids, self.draft_max), min(self._cells_left(lo, hi)) - 1)
+        room = draft_room(ids, self.draft_max)
+        if room:  # every id lo..hi gets the widest draft's rows: none may pass its stream's last cell
+            room = min(room, min(self._cells_left(lo, hi)) - 1)
         drafts = self._drafts(decoding, room, (undrafted[1] - undrafted[0] + 1, n),
                               lambda j, m: (ids * (1 + j), n + m * j))
         if not drafts:

@@ -25,8 +25,7 @@ logits row, as in one-token steps; but when drafts take the call across TILED_MM
 logits come from the tiled kernel, and at a near-tie the text can differ from one-token decoding,
 as it already differs with the number of jobs decoding (8 decoders run tiled, 7 do not). With
 `batch_invariant` the tiled kernel runs at every size: the text is then the same with and without
-speculation, alone or batched, bit for bit; a lone decoder's drafts (7 rows) stay below the tiled
-kernel in either mode.
+speculation, alone or batched, bit for bit.
 
 Only plain jobs draft (`Sampling.is_plain`): a grammar, the penalties' history and the logprobs
 advance with every token, so those jobs decode one token at a time (simple, and surely right).

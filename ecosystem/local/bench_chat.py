@@ -26,12 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 
 from backends.model import default_model_path
 from ecosystem.local.bench_chat_report import ChatRun, print_report, summarise, write_json
-from ecosystem.local.bench_load import REQUEST_TIMEOUT, Sample, again_if_stale, streamed
+from ecosystem.local.bench_load import Sample, again_if_stale, http_client, streamed
 from ecosystem.local.bench_report import percentile
 from ecosystem.local.bench_setup import core_shares, machine_meta, start_fleet_workers, workdir
 from ecosystem.local.bench_text import paragraph, question
@@ -102,9 +101,7 @@ class ChatClient:
     """Streaming chat completions to one server, shared by the users' threads."""
 
     def __init__(self, url: str, users: int) -> None:
-        self.client = httpx.Client(base_url=url, timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=10),
-                                   limits=httpx.Limits(max_connections=users + 4,
-                                                       max_keepalive_connections=users + 4))
+        self.client = http_client(url, users)
 
     def turn(self, messages: list[dict[str, str]], max_tokens: int, user: int) -> tuple[Sample, int, str]:
         """One streamed answer: (TTFT, e2e, completion tokens or the error), prompt tokens, text."""
