@@ -196,6 +196,50 @@ def test_short_prompts_between_busy_slots_split_where_padding_costs_more_than_a_
     assert sum(c.n_rows() for c in calls) == (7 * 4 if width == 4 else 4 * 30)
 
 
+def test_newcomers_sharing_a_prefix_being_prefilled_wait_for_it_then_prefill_only_their_own() -> None:
+    s = engine(slots=4, prefix_cache=2)
+    preamble = prompt(300, 5000)
+    first, *rest = (preamble + prompt(30, 100_000 + 100 * i) for i in range(3))
+    admit(s, "a", first)
+    for i, tokens in enumerate(rest):
+        assert admit(s, f"b{i}", tokens) == []  # a burst: all arrive while "a" has prefilled nothing
+    assert admit(s, "other", prompt(300, 60_000)) == [s.active["other"]]  # no shared prefix: not held
+    assert s.free_slots() == 0  # the held ones keep their slots (the worker claims no more)
+    plan = s.plan_step()
+    assert {j.job_id for c in plan.calls for j, _ in c.prompts} == {"a", "other"}
+    execute(s, plan)
+    started = s.start_waiting()  # "a" holds the preamble now
+    assert [j.job_id for j in started] == ["b0", "b1"]
+    assert [j.n_past for j in started] == [300, 300]  # only their own 30 tokens left
+    assert [rows_of(c) for c in s.plan_step().calls] == [{j.seq_id: 30 for j in started}]
+
+
+def test_a_held_newcomer_starts_at_once_when_the_job_it_waits_for_goes() -> None:
+    s = engine(slots=2, prefix_cache=0)
+    preamble = prompt(200, 5000)
+    admit(s, "a", preamble + prompt(10, 100_000))
+    assert admit(s, "b", preamble + prompt(10, 200_000)) == []
+    s.release(s.active["a"], keep_kv=False)  # cancelled before its prompt was in
+    (b,) = s.start_waiting()
+    assert b.job_id == "b" and b.n_past == 0
+
+
+@pytest.mark.parametrize(("shared", "held"), [(40, False), (550, False), (900, True)])
+def test_a_newcomer_waits_only_for_a_long_prefix_it_cannot_reuse_yet(shared: int, held: bool) -> None:
+    s = engine(slots=4, prefix_cache=2)
+    admit(s, "a", prompt(shared, 5000) + prompt(1000 - shared, 100_000))
+    early = admit(s, "early", prompt(shared, 5000) + prompt(50, 200_000))
+    assert [j.job_id for j in early] == ([] if shared >= 64 else ["early"])
+    execute(s, s.plan_step())  # "a" prefilled its first chunk: 512 tokens
+    started = admit(s, "b", prompt(shared, 5000) + prompt(50, 300_000))
+    if not held:  # 40: too short to wait for; 550: 512 of it are there, 38 more are not worth a step
+        assert [(j.job_id, j.n_past) for j in started if j.job_id == "b"] == [("b", min(shared, 512))]
+        return
+    assert started == []
+    execute(s, s.plan_step())  # "a" prefilled the rest
+    assert [(j.job_id, j.n_past) for j in s.start_waiting()] == [("early", 900), ("b", 900)]
+
+
 def test_short_prompts_split_where_a_padded_stream_has_no_cells_for_the_width() -> None:
     s = engine(slots=3, prefix_cache=0, n_ctx_per_seq=64)
     for i in range(3):

@@ -193,6 +193,9 @@ class KvBookkeeper:
     def has_free_slot(self) -> bool:
         return bool(self._free_seq_ids)
 
+    def free_ids(self) -> int:
+        return len(self._free_seq_ids)
+
     def allocate(self, need: int, tokens: Sequence[int] = ()) -> int | None:
         """A slot's sequence id with `need` KV cells reserved, evicting cached prefixes to make
         room; None when the unified pool cannot hold `need` cells yet (running jobs will free
@@ -298,11 +301,7 @@ class KvBookkeeper:
                        ) -> tuple[int, PrefixEntry, ReuseSource, bool] | None:
         """The longest reusable prefix: (its length, where from, what kind, whether it needs a
         checkpoint of the source's windowed layers restored)."""
-        sources: list[tuple[PrefixEntry, ReuseSource]] = [(e, "entry") for e in self.prefixes.values()]
-        sources += [(e, "other slot") for e in self.slot_kv.values()]
-        sources += [(e, "ram") for e in self.ram.values()]
-        sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
-                    for o in running]
+        sources = self._sources(running)
         if kept is not None:
             sources.insert(0, (kept, "kept"))
         best: tuple[int, PrefixEntry, ReuseSource, bool] | None = None
@@ -312,6 +311,19 @@ class KvBookkeeper:
             if n >= worth and n > (best[0] if best else 0):
                 best = (n, source, kind, restore)
         return best
+
+    def longest_reusable(self, tokens: Sequence[int], running: Iterable[ActiveJob]) -> int:
+        """How many of `tokens` a job could reuse now from a cached prefix, another slot's kept
+        KV, host RAM or a running job (a free slot's own kept KV aside)."""
+        return max((self._reusable(source, tokens)[0] for source, _ in self._sources(running)), default=0)
+
+    def _sources(self, running: Iterable[ActiveJob]) -> list[tuple[PrefixEntry, ReuseSource]]:
+        sources: list[tuple[PrefixEntry, ReuseSource]] = [(e, "entry") for e in self.prefixes.values()]
+        sources += [(e, "other slot") for e in self.slot_kv.values()]
+        sources += [(e, "ram") for e in self.ram.values()]
+        sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
+                    for o in running]
+        return sources
 
     def _reusable(self, source: PrefixEntry, tokens: Sequence[int]) -> tuple[int, bool]:
         """How many of `tokens` can come from `source`'s KV, and whether that needs one of its

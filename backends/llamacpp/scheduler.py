@@ -14,7 +14,8 @@ new jobs join between steps.
 - Per-slot streams (kv_unified=false, the default): the same work split so that each row meets the same ggml
   kernels as if its job ran alone (what batch_invariant relies on; docs/ARCHITECTURE.md,
   "Determinism"): one call for the decoders, one for the short
-  prompts that fit (under FA_TILE_ROWS tokens: row-by-row attention however they are split), then
+  prompts that fit (under FA_TILE_ROWS rows left to prefill: row-by-row attention however they
+  are split; with batch_invariant, under FA_TILE_ROWS tokens in all), then
   each other prompt's chunk in a call of its own, cut at multiples of n_batch whatever the load.
   Calls that share a ubatch give every sequence id from the lowest to the highest member the same
   number of rows (`span`, `width`): llama.cpp cuts a per-stream batch into ubatches of
@@ -25,7 +26,9 @@ queued since the executor last got some, and the jobs that just got a slot (thei
 chains). Between steps an admission round is a plan with no calls.
 
 Admission: a job waits for a free slot and, in the unified pool, for room for its reservation
-(prompt + max_tokens, capped by n_ctx_per_seq); it keeps its place in line. Preemption (taking a
+(prompt + max_tokens, capped by n_ctx_per_seq); it keeps its place in line. A job whose prompt
+starts with a long prefix another job is prefilling right now waits for that prefix (keeping its
+slot) and then reuses it, so a burst sharing a new system prompt prefills it once. Preemption (taking a
 slot back from a running job) is not done yet: it would be a decision made here.
 """
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 from backends.base import Failed, JobRejected
 from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS
-from backends.llamacpp.kv import KvBookkeeper, KvOp
+from backends.llamacpp.kv import KvBookkeeper, KvOp, common_prefix
 from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
 from backends.llamacpp.state import ActiveJob, Sampled, WaitingJob
 from backends.llamacpp.updates import CallUpdate, advance
@@ -45,6 +48,9 @@ from backends.llamacpp.updates import CallUpdate, advance
 # What one more llama_decode costs, in prompt rows: a lone prompt's call took ~10.6 ms + 1.0 ms
 # a row on the embedded model (2 cores, AMD EPYC; 3 to 88 rows)
 CALL_ROWS = 11
+# a newcomer waits for a prefix another job is prefilling when it would reuse this many more
+# tokens by it (below, prefilling them beside it costs less than the wait's extra step)
+MIN_HELD_PREFIX = 64
 
 
 @dataclass(slots=True)
@@ -143,14 +149,18 @@ class Scheduler:
         when layers keep only their window). Returns the jobs started."""
         self.kv.oldest_held = oldest_held
         started: list[ActiveJob] = []
-        while self.waiting and self.kv.has_free_slot():
-            waiting = self.waiting[0]
+        held = 0  # jobs ahead waiting for a prefix being prefilled: their slots stay theirs
+        while len(self.waiting) > held and self.kv.free_ids() > held:
+            waiting = self.waiting[held]
+            if self._prefix_coming(waiting.tokens):
+                held += 1
+                continue
             need = min(len(waiting.tokens) + waiting.sampling.max_tokens, self.n_ctx_per_seq)
             seq_id = self.kv.allocate(need, waiting.tokens)
             if seq_id is None:
                 self.deferred_admissions += 1
                 break  # running jobs will free KV cells; the job keeps its place in line
-            self.waiting.pop(0)
+            self.waiting.pop(held)
             job = ActiveJob.start(waiting, seq_id, need)
             if self.draft_max and waiting.sampling.is_plain():  # see speculation.py
                 job.ngrams = NgramIndex(job.tokens)
@@ -158,6 +168,19 @@ class Scheduler:
             self.active[job.job_id] = job
             started.append(job)
         return started
+
+    def _prefix_coming(self, tokens: Sequence[int]) -> bool:
+        """Is a job still prefilling a long prefix of `tokens` that no KV holds yet? Then the
+        waiting job starts once it is there and reuses it: the same tokens prefilled beside it
+        would cost as much of the CPU as the wait does (a burst with a new system prompt)."""
+        coming = 0
+        for job in self.active.values():
+            if job.next_token is None:
+                n = min(common_prefix(job.tokens, tokens), len(tokens) - 1)
+                if n > job.n_past:
+                    coming = max(coming, n)
+        return (coming >= MIN_HELD_PREFIX
+                and self.kv.longest_reusable(tokens, self.active.values()) + MIN_HELD_PREFIX <= coming)
 
     def cancel_waiting(self, job_id: str) -> bool:
         for i, waiting in enumerate(self.waiting):
@@ -364,11 +387,13 @@ class Scheduler:
         return drafts
 
     def _pick_short(self, prefilling: list[ActiveJob]) -> tuple[list[ActiveJob], list[ActiveJob]]:
-        """Short prompts that fit one equal-width ubatch; the rest run alone."""
+        """Short prompts that fit one equal-width ubatch; the rest run alone. Short: under
+        FA_TILE_ROWS rows left to prefill (a reused history's new tokens too); with batch
+        invariance the whole prompt (a long prompt's rows must meet the kernels they meet alone)."""
         short: list[ActiveJob] = []
         alone: list[ActiveJob] = []
         for job in prefilling:
-            if len(job.tokens) < FA_TILE_ROWS:
+            if len(job.tokens) - (0 if self.kv.invariant else job.n_past) < FA_TILE_ROWS:
                 ids = [j.seq_id for j in short] + [job.seq_id]
                 width = max(len(j.tokens) - j.n_past for j in (*short, job))
                 if (max(ids) - min(ids) + 1) * width <= self.n_batch:
