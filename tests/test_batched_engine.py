@@ -233,6 +233,25 @@ def test_next_turn_reuses_the_slot_kv_and_keeps_the_text(engine: LlamaCppBackend
     assert texts["turn2"] == baseline["turn2"] and texts["turn2"]
 
 
+def test_a_burst_on_a_new_system_prompt_prefills_it_once(engine: LlamaCppBackend) -> None:
+    system = "You are the help desk of a small library; answer politely and briefly. " * 25
+    asks = [f"Question {i}: when do you open on day {i}?" for i in range(5)]
+    before = engine.stats()
+    for i, ask in enumerate(asks):  # all at once: none of them finds the system prompt anywhere
+        engine.admit(f"burst{i}", req(system + ask, 8, temperature=0.0))
+    burst, _ = run_all(engine)
+    prefilled = int(engine.stats()["prompt_tokens_prefilled"]) - int(before["prompt_tokens_prefilled"])
+    n_prefix = len(engine.model.prompt_tokens(req(system)))
+    per_ask = max(len(engine.model.prompt_tokens(req(system + a))) for a in asks) - n_prefix
+    # the system prompt once, then each question (and the FA_TILE_ROWS tokens batch invariance
+    # prefills again); five times the system prompt without waiting for it
+    assert prefilled <= n_prefix + 5 * (per_ask + FA_TILE_ROWS), (prefilled, n_prefix)
+    for i, ask in enumerate(asks):  # and the copied KV gives each the text it gets alone
+        engine.admit(f"alone{i}", req(system + ask, 8, temperature=0.0))
+        alone, _ = run_all(engine)
+        assert alone[f"alone{i}"] == burst[f"burst{i}"]
+
+
 def test_prefix_reuse_gives_the_same_greedy_text(engine: LlamaCppBackend) -> None:
     system = "The following is a conversation about the weather in spring. " * 5
     engine.admit("first", req(system + "It was sunny and", 12, temperature=0.0))
