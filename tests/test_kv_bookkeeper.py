@@ -10,6 +10,7 @@ from backends.llamacpp.kv import (
     Copy,
     Drop,
     KvBookkeeper,
+    PrefixEntry,
     Remove,
     Restore,
     Reuse,
@@ -317,6 +318,41 @@ def test_the_ram_entries_are_an_lru_within_the_byte_budget() -> None:
         kv.release(prefilled(job))
     # 100 bytes each, 250 allowed: each stash past two entries evicts the least recently used
     assert list(kv.ram) == [-3, -4] and drops == [-1, -2] and kv.ram_bytes() == 200
+
+
+def test_the_entry_a_newcomer_restores_is_not_evicted_by_stashing_its_slots_kv() -> None:
+    kv = bookkeeper(slots=1, prefix_cache=0, ram_budget=250)
+    for i in range(3):  # conversations 0 and 1 in RAM (-1, -2: the budget's two), 2 in the slot
+        job, _ = start(kv, f"c{i}", conversation(i))
+        kv.take_ops()
+        kv.stash_sizes.update({k: 100 for k in kv.ram})
+        kv.release(prefilled(job))
+    # conversation 0 returns: its entry is the least recently used one, and stashing the slot's
+    # KV (conversation 2) must evict one to fit the budget: conversation 1's, not the one restored
+    _, reuse = start(kv, "c0 again", [*conversation(0), *prompt(20, 90)])
+    assert reuse == Reuse(100, "ram", -1)
+    ops = kv.take_ops()
+    assert ops == [Stash(0, -3), Drop(-2), Remove(0), Unstash(-1, 0), Remove(0, 100)]
+    assert list(kv.ram) == [-3, -1]
+
+
+def test_the_entry_a_newcomer_restores_stays_though_the_slots_kv_holds_all_of_it() -> None:
+    # the slot's KV holds the entry's tokens and more, but its window moved on past the point the
+    # newcomer's prompt leaves it: the entry (whose window is held) is the source
+    kv = KvBookkeeper(slots=1, prefix_cache=0, n_ctx=4096, n_batch=512, per_slot=True, window=512,
+                      ram_budget=1 << 30)
+    kv.oldest_held = [0] * kv.n_streams
+    a, _ = start(kv, "a", conversation(0, 600))
+    kv.release(prefilled(a))
+    b, _ = start(kv, "b", conversation(1))  # conversation 0 stashed as -1, window from 0
+    kv.take_ops()
+    kv.release(prefilled(b))
+    kv.slot_kv[0] = PrefixEntry(0, [*conversation(0, 600), *prompt(900, 77)], 600)
+    kv.oldest_held = [1000] * kv.n_streams  # the slot's window holds positions 1000.. only
+    _, reuse = start(kv, "a again", [*conversation(0, 600), *prompt(10, 5)])
+    assert reuse == Reuse(600, "ram", -1)
+    assert [type(op).__name__ for op in kv.take_ops()] == ["Stash", "Remove", "Unstash", "Remove"]
+    assert -1 in kv.ram
 
 
 def test_an_entry_the_newer_one_holds_all_of_is_dropped() -> None:

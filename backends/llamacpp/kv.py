@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Literal
 
 from backends.llamacpp.invariance import reusable_prefix
@@ -272,7 +273,8 @@ class KvBookkeeper:
             self._queue(Remove(job.seq_id, n))
         else:
             if kept is not None:  # the copy goes into an empty sequence
-                self._stash(kept)
+                # stashing it must not evict the RAM entry about to be restored
+                self._stash(kept, keep=source.seq_id if kind == "ram" else None)
                 self._queue(Remove(job.seq_id))
             if kind == "ram":
                 self._queue(Unstash(source.seq_id, job.seq_id))
@@ -352,15 +354,17 @@ class KvBookkeeper:
 
     # -- host RAM ---------------------------------------------------------------------------------
 
-    def _stash(self, kept: PrefixEntry) -> int | None:
+    def _stash(self, kept: PrefixEntry, keep: int | None = None) -> int | None:
         """Keep a free slot's KV in host RAM before it is emptied, within the byte budget: the
-        entry's id, or None (too short, too big, or no budget)."""
+        entry's id, or None (too short, too big, or no budget). Entry `keep` stays whatever
+        the budget or the new entry holds."""
         n = len(kept.tokens)
         if (not self.ram_budget or n < MIN_STASH_TOKENS or kept.seq_id in self._changing
                 or self._estimate(n) > self.ram_budget):
             return None
         for key in [k for k, e in self.ram.items()  # what the new entry holds all of
-                    if len(e.tokens) <= n and common_prefix(e.tokens, kept.tokens) == len(e.tokens)]:
+                    if k != keep and len(e.tokens) <= n
+                    and common_prefix(e.tokens, kept.tokens) == len(e.tokens)]:
             self._drop_ram(key)
         key, self._next_key = self._next_key, self._next_key - 1
         self._queue(Stash(kept.seq_id, key))
@@ -368,7 +372,7 @@ class KvBookkeeper:
         held = self.oldest_held[kept.seq_id] if kept.seq_id < len(self.oldest_held) else 0
         self.ram_oldest[key] = held if self.window else 0
         self.checkpoints[key] = self.checkpoints.pop(kept.seq_id, [])  # the executor moves them too
-        self._fit_ram(self._estimate(n))
+        self._fit_ram(self._estimate(n), keep)
         return key
 
     def _estimate(self, n_tokens: int) -> int:
@@ -377,11 +381,14 @@ class KvBookkeeper:
         tokens = sum(t for t, _ in sized)
         return sum(b for _, b in sized) * n_tokens // tokens if tokens else 0
 
-    def _fit_ram(self, coming: int = 0) -> None:
+    def _fit_ram(self, coming: int = 0, keep: int | None = None) -> None:
         """Drop the least recently used entries while the entries (and `coming` bytes) pass the
-        budget; the newest entry stays."""
-        while len(self.ram) > 1 and self.ram_bytes() + coming > self.ram_budget:
-            self._drop_ram(next(iter(self.ram)))
+        budget; the newest entry stays, and `keep`."""
+        while self.ram_bytes() + coming > self.ram_budget:
+            oldest = next((k for k in islice(self.ram, len(self.ram) - 1) if k != keep), None)
+            if oldest is None:
+                return
+            self._drop_ram(oldest)
 
     def _drop_ram(self, key: int) -> None:
         del self.ram[key]
