@@ -9,7 +9,7 @@ import pytest
 
 from backends.base import Done, Failed, JobRejected, Token
 from backends.contract.schema import GenerateRequest, SamplingDefaults
-from backends.llamacpp.kv import Remove
+from backends.llamacpp.kv import KvBookkeeper, Remove
 from backends.llamacpp.scheduler import DecodeCall, Scheduler
 from backends.llamacpp.state import ActiveJob, Sampled
 from tests.engine_state import admit, engine, execute, prompt, rows_of
@@ -222,6 +222,26 @@ def test_a_held_newcomer_starts_at_once_when_the_job_it_waits_for_goes() -> None
     s.release(s.active["a"], keep_kv=False)  # cancelled before its prompt was in
     (b,) = s.start_waiting()
     assert b.job_id == "b" and b.n_past == 0
+
+
+def test_in_the_unified_pool_a_held_newcomer_keeps_its_cells() -> None:
+    s = engine(slots=4, prefix_cache=0, per_slot=False, n_ctx=900, n_ctx_per_seq=900)
+    preamble = prompt(300, 5000)
+    admit(s, "a", preamble + prompt(10, 100_000))  # 326 cells (prompt + 16 out)
+    assert admit(s, "w", preamble + prompt(10, 200_000)) == []  # held: 326 cells are its
+    assert admit(s, "x", prompt(300, 300_000)) == []  # 316 more would leave w too few
+    execute(s, s.plan_step())
+    assert [j.job_id for j in s.start_waiting()] == ["w"]  # in line before x
+    assert [j.job_id for j in s.waiting] == ["x"]
+
+
+def test_with_batch_invariance_a_newcomer_waits_only_for_what_it_may_reuse() -> None:
+    kv = KvBookkeeper(slots=4, prefix_cache=2, n_ctx=16384, n_batch=512, per_slot=True, invariant=True)
+    s = Scheduler(kv, n_batch=512, n_ctx_per_seq=4096)
+    admit(s, "a", prompt(100, 5000) + prompt(10, 100_000))
+    # 100 shared tokens, but invariance reuses only what leaves the kernel its prompt meets alone
+    (b,) = admit(s, "b", prompt(100, 5000) + prompt(10, 200_000))
+    assert b.job_id == "b"
 
 
 @pytest.mark.parametrize(("shared", "held"), [(40, False), (550, False), (900, True)])

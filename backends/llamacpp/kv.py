@@ -17,7 +17,7 @@ given as data, `oldest_held`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Literal
@@ -303,7 +303,7 @@ class KvBookkeeper:
                        ) -> tuple[int, PrefixEntry, ReuseSource, bool] | None:
         """The longest reusable prefix: (its length, where from, what kind, whether it needs a
         checkpoint of the source's windowed layers restored)."""
-        sources = self._sources(running)
+        sources = list(self._sources(running))
         if kept is not None:
             sources.insert(0, (kept, "kept"))
         best: tuple[int, PrefixEntry, ReuseSource, bool] | None = None
@@ -314,18 +314,22 @@ class KvBookkeeper:
                 best = (n, source, kind, restore)
         return best
 
-    def longest_reusable(self, tokens: Sequence[int], running: Iterable[ActiveJob]) -> int:
-        """How many of `tokens` a job could reuse now from a cached prefix, another slot's kept
-        KV, host RAM or a running job (a free slot's own kept KV aside)."""
-        return max((self._reusable(source, tokens)[0] for source, _ in self._sources(running)), default=0)
+    def longest_reusable(self, tokens: Sequence[int], running: Iterable[ActiveJob], enough: int) -> int:
+        """How many of `tokens` a job could reuse now from a cached prefix, a free slot's kept
+        KV, host RAM or a running job; the search stops at the first source with `enough`."""
+        best = 0
+        for source, _ in self._sources(running):
+            best = max(best, self._reusable(source, tokens)[0])
+            if best >= enough:
+                break
+        return best
 
-    def _sources(self, running: Iterable[ActiveJob]) -> list[tuple[PrefixEntry, ReuseSource]]:
-        sources: list[tuple[PrefixEntry, ReuseSource]] = [(e, "entry") for e in self.prefixes.values()]
-        sources += [(e, "other slot") for e in self.slot_kv.values()]
-        sources += [(e, "ram") for e in self.ram.values()]
-        sources += [(PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running")
-                    for o in running]
-        return sources
+    def _sources(self, running: Iterable[ActiveJob]) -> Iterator[tuple[PrefixEntry, ReuseSource]]:
+        yield from ((e, "entry") for e in self.prefixes.values())
+        yield from ((e, "other slot") for e in self.slot_kv.values())
+        yield from ((e, "ram") for e in self.ram.values())
+        for o in running:
+            yield PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running"
 
     def _reusable(self, source: PrefixEntry, tokens: Sequence[int]) -> tuple[int, bool]:
         """How many of `tokens` can come from `source`'s KV, and whether that needs one of its
@@ -384,7 +388,7 @@ class KvBookkeeper:
     def _fit_ram(self, coming: int = 0, keep: int | None = None) -> None:
         """Drop the least recently used entries while the entries (and `coming` bytes) pass the
         budget; the newest entry stays, and `keep`."""
-        while self.ram_bytes() + coming > self.ram_budget:
+        while len(self.ram) > 1 and self.ram_bytes() + coming > self.ram_budget:
             oldest = next((k for k in islice(self.ram, len(self.ram) - 1) if k != keep), None)
             if oldest is None:
                 return
@@ -407,7 +411,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens a and b share. Compared a block at a time (slices compare in C):
     every admission weighs every kept slot, RAM entry and running job, thousands of tokens each."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    head = min(n, 64)  # most pairs differ early: no copy of whole sequences for them
+    if a[:head] == b[:head] and a[:n] == b[:n]:
         return n
     i = 0
     while a[i:i + 64] == b[i:i + 64]:  # they differ before n: this ends

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from backends.base import Failed, JobRejected
 from backends.contract.schema import Sampling
-from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS
+from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS, reusable_prefix
 from backends.llamacpp.kv import KvBookkeeper, KvOp, common_prefix
 from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
 from backends.llamacpp.state import ActiveJob, Sampled, WaitingJob
@@ -143,19 +143,23 @@ class Scheduler:
         return StepPlan([], self.kv.take_ops(), started)
 
     def start_waiting(self, oldest_held: Sequence[int] = ()) -> list[ActiveJob]:
-        """Give free slots to waiting jobs, first come first served; each newcomer reuses what
-        KV it can (the bookkeeper queues the copies). oldest_held: per sequence id, the oldest
-        position its windowed layers still hold, read now (the bookkeeper's reuse rule needs it
-        when layers keep only their window). Returns the jobs started."""
+        """Give free slots to waiting jobs, first come first served, but for a job waiting for a
+        prefix another job is prefilling (`_prefix_coming`): it keeps its slot (and in the
+        unified pool its cells), and jobs behind it that need neither may start. Each newcomer
+        reuses what KV it can (the bookkeeper queues the copies). oldest_held: per sequence id,
+        the oldest position its windowed layers still hold, read now (the bookkeeper's reuse
+        rule needs it when layers keep only their window). Returns the jobs started."""
         self.kv.oldest_held = oldest_held
         started: list[ActiveJob] = []
-        held = 0  # jobs ahead waiting for a prefix being prefilled: their slots stay theirs
+        held, held_cells = 0, 0  # jobs ahead waiting for a prefix being prefilled
         while len(self.waiting) > held and self.kv.free_ids() > held:
             waiting = self.waiting[held]
-            if self._prefix_coming(waiting.tokens):
-                held += 1
-                continue
             need = min(len(waiting.tokens) + waiting.sampling.max_tokens, self.n_ctx_per_seq)
+            if self._prefix_coming(waiting.tokens):
+                held, held_cells = held + 1, held_cells + need
+                continue
+            if held_cells and not self.kv.fits(need + held_cells):
+                break  # the pool's cells go to the held jobs first
             seq_id = self.kv.allocate(need, waiting.tokens)
             if seq_id is None:
                 self.deferred_admissions += 1
@@ -177,10 +181,14 @@ class Scheduler:
         for job in self.active.values():
             if job.next_token is None:
                 n = min(common_prefix(job.tokens, tokens), len(tokens) - 1)
+                if self.kv.invariant:  # what the reuse rule will allow of it
+                    n = reusable_prefix(n, len(job.tokens), len(tokens), self.n_batch)
                 if n > job.n_past:
                     coming = max(coming, n)
-        return (coming >= MIN_HELD_PREFIX
-                and self.kv.longest_reusable(tokens, self.active.values()) + MIN_HELD_PREFIX <= coming)
+        if coming < MIN_HELD_PREFIX:
+            return False
+        enough = coming - MIN_HELD_PREFIX + 1  # a source with this much: no wait
+        return self.kv.longest_reusable(tokens, self.active.values(), enough) < enough
 
     def cancel_waiting(self, job_id: str) -> bool:
         for i, waiting in enumerate(self.waiting):
