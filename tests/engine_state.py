@@ -35,11 +35,16 @@ def execute(s: Scheduler, plan: StepPlan, seconds: float = 0.0) -> None:
     """A step of a model that samples token 7 on every row, through the scheduler's own rules
     (Scheduler.update): what the executor does, minus llama.cpp. Every call succeeds."""
     for call in plan.calls:
-        sampled = Sampled()
-        for job in _sampling(call):
-            sampled.rows[job.seq_id] = _sevens(call.drafts.get(job.seq_id, ()))
-        s.update(call, sampled, seconds)
+        s.update(call, sampled_sevens(call), seconds)
     s.end_step()
+
+
+def sampled_sevens(call: DecodeCall) -> Sampled:
+    """What the stand-in model samples for one call."""
+    sampled = Sampled()
+    for job in _sampling(call):
+        sampled.rows[job.seq_id] = _sevens(call.drafts.get(job.seq_id, ()))
+    return sampled
 
 
 def _sampling(call: DecodeCall) -> list[ActiveJob]:
