@@ -1,6 +1,7 @@
 """Chaos on the engine side: the llama-server a worker streams from is killed mid-run (SIGKILL)
 and comes back a few seconds later on the same port. Jobs cut off are retried (attempt + 1) or
-fail with a reason naming the engine; the worker stays up and serves new jobs afterwards."""
+fail with a reason naming the engine; the worker stays up and serves new jobs afterwards. And a
+fault inside the in-process engine hands its jobs back and leaves it clean."""
 
 from __future__ import annotations
 
@@ -55,3 +56,56 @@ def test_engine_killed_mid_run(redis_url: str, redis: Redis, tmp_path: Path) -> 
             assert "retrying it (attempt 2)" in worker.output()
     finally:
         engine.kill()
+
+
+def test_an_engine_fault_hands_every_job_back_and_the_engine_starts_clean() -> None:
+    """A bug inside the in-process engine (here: the bookkeeper raising while a job starts, then
+    a llama_decode wrapper raising mid-step) must not wedge it: every job in it fails retryably
+    (the worker hands those back), the KV is emptied, and the next job answers as on a fresh
+    engine."""
+    from backends.base import Done, Failed, Token
+    from backends.contract.schema import GenerateRequest
+    from backends.llamacpp import LlamaCppBackend
+    from backends.llamacpp_settings import LlamaCppSettings
+
+    engine = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx_per_seq=1024), threads=2)
+    ask = "The three primary colours are"
+
+    def run(job_id: str) -> str:
+        engine.admit(job_id, GenerateRequest(prompt=ask, max_tokens=12, temperature=0.0))
+        text = ""
+        for _ in range(200):
+            for ev in engine.step():
+                if isinstance(ev, Token) and ev.job_id == job_id:
+                    text += ev.text
+                if isinstance(ev, Done) and ev.job_id == job_id:
+                    return text
+        raise AssertionError("the job never ended")
+
+    try:
+        before = run("before")
+        for fault in ("admission", "step"):
+            for i in range(2):
+                request = GenerateRequest(prompt=f"{ask} {i}", max_tokens=50, temperature=0.0)
+                engine.admit(f"{fault}{i}", request)
+            engine.step()
+            engine.step()
+
+            def boom(*_: object) -> None:
+                raise RuntimeError("a bug")
+
+            if fault == "admission":
+                engine.kv.reuse_prefix = boom  # type: ignore[method-assign]
+                engine.admit(f"{fault}-new", GenerateRequest(prompt=ask, max_tokens=4))  # does not raise
+            else:
+                engine.executor.run = boom  # type: ignore[method-assign]
+            failed = {ev.job_id for ev in engine.step() if isinstance(ev, Failed) and ev.retryable}
+            assert failed >= {f"{fault}0", f"{fault}1"}, fault
+            stats = engine.stats()
+            assert stats["active"] == stats["waiting"] == 0 and engine.free_slots() == 4
+            if fault == "step":
+                del engine.executor.run  # the instance attribute: back to the method
+            assert run(f"after-{fault}") == before  # nothing stale in the KV, no slot lost
+        assert engine.stats()["faults"] == 2
+    finally:
+        engine.close()

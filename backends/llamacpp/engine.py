@@ -25,14 +25,15 @@ batch, and the attention sums cells in cell order).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llama_cpp as ll
 import psutil
 
-from backends.base import Done, Embedding, Event
+from backends.base import Done, Embedding, Event, Failed
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp.embedding import EmbeddingContext
 from backends.llamacpp.executor import Executor
@@ -43,6 +44,8 @@ from backends.llamacpp.scheduler import Scheduler, check_n_batch
 from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
 from backends.model_card import capabilities, gguf_card
+
+log = logging.getLogger(__name__)
 
 
 def keeps_whole_window(settings: LlamaCppSettings) -> bool:
@@ -81,22 +84,27 @@ class LlamaCppBackend:
         )
         self.n_ctx = ll.llama_n_ctx(self.model.ctx)  # llama.cpp rounds streams up to 256 cells
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
-        self.kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
-                               n_batch=self.n_batch, per_slot=self.per_slot,
-                               invariant=settings.batch_invariant, window=self.model.n_swa,
-                               checkpoints=settings.checkpoints, ram_budget=ram_budget(settings))
-        self.scheduler = Scheduler(self.kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
-                                   draft_max=settings.draft_max)
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
                                  per_slot=self.per_slot)
-        self.executor.stash_sizes = self.kv.stash_sizes  # the RAM budget weighs what was stored
+        self.kv, self.scheduler = self._bookkeeping()
         self._finished: list[Event] = []
         self.grammar_rejections = 0
+        self.faults = 0
         self.embed_batch = settings.embed_batch
         if settings.embed_model_path is not None and not settings.embed_model_path.exists():
             raise FileNotFoundError(f"embedding model file not found: {settings.embed_model_path}")
         self._embedding: EmbeddingContext | None = None  # made at the first embedding job
         self.embedded_inputs = 0
+
+    def _bookkeeping(self) -> tuple[KvBookkeeper, Scheduler]:
+        settings = self.settings
+        kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
+                          n_batch=self.n_batch, per_slot=self.per_slot, invariant=settings.batch_invariant,
+                          window=self.model.n_swa, checkpoints=settings.checkpoints,
+                          ram_budget=ram_budget(settings))
+        self.executor.stash_sizes = kv.stash_sizes  # the RAM budget weighs what was stored
+        return kv, Scheduler(kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
+                             draft_max=settings.draft_max)
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -115,7 +123,7 @@ class LlamaCppBackend:
         if sampling.format is not None:
             check_format(self.model, sampling.format)  # a schema that cannot compile fails now
         self.scheduler.enqueue(job_id, tokens, sampling)
-        self._start_waiting()
+        self._guarded(self._start_waiting)
 
     def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
         """Start a job again where a dead attempt left it: the prompt, then the text that attempt
@@ -132,7 +140,7 @@ class LlamaCppBackend:
         if sampling.format is not None and not grammar_takes(self.model, sampling.format, more):
             return False
         self.scheduler.enqueue(job_id, self.model.prompt_tokens(request) + more, sampling, resumed=len(more))
-        self._start_waiting()
+        self._guarded(self._start_waiting)
         return True
 
     def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
@@ -159,15 +167,40 @@ class LlamaCppBackend:
             self._finished.append(job.done)
 
     def step(self, timeout: float = 0.0) -> list[Event]:
+        self._guarded(self._step)
         events, self._finished = self._finished, []
+        if not events and not self.scheduler.active and timeout > 0:
+            time.sleep(min(timeout, 0.01))
+        return events
+
+    def _step(self) -> None:
         if not self.scheduler.active:
             self._start_waiting()
         if self.scheduler.active:
-            self._decode_step(events)
+            self._decode_step(self._finished)
             self._start_waiting()  # slots freed this step go to waiting jobs at once
-        elif timeout > 0 and not events:
-            time.sleep(min(timeout, 0.01))
-        return events
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        """An exception out of the engine's own work is a fault (a bug some mix of jobs met),
+        not one job's: the KV and the bookkeeping no longer agree. Every job in the engine fails
+        retryably (the worker hands each back for another attempt) and the engine starts clean:
+        empty KV, no cached prefixes, no RAM entries. Nothing wedges it."""
+        try:
+            work()
+        except Exception as e:
+            log.exception("engine fault; its %d jobs are handed back", len(self.scheduler.active))
+            jobs = [*self.scheduler.active.values()]
+            waiting = [w.job_id for w in self.scheduler.waiting]
+            for job in jobs:
+                self.executor.close_sequence(job.seq_id)
+            self.executor.clear()
+            old_kv, old = self.kv, self.scheduler
+            self.kv, self.scheduler = self._bookkeeping()
+            self.kv.carry_counters(old_kv)
+            self.scheduler.carry_counters(old)
+            self.faults += 1
+            self._finished += [Failed(j, f"engine fault ({type(e).__name__}): handed back", retryable=True)
+                               for j in [*(job.job_id for job in jobs), *waiting]]
 
     def model_card(self) -> dict[str, object]:
         m = self.model
@@ -199,6 +232,7 @@ class LlamaCppBackend:
             "deferred_admissions": self.scheduler.deferred_admissions,
             "decode_seconds": round(self.executor.decode_seconds, 3),
             "embedded_inputs": self.embedded_inputs,
+            "faults": self.faults,
         }
 
     def close(self) -> None:

@@ -271,6 +271,13 @@ class Executor:
         self.decode_calls += 1
         return int(rc)
 
+    def clear(self) -> None:
+        """Forget every sequence's KV and what is kept beside it (a fresh start after a fault)."""
+        ll.llama_memory_clear(self._memory, True)
+        self._checkpoints.clear()
+        self._ram.clear()
+        self._logits_row = [-1] * self._n_streams
+
     def close(self) -> None:
         for seq_id in range(len(self._samplers)):
             self.close_sequence(seq_id)

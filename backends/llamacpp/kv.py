@@ -164,6 +164,11 @@ class KvBookkeeper:
         self._ops: list[KvOp] = []
         self._changing: set[int] = set()  # sequence ids that queued ops will change
 
+    def carry_counters(self, old: KvBookkeeper) -> None:
+        """A fresh bookkeeper (after an engine fault) goes on counting where `old` was."""
+        self.reused_tokens, self.checkpoint_reuses, self.ram_reuses = (
+            old.reused_tokens, old.checkpoint_reuses, old.ram_reuses)
+
     def take_ops(self) -> list[KvOp]:
         """The KV operations decided since the last call, in order (for the executor)."""
         ops, self._ops = self._ops, []

@@ -118,6 +118,12 @@ class Scheduler:
         self._skipped_seconds = 0.0
         self._decoders_seconds = 0.0
 
+    def carry_counters(self, old: Scheduler) -> None:
+        """A fresh scheduler (after an engine fault) goes on counting where `old` was."""
+        for name in ("deferred_admissions", "steps", "prompt_tokens_prefilled", "tokens_generated",
+                     "draft_tokens", "draft_accepted"):
+            setattr(self, name, getattr(old, name))
+
     # -- admission --------------------------------------------------------------------------------
 
     def free_slots(self) -> int:
