@@ -109,3 +109,37 @@ def test_an_engine_fault_hands_every_job_back_and_the_engine_starts_clean() -> N
         assert engine.stats()["faults"] == 2
     finally:
         engine.close()
+
+
+def test_a_job_its_own_grammar_refuses_at_the_start_fails_alone() -> None:
+    """A per-job refusal met while a job starts (its grammar sampler) fails that job, not the
+    engine: the others go on, nothing is reset."""
+    from backends.base import Done, Failed, JobRejected
+    from backends.contract.schema import GenerateRequest
+    from backends.llamacpp import LlamaCppBackend
+    from backends.llamacpp.state import ActiveJob
+    from backends.llamacpp_settings import LlamaCppSettings
+
+    engine = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx_per_seq=1024), threads=2)
+    opened = engine.executor.open
+
+    def open_or_refuse(job: ActiveJob) -> None:
+        if job.job_id == "bad":
+            raise JobRejected("the grammar cannot be compiled")
+        opened(job)
+
+    engine.executor.open = open_or_refuse  # type: ignore[method-assign]
+    try:
+        engine.admit("good", GenerateRequest(prompt="Count: one, two,", max_tokens=8, temperature=0.0))
+        engine.admit("bad", GenerateRequest(prompt="Count: one, two,", max_tokens=8))
+        ends = {}
+        for _ in range(100):
+            ends.update({ev.job_id: ev for ev in engine.step() if isinstance(ev, Done | Failed)})
+            if len(ends) == 2:
+                break
+        assert isinstance(ends["bad"], Failed) and not ends["bad"].retryable
+        assert "grammar" in ends["bad"].error
+        assert isinstance(ends["good"], Done)
+        assert engine.stats()["faults"] == 0 and engine.free_slots() == 4
+    finally:
+        engine.close()
