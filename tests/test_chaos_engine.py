@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from redis import Redis
@@ -91,18 +92,20 @@ def test_an_engine_fault_hands_every_job_back_and_the_engine_starts_clean() -> N
             engine.step()
             engine.step()
 
-            def boom(*_: object) -> None:
+            def boom(*_: object) -> NoReturn:
                 raise RuntimeError("a bug")
 
             if fault == "admission":
-                engine.kv.reuse_prefix = boom  # type: ignore[method-assign]
+                engine.kv.reuse_prefix = boom  # type: ignore[method-assign, assignment]
                 engine.admit(f"{fault}-new", GenerateRequest(prompt=ask, max_tokens=4))  # does not raise
             else:
-                engine.executor.run = boom  # type: ignore[method-assign]
+                engine.executor.run = boom  # type: ignore[method-assign, assignment]
             failed = {ev.job_id for ev in engine.step() if isinstance(ev, Failed) and ev.retryable}
-            assert failed >= {f"{fault}0", f"{fault}1"}, fault
+            starting = {f"{fault}-new"} if fault == "admission" else set()
+            assert failed == {f"{fault}0", f"{fault}1", *starting}, fault
             stats = engine.stats()
-            assert stats["active"] == stats["waiting"] == 0 and engine.free_slots() == 4
+            assert stats["active"] == stats["waiting"] == stats["prefixes"] == stats["ram_entries"] == 0
+            assert engine.free_slots() == 4
             if fault == "step":
                 del engine.executor.run  # the instance attribute: back to the method
             assert run(f"after-{fault}") == before  # nothing stale in the KV, no slot lost

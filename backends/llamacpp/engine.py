@@ -183,24 +183,23 @@ class LlamaCppBackend:
     def _guarded(self, work: Callable[[], None]) -> None:
         """An exception out of the engine's own work is a fault (a bug some mix of jobs met),
         not one job's: the KV and the bookkeeping no longer agree. Every job in the engine fails
-        retryably (the worker hands each back for another attempt) and the engine starts clean:
-        empty KV, no cached prefixes, no RAM entries. Nothing wedges it."""
+        retryably (the worker hands each back for another attempt; one already finished ends as
+        it did) and the engine starts clean: empty KV, no cached prefixes, no RAM entries."""
         try:
             work()
-        except Exception as e:
-            log.exception("engine fault; its %d jobs are handed back", len(self.scheduler.active))
-            jobs = [*self.scheduler.active.values()]
-            waiting = [w.job_id for w in self.scheduler.waiting]
-            for job in jobs:
-                self.executor.close_sequence(job.seq_id)
-            self.executor.clear()
+        except Exception:
             old_kv, old = self.kv, self.scheduler
-            self.kv, self.scheduler = self._bookkeeping()
-            self.kv.carry_counters(old_kv)
-            self.scheduler.carry_counters(old)
+            log.exception("engine fault; its %d jobs are handed back", len(old.active) + len(old.waiting))
+            kv, scheduler = self._bookkeeping()
+            kv.carry_counters(old_kv)  # before the stats (read by the heartbeat) see them
+            scheduler.carry_counters(old)
+            self.executor.clear()
+            self.kv, self.scheduler = kv, scheduler
             self.faults += 1
-            self._finished += [Failed(j, f"engine fault ({type(e).__name__}): handed back", retryable=True)
-                               for j in [*(job.job_id for job in jobs), *waiting]]
+            why = "engine fault: handed back"
+            for job in old.active.values():
+                self._finished.append(job.done or Failed(job.job_id, why, retryable=True))
+            self._finished += [Failed(w.job_id, why, retryable=True) for w in old.waiting]
 
     def model_card(self) -> dict[str, object]:
         m = self.model

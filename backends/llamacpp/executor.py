@@ -273,6 +273,8 @@ class Executor:
 
     def clear(self) -> None:
         """Forget every sequence's KV and what is kept beside it (a fresh start after a fault)."""
+        for seq_id in range(self._n_streams):
+            self.close_sequence(seq_id)
         ll.llama_memory_clear(self._memory, True)
         self._checkpoints.clear()
         self._ram.clear()

@@ -170,11 +170,11 @@ class Scheduler:
             if seq_id is None:
                 self.deferred_admissions += 1
                 break  # running jobs will free KV cells; the job keeps its place in line
-            self.waiting.pop(held)
             job = ActiveJob.start(waiting, seq_id, need)
             if self.draft_max and waiting.sampling.is_plain():  # see speculation.py
                 job.ngrams = NgramIndex(job.tokens)
             self.kv.reuse_prefix(job, self.active.values())
+            self.waiting.pop(held)  # not before: a fault above must find the job in line
             self.active[job.job_id] = job
             started.append(job)
         return started
