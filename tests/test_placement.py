@@ -11,7 +11,15 @@ from collections import Counter
 from redis import Redis
 
 from backends.contract.affinity import FIELD, HELD_TTL, held_key, held_keys, job_keys
-from backends.contract.keys import CAPACITY_LIVE_MS, capacity_key, job_key, queue_key
+from backends.contract.keys import (
+    CAPACITY_LIVE_MS,
+    WORKER_WAKE_TTL,
+    capacity_key,
+    job_key,
+    queue_key,
+    wake_key,
+    worker_wake_key,
+)
 from backends.contract.schema import GenerateRequest
 from dispatcher import Fleet
 from tests.reliability_checks import Workers
@@ -66,6 +74,20 @@ def test_a_job_another_live_worker_holds_is_left_to_it(redis: Redis) -> None:
     # (a claim asks for as many jobs as the worker has free slots)
     assert ids(a.claim(4)) == ["anyone"]  # the head is b's: a takes the next one
     assert ids(a.claim(3)) == []  # only b's is left
+    assert ids(b.claim(4)) == ["for-b"]
+
+
+def test_a_job_left_to_its_holder_wakes_the_holder(redis: Redis) -> None:
+    a, b = Claimer(redis, "a", [QUEUE], slots=4), Claimer(redis, "b", [QUEUE], slots=4)
+    a.claim(4), b.claim(4)
+    hold(redis, "b", "beef")
+    enqueue(redis, "for-b", ["beef"])
+    assert ids(a.claim(4)) == [] and ids(a.claim(4)) == []  # left to b, twice
+    own = worker_wake_key(POOL, "b")
+    # b, idle, blocks on this list (worker/loop.py) and claims at once: one token, with a TTL
+    assert redis.lrange(own, 0, -1) == [b"1"] and 0 < redis.ttl(own) <= WORKER_WAKE_TTL
+    assert not redis.exists(worker_wake_key(POOL, "a"))
+    assert redis.blpop([wake_key(POOL), own], timeout=1) == (own.encode(), b"1")
     assert ids(b.claim(4)) == ["for-b"]
 
 

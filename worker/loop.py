@@ -41,7 +41,7 @@ from backends.base import (
     Token,
 )
 from backends.contract.embed import EmbedRequest
-from backends.contract.keys import cancel_key, job_key, queue_names, wake_key
+from backends.contract.keys import cancel_key, job_key, queue_names, wake_key, worker_wake_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT
@@ -80,6 +80,7 @@ class FleetWorker:
         self.name = name
         self.link = link or RedisLink()
         self.queues = queue_names(settings.pool)
+        self._wake_keys = [wake_key(settings.pool), worker_wake_key(settings.pool, name)]
         self.claimer = Claimer(redis, name, self.queues, weights=settings.gateway.tenant_weights(),
                                slots=backend.slots, pool=settings.pool, placement=settings.placement)
         hooks = job_hooks(settings) if hooks is None else hooks
@@ -239,7 +240,7 @@ class FleetWorker:
         try:
             try:
                 self._waiting_idle = True
-                self.redis.blpop([wake_key(self.settings.pool)], timeout=IDLE_WAIT)
+                self.redis.blpop(self._wake_keys, timeout=IDLE_WAIT)
             finally:
                 self._waiting_idle = False
         except _WokenBySignal:  # also when it lands in the finally above

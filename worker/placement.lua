@@ -1,8 +1,9 @@
 -- Placement by held prefixes (worker/claim.lua loads this first; backends/contract/affinity.py
 -- says what the keys are). A job hash's 'fleet_affinity' field lists its prefixes' keys, longest
 -- first; 'fleet:held:<pool>:<key>' names the worker that last ran that prefix and holds its KV.
--- A claim leaves to its holder a job that another live worker with a free slot holds: that
--- worker claims it within its next poll, and prefills only what is new. A holder that is full,
+-- A claim leaves to its holder a job that another live worker with a free slot holds, and wakes
+-- it (its own wake list): that worker claims it at once when idle, between steps when busy, and
+-- prefills only what is new. A holder that is full,
 -- busy in a long step or gone (its capacity entry, worker/balance.lua) is not waited for: then
 -- balance wins over the cache, as it should. Only the first LOOK_AHEAD jobs of a queue are
 -- looked at, and only when its head is left to another worker, so a claim costs O(1) when
@@ -33,9 +34,22 @@ local function placement(me, pool, capacity, now, live_ms, on)
     end
     return nil
   end
+  local woken = {}
+  local function wake(worker)  -- an idle holder blocks on its own wake list: it claims at once
+    if woken[worker] then return end
+    woken[worker] = true
+    local key = 'fleet:wake:' .. pool .. ':' .. worker  -- contract/keys.py: worker_wake_key
+    redis.call('LPUSH', key, '1')
+    redis.call('LTRIM', key, 0, 0)
+    redis.call('EXPIRE', key, 10)  -- WORKER_WAKE_TTL
+  end
   local function left_to_another(id)
     local holder = holder_of(id)
-    return holder ~= nil and holder ~= me and has_room(holder)
+    if holder ~= nil and holder ~= me and has_room(holder) then
+      wake(holder)
+      return true
+    end
+    return false
   end
   local function take_first(list, start, wanted)  -- the first of the look-ahead `wanted` takes
     for _, id in ipairs(redis.call('LRANGE', list, start, look_ahead - 1)) do

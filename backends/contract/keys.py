@@ -142,6 +142,16 @@ def wake_key(pool: str) -> str:
     return f"fleet:wake:{pool}"
 
 
+def worker_wake_key(pool: str, worker: str) -> str:
+    """One worker's own wake-up: a claim that leaves a job to the worker holding its prefix
+    pushes here (worker/placement.lua builds the same name), so an idle holder claims it at once
+    rather than at its next poll. At most one token, TTL WORKER_WAKE_TTL."""
+    return f"fleet:wake:{pool}:{worker}"
+
+
+WORKER_WAKE_TTL = 10  # seconds
+
+
 def capacity_key(pool: str) -> str:
     """hash worker name -> "free|slots|ms": each worker's free slots after its last claim (and
     when), so a claim takes only its share of a burst (claim.lua: balance)."""
