@@ -12,7 +12,12 @@ from typing import NoReturn
 import pytest
 from redis import Redis
 
+from backends.base import Done, Failed, JobRejected, Token
 from backends.contract.keys import worker_key
+from backends.contract.schema import GenerateRequest
+from backends.llamacpp import LlamaCppBackend
+from backends.llamacpp.state import ActiveJob
+from backends.llamacpp_settings import LlamaCppSettings
 from dispatcher import Fleet, JobFailed
 from ecosystem.local.llama_server import start_llama_server
 from ecosystem.local.processes import free_port
@@ -64,11 +69,6 @@ def test_an_engine_fault_hands_every_job_back_and_the_engine_starts_clean() -> N
     a llama_decode wrapper raising mid-step) must not wedge it: every job in it fails retryably
     (the worker hands those back), the KV is emptied, and the next job answers as on a fresh
     engine."""
-    from backends.base import Done, Failed, Token
-    from backends.contract.schema import GenerateRequest
-    from backends.llamacpp import LlamaCppBackend
-    from backends.llamacpp_settings import LlamaCppSettings
-
     engine = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx_per_seq=1024), threads=2)
     ask = "The three primary colours are"
 
@@ -117,12 +117,6 @@ def test_an_engine_fault_hands_every_job_back_and_the_engine_starts_clean() -> N
 def test_a_job_its_own_grammar_refuses_at_the_start_fails_alone() -> None:
     """A per-job refusal met while a job starts (its grammar sampler) fails that job, not the
     engine: the others go on, nothing is reset."""
-    from backends.base import Done, Failed, JobRejected
-    from backends.contract.schema import GenerateRequest
-    from backends.llamacpp import LlamaCppBackend
-    from backends.llamacpp.state import ActiveJob
-    from backends.llamacpp_settings import LlamaCppSettings
-
     engine = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx_per_seq=1024), threads=2)
     opened = engine.executor.open
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import llama_cpp as ll
 import psutil
 
-from backends.base import Done, Embedding, Event, Failed, JobRejected
+from backends.base import Done, Embedding, Event, Failed
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp.embedding import EmbeddingContext
 from backends.llamacpp.executor import Executor
@@ -246,16 +246,11 @@ class LlamaCppBackend:
     # -- one step -------------------------------------------------------------------------------
 
     def _start_waiting(self) -> None:
-        if not self.scheduler.can_start():
-            return
-        plan = self.scheduler.admission_round(self.executor.oldest_held())
-        self.executor.apply(plan.kv_ops)
-        for job in plan.started:
-            try:
-                self.executor.open(job)
-            except JobRejected as e:  # its own grammar: that job fails, not the engine
+        if self.scheduler.can_start():
+            plan = self.scheduler.admission_round(self.executor.oldest_held())
+            for job, why in self.executor.prepare(plan):  # that job fails, not the engine
                 self.scheduler.release(job, keep_kv=False)
-                self._finished.append(Failed(job.job_id, str(e)))
+                self._finished.append(Failed(job.job_id, why))
 
     def _decode_step(self, events: list[Event]) -> None:
         plan = self.scheduler.plan_step()

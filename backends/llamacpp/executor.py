@@ -61,11 +61,17 @@ class Executor:
 
     # -- KV and sampler chains --------------------------------------------------------------------
 
-    def prepare(self, plan: StepPlan) -> None:
-        """What a plan does before its calls: its KV operations, then the new jobs' chains."""
+    def prepare(self, plan: StepPlan) -> list[tuple[ActiveJob, str]]:
+        """What a plan does before its calls: its KV operations, then the new jobs' chains.
+        Returns the jobs whose chain refused them (their own grammar), with why."""
         self.apply(plan.kv_ops)
+        refused = []
         for job in plan.started:
-            self.open(job)
+            try:
+                self.open(job)
+            except JobRejected as e:
+                refused.append((job, str(e)))
+        return refused
 
     def oldest_held(self) -> list[int]:
         """Per sequence id, the oldest position its sliding-window layers still hold (-1: none);
