@@ -7,7 +7,7 @@ nothing holds yet; later waves find it in slots, prefix entries or host RAM. Per
 prompt tokens prefilled and reused, the first step's time. With `--compare`, every wave also runs
 with newcomers not waiting for a prefix another job is prefilling (the rule in
 backends/llamacpp/scheduler.py, MIN_HELD_PREFIX), on an engine of its own, alternated. Prints a
-table and writes JSON.
+table (with each wave's first tokens: median and last) and writes JSON.
 
     .venv/bin/python scripts/bench_burst.py --users 16 --waves 3 --compare
 """
@@ -27,6 +27,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from backends.base import Token  # noqa: E402
 from backends.contract.schema import GenerateRequest  # noqa: E402
 from backends.llamacpp import LlamaCppBackend, scheduler  # noqa: E402
 from backends.llamacpp_settings import LlamaCppSettings  # noqa: E402
@@ -44,14 +45,21 @@ def run_wave(engine: LlamaCppBackend, requests: list[GenerateRequest], tag: str)
     for i, request in enumerate(requests):
         engine.admit(f"{tag}-{i}", request)
     first_step = None
+    first_token: dict[str, float] = {}  # job id -> ms from the wave's start to its first token
     while engine.stats()["active"] or engine.stats()["waiting"]:
         t = time.perf_counter()
-        engine.step()
+        events = engine.step()
         if first_step is None:
             first_step = time.perf_counter() - t
+        for ev in events:
+            if isinstance(ev, Token) and ev.job_id not in first_token:
+                first_token[ev.job_id] = (time.perf_counter() - t0) * 1000
     after = engine.stats()
     out: dict[str, Any] = {k: int(after[k]) - int(before[k]) for k in COUNTED}  # type: ignore[call-overload]
-    out.update(wall_s=round(time.perf_counter() - t0, 3), first_step_ms=round((first_step or 0) * 1000, 1))
+    firsts = sorted(first_token.values()) or [0.0]
+    out.update(wall_s=round(time.perf_counter() - t0, 3), first_step_ms=round((first_step or 0) * 1000, 1),
+               first_token_p50_ms=round(firsts[len(firsts) // 2], 1),
+               first_token_last_ms=round(firsts[-1], 1))
     return out
 
 
@@ -81,13 +89,16 @@ def main(users: int, waves: int, threads: int, compare: bool, out: Path) -> None
     for engine in engines.values():
         engine.close()
     table = Table(title=f"{users} requests a wave, one preamble ({machine_meta()['cpu']})")
-    for col in ("wave", "mode", "wall s", "tok/s", "first step ms", "prefilled", "reused", "calls"):
+    for col in ("wave", "mode", "wall s", "tok/s", "first step ms", "first token p50 / last ms",
+                "prefilled", "reused", "calls"):
         table.add_column(col, justify="right")
     for r in rows:
         tok_s = r["tokens_generated"] / r["wall_s"]
         table.add_row(str(r["wave"]), r["mode"], f"{r['wall_s']:.2f}", f"{tok_s:.0f}",
-                      f"{r['first_step_ms']:.0f}", str(r["prompt_tokens_prefilled"]),
-                      str(r["prompt_tokens_reused"]), str(r["decode_calls"]))
+                      f"{r['first_step_ms']:.0f}",
+                      f"{r['first_token_p50_ms']:.0f} / {r['first_token_last_ms']:.0f}",
+                      str(r["prompt_tokens_prefilled"]), str(r["prompt_tokens_reused"]),
+                      str(r["decode_calls"]))
     console.print(table)
     out.write_text(json.dumps({"meta": machine_meta(), "users": users, "waves": rows}, indent=1))
     console.print(f"JSON: {out}")
