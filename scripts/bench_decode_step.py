@@ -51,12 +51,14 @@ def engine_ms(engine: LlamaCppBackend, n: int, round_: int, tokens: int) -> floa
         engine.admit(f"r{round_}-{n}-{i}", GenerateRequest(prompt=prompt, max_tokens=tokens, temperature=0.0))
     steps: list[float] = []
     while engine.stats()["active"] or engine.stats()["waiting"]:
-        decoding = engine.stats()["active"] == n and not engine.stats()["waiting"]
-        prefilled = engine.stats()["prompt_tokens_prefilled"]
+        before = engine.stats()
         t = time.perf_counter()
         engine.step()
-        if decoding and engine.stats()["prompt_tokens_prefilled"] == prefilled and engine.stats()["active"] == n:
-            steps.append(time.perf_counter() - t)
+        seconds = time.perf_counter() - t
+        after = engine.stats()
+        if (before["active"] == after["active"] == n and not before["waiting"]
+                and after["prompt_tokens_prefilled"] == before["prompt_tokens_prefilled"]):
+            steps.append(seconds)
     return statistics.median(steps) * 1000
 
 
@@ -83,7 +85,8 @@ def peer_ms(n: int, round_: int, tokens: int, threads: int, logs: Path) -> float
 @click.option("--rounds", type=int, default=2, show_default=True, help="alternating which side goes first")
 @click.option("--tokens", type=int, default=64, show_default=True)
 @click.option("--threads", type=int, default=2, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-decode-step.json"))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("bench-decode-step.json"))
 def main(rows: str, rounds: int, tokens: int, threads: int, out: Path) -> None:
     console = Console()
     sizes = [int(x) for x in rows.split(",")]
