@@ -19,7 +19,7 @@ from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from backends.contract.keys import inflight_key, queue_key
+from backends.contract.keys import inflight_key, queue_key, stream_key
 from dispatcher import Fleet, JobFailed
 from tests.harness import RedisServer, wait_for
 from tests.lossy import long_prompt, run_until
@@ -76,6 +76,26 @@ def test_cancel_of_a_running_job_keeps_its_partial_text(redis_url: str, redis: R
     assert 0 < res["usage"]["completion_tokens"] < 2000
     assert long_prompt(2000).startswith(res["text"])
     assert_exactly_one_final(redis, [job.id])
+
+
+@pytest.mark.parametrize("interval", [0.0, 0.1])
+def test_running_text_is_written_every_stream_interval_first_token_and_ending_at_once(
+        redis_url: str, redis: Redis, interval: float) -> None:
+    job = Fleet(redis_url).submit(prompt=long_prompt(80), max_tokens=80)
+    fw = fake_worker(redis_url, f"si{int(interval * 1000)}", backend=PACED, stream_interval=interval)
+    started = time.monotonic()
+    assert fw.run_until_idle(timeout=30).ended == {"finished": 1}
+    seconds = time.monotonic() - started
+    entries = redis.xrange(stream_key(job.id))
+    # one write (one script) stamps its entries with one server time: count the distinct times
+    writes = len({entry_id.decode().split("-")[0] for entry_id, _ in entries[:-1]})
+    if interval:  # the first token, then one write an interval (0.4 s of 5 ms steps: ~6 writes)
+        assert 3 <= writes <= 2 + seconds / interval, (writes, seconds)
+    else:  # every 5 ms step wrote its token
+        assert writes >= 60, writes
+    first, second = (entry_id.decode().split("-")[0] for entry_id, _ in entries[:2])
+    assert first != second  # the first token went out on its own, at once
+    assert job.result(timeout=1)["text"] == long_prompt(80)  # every token, in order, then the end
 
 
 def test_a_job_past_its_timeout_fails_and_the_worker_serves_on(redis_url: str, redis: Redis) -> None:

@@ -102,6 +102,7 @@ class FleetWorker:
         self.engine_hold = EngineHold()  # after an engine failure: pause claiming (read by the heartbeat)
         self._waiting_idle = False  # in the blocking wait on the wake list (the signal handler looks)
         self._cancel_check_at = 0.0  # next look at the running jobs' cancel flags (monotonic)
+        self._write_at = 0.0  # next write of running jobs' text (monotonic)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -325,7 +326,10 @@ class FleetWorker:
             if job.ending is None and now > job.deadline and not job.timed_out:
                 job.timed_out = True  # the Done(cancelled) that follows becomes a failure
                 self._cancel(job.id)
-        if self.link.ready():
+        # running jobs' text goes out every stream_interval; a first token or an ending at once
+        due = now >= self._write_at or endings.urgent(self.inflight.values(), self.to_requeue)
+        if self.link.ready() and due:
+            self._write_at = now + self.settings.stream_interval
             self._talk("writing results", self._flush)
         if not self.link.up:
             self._bound_buffer()

@@ -49,6 +49,10 @@ class FleetSettings(ProducerSettings):
     placement: bool = Field(True, description="claim the jobs whose prefixes (a chat's history) this "
                             "worker holds, and leave to other live workers with a free slot the ones "
                             "they hold (worker/placement.lua); false: queue order only")
+    stream_interval: float = Field(0.03, ge=0, le=1, description="seconds between writes of running "
+                                   "jobs' new text to Redis (fewer writes, and less CPU taken from the "
+                                   "engine: a few tokens a write at one user); a job's first text and "
+                                   "every ending go out at once; 0: after every step")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
     reconcile_interval: float = Field(5.0, gt=0, le=60, description="seconds between checks that Redis "
                                       "and the loop agree on the jobs this worker holds")
