@@ -19,7 +19,7 @@ from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from backends.contract.keys import inflight_key, queue_key, stream_key
+from backends.contract.keys import inflight_key, queue_key
 from dispatcher import Fleet, JobFailed
 from tests.harness import RedisServer, wait_for
 from tests.lossy import long_prompt, run_until
@@ -83,19 +83,35 @@ def test_running_text_is_written_every_stream_interval_first_token_and_ending_at
         redis_url: str, redis: Redis, interval: float) -> None:
     job = Fleet(redis_url).submit(prompt=long_prompt(80), max_tokens=80)
     fw = fake_worker(redis_url, f"si{int(interval * 1000)}", backend=PACED, stream_interval=interval)
+    writes: list[int] = []  # the deltas of each write of the job's text
+    queue_text = fw.writes.queue_text
+
+    def counted(jobs: Any, pipe: Any) -> list[int]:
+        counts = queue_text(jobs, pipe)
+        writes.extend(n for j, n in zip(jobs, counts, strict=True) if j.id == job.id and n)
+        return counts
+
+    fw.writes.queue_text = counted  # type: ignore[method-assign]
     started = time.monotonic()
     assert fw.run_until_idle(timeout=30).ended == {"finished": 1}
     seconds = time.monotonic() - started
-    entries = redis.xrange(stream_key(job.id))
-    # one write (one script) stamps its entries with one server time: count the distinct times
-    writes = len({entry_id.decode().split("-")[0] for entry_id, _ in entries[:-1]})
-    if interval:  # the first token, then one write an interval (0.4 s of 5 ms steps: ~6 writes)
-        assert 3 <= writes <= 2 + seconds / interval, (writes, seconds)
+    assert writes[0] == 1  # the first token went out on its own, at once
+    if interval:  # then one write an interval (0.4 s of 5 ms steps: ~5 writes)
+        assert 3 <= len(writes) <= 2 + seconds / interval, (writes, seconds)
     else:  # every 5 ms step wrote its token
-        assert writes >= 60, writes
-    first, second = (entry_id.decode().split("-")[0] for entry_id, _ in entries[:2])
-    assert first != second  # the first token went out on its own, at once
+        assert writes == [1] * len(writes) and len(writes) >= 60, writes
     assert job.result(timeout=1)["text"] == long_prompt(80)  # every token, in order, then the end
+
+
+def test_a_cancel_is_seen_at_once_however_long_the_stream_interval(redis_url: str, redis: Redis) -> None:
+    job = Fleet(redis_url).submit(prompt=long_prompt(2000), max_tokens=2000)
+    fw = fake_worker(redis_url, "si-cancel", backend=PACED, stream_interval=1.0)
+    run_until([fw], lambda: job.id in fw.inflight and fw.inflight[job.id].sent > 0, what="streaming")
+    assert job.cancel() == "cancelling"
+    started = time.monotonic()
+    assert fw.run_until_idle(timeout=30).ended == {"cancelled": 1}
+    assert time.monotonic() - started < 0.5  # the flags are read every 50 ms, not every write
+    assert long_prompt(2000).startswith(job.result(timeout=1)["text"])
 
 
 def test_a_job_past_its_timeout_fails_and_the_worker_serves_on(redis_url: str, redis: Redis) -> None:

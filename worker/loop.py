@@ -4,7 +4,8 @@
         claim up to backend.free_slots() jobs     (block briefly only when nothing is in flight)
         events = backend.step()                   (one batched decode / drain of HTTP streams)
         events change the jobs' state in memory  (text deltas, endings, restarts)
-        flush: one pipeline of text deltas + cancel checks, then the endings in one MULTI that
+        flush (every stream_interval; a first token, an ending or a hand-back at once): one
+               pipeline of text deltas + cancel checks, then the endings in one MULTI that
                applies only to jobs this worker still holds, then requeues (worker/endings.py)
 
 Redis outages: generation does not wait for Redis. Unwritten deltas and endings stay on the jobs
@@ -326,11 +327,13 @@ class FleetWorker:
             if job.ending is None and now > job.deadline and not job.timed_out:
                 job.timed_out = True  # the Done(cancelled) that follows becomes a failure
                 self._cancel(job.id)
-        # running jobs' text goes out every stream_interval; a first token or an ending at once
-        due = now >= self._write_at or endings.urgent(self.inflight.values(), self.to_requeue)
-        if self.link.ready() and due:
-            self._write_at = now + self.settings.stream_interval
-            self._talk("writing results", self._flush)
+        # running jobs' text goes out every stream_interval, a first token or an ending at once;
+        # the cancel flags are read at their own pace (CANCEL_CHECK_INTERVAL)
+        text = now >= self._write_at or endings.urgent(self.inflight.values(), self.to_requeue)
+        if self.link.ready() and (text or now >= self._cancel_check_at):
+            if text:
+                self._write_at = now + self.settings.stream_interval
+            self._talk("writing results", lambda: self._flush(text))
         if not self.link.up:
             self._bound_buffer()
 
@@ -376,8 +379,9 @@ class FleetWorker:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def _flush(self) -> None:
-        """Everything Redis has not seen yet, in order: deltas, then endings, then hand-backs."""
+    def _flush(self, text: bool = True) -> None:
+        """Everything Redis has not seen yet, in order: deltas (unless `text` is False: a look at
+        the cancel flags only), then endings, then hand-backs."""
         jobs = list(self.inflight.values())
         # a fast engine steps every few ms: checking cancels each step would outnumber the writes
         checked: list[ClaimedJob] = []
@@ -386,12 +390,13 @@ class FleetWorker:
             checked = [j for j in jobs if j.ending is None]
             self._cancel_check_at = now + CANCEL_CHECK_INTERVAL
         with self.redis.pipeline(transaction=False) as pipe:
-            counts = self.writes.queue_text(jobs, pipe)
+            counts = self.writes.queue_text(jobs, pipe) if text else []
             for job in checked:  # a producer's cancel, or RQ's own job.cancel()
                 pipe.exists(cancel_key(job.id))
                 pipe.hget(job_key(job.id), "status")
             replies = pipe.execute(raise_on_error=False)
-        self.writes.text_sent(jobs, counts)
+        if text:
+            self.writes.text_sent(jobs, counts)
         checks = replies[len(replies) - 2 * len(checked):]
         for job, cancelled, status in zip(checked, checks[::2], checks[1::2], strict=True):
             if cancelled is True or cancelled == 1 or status == b"canceled":

@@ -63,7 +63,8 @@ class FileAndEnvSettings(BaseSettings):
 # FleetSettings' fields).
 OTHER_PARTS_KEYS = frozenset({
     "name", "backend", "cpus", "numa_node", "heartbeat_interval", "max_attempts", "reserved_slots",
-    "batch_share", "placement", "drain_grace", "reconcile_interval", "observe", "health_file", "gateway",
+    "batch_share", "placement", "stream_interval", "drain_grace", "reconcile_interval", "observe",
+    "health_file", "gateway",
 })
 
 
