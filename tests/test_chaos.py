@@ -105,7 +105,9 @@ def test_outage_longer_than_the_write_buffer_requeues(tmp_path: Path) -> None:
     with RedisServer.start(tmp_path / "redis", extra=["--appendonly", "yes"]) as server, \
             fleet_workers(server.url, tmp_path / "logs") as workers:
         redis = server.client()
-        worker = workers.start("f1", backend__type="fake", backend__slots=8)
+        # ~2,000 tokens a second a job: the jobs outlast the wait, and 3 s of them overflow the
+        # buffer, whatever the worker's write cadence
+        worker = workers.start("f1", backend__type="fake", backend__slots=8, backend__step_delay=0.0005)
         fleet = Fleet(server.url)
         jobs = [fleet.submit(prompt=" ".join(words), max_tokens=8192) for _ in range(8)]
         wait_for(lambda: len(streaming(redis, "f1")) == 8, 60, "8 jobs generating")

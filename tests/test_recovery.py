@@ -50,7 +50,9 @@ def test_sigterm_drain_requeues_what_outlasts_the_grace(redis_url: str, redis: R
     fleet = Fleet(redis_url)
     long_prompt = " ".join(f"w{i}" for i in range(8000))
     with fleet_workers(redis_url, tmp_path / "logs") as workers:
-        first = workers.start("g1", backend__type="fake", backend__slots=8, drain_grace=0.5)
+        # 1 ms a token: 8,000 tokens outlast the grace whatever the worker's write cadence
+        first = workers.start("g1", backend__type="fake", backend__slots=8, backend__step_delay=0.001,
+                              drain_grace=0.5)
         running = [fleet.submit(prompt=long_prompt, max_tokens=8000) for _ in range(8)]
         wait_for(lambda: len(streaming(redis, "g1")) == 8, 60, "8 jobs generating")
         waiting = [fleet.submit(prompt="short one", max_tokens=4) for _ in range(2)]
