@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis import Redis
@@ -252,12 +252,6 @@ def write_text(job: ClaimedJob, pipe: Pipeline, worker: str, hooks: Hooks = ()) 
         for hook in hooks:
             hook.on_restart(restart, pipe)
     return len(job.unsent)
-
-
-def urgent(jobs: Iterable[ClaimedJob], requeues: Mapping[str, object]) -> bool:
-    """Writes that go out at once rather than at the next stream interval: an ending, a hand-back,
-    an attempt's first text (what time to first token measures)."""
-    return bool(requeues) or any(j.ending is not None or (j.unsent and not j.sent) for j in jobs)
 
 
 def mark_text_sent(job: ClaimedJob, count: int) -> None:

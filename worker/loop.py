@@ -55,6 +55,7 @@ from worker.embed_jobs import EmbedQueue
 from worker.endings import AttemptWriter, Contended
 from worker.hooks import JobHook
 from worker.link import RedisLink
+from worker.pacing import EVERYTHING, Due, WritePacer
 from worker.priority import ClaimPolicy
 from worker.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
 from worker.settings import FleetSettings
@@ -62,7 +63,6 @@ from worker.settings import FleetSettings
 log = logging.getLogger("fleet.worker")
 IDLE_WAIT = 0.25  # seconds an idle worker blocks on the wake list before polling the queues
 OUTAGE_BUFFER_ENTRIES = 16_384  # unwritten text deltas held through a Redis outage, all jobs
-CANCEL_CHECK_INTERVAL = 0.05  # seconds between looks at the running jobs' cancel flags (2 reads a job)
 GIVE_WAY_EVERY = 0.02  # seconds between looks for tenants waiting below their share of the slots
 
 
@@ -102,8 +102,7 @@ class FleetWorker:
         self._reconcile_at = time.monotonic() + self.settings.reconcile_interval
         self.engine_hold = EngineHold()  # after an engine failure: pause claiming (read by the heartbeat)
         self._waiting_idle = False  # in the blocking wait on the wake list (the signal handler looks)
-        self._cancel_check_at = 0.0  # next look at the running jobs' cancel flags (monotonic)
-        self._write_at = 0.0  # next write of running jobs' text (monotonic)
+        self.pacer = WritePacer(settings.stream_interval)  # when a step's writes go out
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -327,13 +326,8 @@ class FleetWorker:
             if job.ending is None and now > job.deadline and not job.timed_out:
                 job.timed_out = True  # the Done(cancelled) that follows becomes a failure
                 self._cancel(job.id)
-        # running jobs' text goes out every stream_interval, a first token or an ending at once;
-        # the cancel flags are read at their own pace (CANCEL_CHECK_INTERVAL)
-        text = now >= self._write_at or endings.urgent(self.inflight.values(), self.to_requeue)
-        if self.link.ready() and (text or now >= self._cancel_check_at):
-            if text:
-                self._write_at = now + self.settings.stream_interval
-            self._talk("writing results", lambda: self._flush(text))
+        if self.link.ready() and (due := self.pacer.due(now, self.inflight.values(), self.to_requeue)):
+            self._talk("writing results", lambda: self._flush(due))
         if not self.link.up:
             self._bound_buffer()
 
@@ -379,23 +373,18 @@ class FleetWorker:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def _flush(self, text: bool = True) -> None:
-        """Everything Redis has not seen yet, in order: deltas (unless `text` is False: a look at
-        the cancel flags only), then endings, then hand-backs."""
+    def _flush(self, due: Due = EVERYTHING) -> None:
+        """Everything Redis has not seen yet, in order: deltas, then endings, then hand-backs;
+        with them, a look at the running jobs' cancel flags (what is `due`: worker/pacing.py)."""
         jobs = list(self.inflight.values())
-        # a fast engine steps every few ms: checking cancels each step would outnumber the writes
-        checked: list[ClaimedJob] = []
-        now = time.monotonic()
-        if now >= self._cancel_check_at:
-            checked = [j for j in jobs if j.ending is None]
-            self._cancel_check_at = now + CANCEL_CHECK_INTERVAL
+        checked = [j for j in jobs if j.ending is None] if due.cancels else []
         with self.redis.pipeline(transaction=False) as pipe:
-            counts = self.writes.queue_text(jobs, pipe) if text else []
+            counts = self.writes.queue_text(jobs, pipe) if due.text else []
             for job in checked:  # a producer's cancel, or RQ's own job.cancel()
                 pipe.exists(cancel_key(job.id))
                 pipe.hget(job_key(job.id), "status")
             replies = pipe.execute(raise_on_error=False)
-        if text:
+        if due.text:
             self.writes.text_sent(jobs, counts)
         checks = replies[len(replies) - 2 * len(checked):]
         for job, cancelled, status in zip(checked, checks[::2], checks[1::2], strict=True):
