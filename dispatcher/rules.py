@@ -15,7 +15,6 @@ carries these plans out on its own client (dispatcher/plans.py) and owns its ret
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -24,12 +23,11 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis import Redis
-from redis.typing import EncodableT
 from rq.job import Job, JobStatus
-from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
+from backends.contract import queue as queue_model
 from backends.contract import tools
 from backends.contract.affinity import FIELD as AFFINITY_FIELD
 from backends.contract.affinity import job_keys
@@ -38,18 +36,13 @@ from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENQUEUED_MS_META,
     FAIR_TTL,
-    FINAL_FIELD,
     JOB_FUNCTION,
+    RQ_QUEUES_SET,
     cancel_key,
-    canceled_registry_key,
-    fair_key,
     job_key,
     queue_key,
-    stream_key,
-    tenant_queue_name,
     wake_key,
 )
-from backends.contract.lua import lua_script
 from backends.contract.replies import as_int, as_str
 from backends.contract.schema import (
     PRIORITIES,
@@ -68,8 +61,6 @@ CLIENT_OPTIONS: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout":
                                   "health_check_interval": 30}
 WAKE_TOKENS_KEPT = 64
 UNREACHABLE = "unknown: Redis unreachable"  # the status a timeout reports when Redis is away too
-# Cancels a job that is still queued, in one step (KEYS, ARGV and reply: the script's header).
-CANCEL_QUEUED = lua_script("dispatcher", "cancel_queued.lua")
 # RQ's Job wants a connection object even to build, serialise or decode a job, which makes no
 # call; this one has nowhere to connect, so a call RQ made through it would fail loudly.
 RQ_OFFLINE = Redis(unix_socket_path="/nonexistent/llama-fleet-rq-offline")
@@ -114,14 +105,13 @@ class PreparedJob:
         job hash, the id at the queue's tail. A tenant's job waits in its tenant's queue beside
         `queue`, and the tenant joins the queue's fair share (worker/claim.lua)."""
         tenant = self.payload.get("tenant")
-        target = tenant_queue_name(queue, tenant)
+        target, fair = queue_model.enqueue_target(queue, tenant)
         job = self.rq_job(target, enqueued_ms)
-        calls: list[Call] = [cmd("sadd", Queue.redis_queues_keys, queue_key(target)),
+        calls: list[Call] = [cmd("sadd", RQ_QUEUES_SET, queue_key(target)),
                              cmd("hset", job_key(self.job_id), mapping=self._hash(job)),
                              cmd("rpush", queue_key(target), self.job_id)]
-        if target != queue:
-            calls += [cmd("zadd", fair_key(queue), {tenant: 0}, nx=True),
-                      cmd("expire", fair_key(queue), FAIR_TTL)]
+        if fair is not None:
+            calls += [cmd("zadd", fair, {tenant: 0}, nx=True), cmd("expire", fair, FAIR_TTL)]
         return calls
 
     def _hash(self, job: Job) -> dict[str, Any]:
@@ -188,25 +178,16 @@ def cancel_plan(job_id: str, result_ttl: int, job_timeout: int) -> Plan[str]:
     """Cancel: 'cancelled' (was queued, now off its queue), 'cancelling' (running: it stops at
     its next step) or the final status of a job that already ended."""
     origin, attempts = yield from ask(cmd("hmget", job_key(job_id), ["origin", ATTEMPT_FIELD]))
-    queue = as_str(origin)
-    if queue is not None:
-        keys, args = cancel_queued_call(job_id, queue, as_int(attempts), result_ttl)
-        if (yield from ask(Eval(CANCEL_QUEUED, keys, args))):
+    if as_str(origin) is not None:
+        result = cancelled_in_queue(job_id, as_int(attempts) + 1).model_dump()
+        keys, args = queue_model.cancel_queued_call(job_id, result, result_ttl, time.time())
+        if (yield from ask(Eval(queue_model.CANCEL_QUEUED, keys, args))):
             return "cancelled"
     status = yield from status_plan(job_id)
     if status in ENDED_STATUSES:
         return status
     yield from ask(cmd("set", cancel_key(job_id), 1, ex=job_timeout + 60))
     return "cancelling"
-
-
-def cancel_queued_call(job_id: str, queue: str, attempts: int,
-                       result_ttl: int) -> tuple[list[str], list[EncodableT]]:
-    """KEYS and ARGV of CANCEL_QUEUED for a job on `queue` that ran `attempts` times before."""
-    result = cancelled_in_queue(job_id, attempts + 1).model_dump()
-    keys = [queue_key(queue), job_key(job_id), stream_key(job_id), canceled_registry_key(queue)]
-    args: list[EncodableT] = [job_id, json.dumps(result), result_ttl, time.time(), ATTEMPT_FIELD, FINAL_FIELD]
-    return keys, args
 
 
 # -- reading a result -------------------------------------------------------------------------------

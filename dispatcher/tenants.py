@@ -2,7 +2,7 @@
 usage read back.
 
 Limits that must hold across gateway processes and hosts live in Redis and change in the one
-script that admits (tenant_admit.lua): jobs admitted and not ended (`max_concurrent`), admitted
+script that admits (the queue model's admit.lua): jobs admitted and not ended (`max_concurrent`), admitted
 and not started (`max_queued`), requests and tokens in this minute. A worker's hook
 (worker/tenant_usage.py) lets go of a job's places as it starts and ends and counts its tokens, in
 the same MULTI as the job's own final entry, so usage is counted exactly once.
@@ -14,21 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from backends.contract import queue as queue_model
 from backends.contract.keys import (
     USAGE_TENANTS,
     tenant_open_key,
     tenant_queued_key,
-    tenant_rate_prefix,
     usage_key,
-    usage_prefix,
 )
-from backends.contract.lua import lua_script
 from backends.contract.replies import as_str
 from dispatcher.plans import Eval, Plan, ask, cmd, gather
-
-# Reserve a request's jobs against the tenant's limits, or refuse them all (KEYS, ARGV and
-# reply: the script's header).
-TENANT_ADMIT = lua_script("dispatcher", "tenant_admit.lua")
 
 USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "queue_ms", "failed")
 LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued")
@@ -48,31 +42,53 @@ class Limits:
         return any(v is not None for v in (self.max_concurrent, self.max_queued, self.requests_per_minute,
                                            self.tokens_per_minute))
 
+    def never_admits(self, jobs: int) -> tuple[str, int] | None:
+        """The first limit that `jobs` asked for at once exceed by themselves, and its value: the
+        script admits a request's jobs all or none, so no wait would ever admit them."""
+        for limit in ("requests_per_minute", "max_concurrent", "max_queued"):
+            allowed = getattr(self, limit)
+            if allowed is not None and jobs > allowed:
+                return limit, allowed
+        return None
+
+
+# what each limit counts, in the words of a refusal
+COUNTED = {"requests_per_minute": "requests this minute", "tokens_per_minute": "tokens this minute",
+           "max_concurrent": "jobs admitted and not ended", "max_queued": "jobs waiting to start"}
+
 
 class LimitReached(Exception):
-    """A request refused by one of its tenant's limits."""
+    """A request refused by one of its tenant's limits, for now: a later try may pass."""
 
     def __init__(self, tenant: str, limit: str, allowed: int, current: int, retry_after: int) -> None:
         self.tenant, self.limit, self.allowed, self.current = tenant, limit, allowed, current
         self.retry_after = max(1, retry_after)
-        what = {"requests_per_minute": f"{current} requests this minute",
-                "tokens_per_minute": f"{current} tokens this minute",
-                "max_concurrent": f"{current} jobs admitted and not ended",
-                "max_queued": f"{current} jobs waiting to start"}[limit]
-        super().__init__(f"tenant '{tenant}' reached its {limit} limit of {allowed} ({what}); "
-                         f"retry after {self.retry_after}s")
+        super().__init__(f"tenant '{tenant}' reached its {limit} limit of {allowed} ({current} "
+                         f"{COUNTED[limit]}); retry after {self.retry_after}s")
+
+
+class NeverAdmitted(Exception):
+    """A request asking for more jobs at once than one of its tenant's limits allows at all."""
+
+    def __init__(self, tenant: str, limit: str, allowed: int, asked: int) -> None:
+        self.tenant, self.limit, self.allowed, self.asked = tenant, limit, allowed, asked
+        super().__init__(f"this request asks for {asked} job{'s' if asked != 1 else ''} at once (a request "
+                         f"with n choices is n jobs), more than tenant '{tenant}' ever allows: its {limit} "
+                         f"is {allowed} ({COUNTED[limit]}), so no wait admits it and retrying does not help")
 
 
 def admit_plan(tenant: str, job_ids: list[str], limits: Limits, lifetime_s: int) -> Plan[None]:
-    """Reserve `job_ids` under the tenant's limits; LimitReached refuses every one of them.
+    """Reserve `job_ids` under the tenant's limits; LimitReached refuses every one of them for
+    now, NeverAdmitted for good (before any round trip: nothing is counted).
     `lifetime_s`: how long a reservation lasts if the job's ending never comes."""
-    args: list[Any] = [len(job_ids), limits.max_concurrent or 0,
-                       -1 if limits.max_queued is None else limits.max_queued,
-                       limits.requests_per_minute or 0, limits.tokens_per_minute or 0, lifetime_s * 1000,
-                       tenant, *job_ids]
-    keys = [tenant_open_key(tenant), tenant_queued_key(tenant), tenant_rate_prefix(tenant),
-            usage_prefix(tenant), USAGE_TENANTS]
-    reply = yield from ask(Eval(TENANT_ADMIT, keys, args))
+    if (never := limits.never_admits(len(job_ids))) is not None:
+        raise NeverAdmitted(tenant, *never, len(job_ids))
+    keys, args = queue_model.admit_call(
+        tenant, job_ids, max_concurrent=limits.max_concurrent or 0,
+        max_queued=-1 if limits.max_queued is None else limits.max_queued,
+        requests_per_minute=limits.requests_per_minute or 0, tokens_per_minute=limits.tokens_per_minute or 0,
+        lifetime_ms=lifetime_s * 1000)
+    reply = yield from ask(Eval(queue_model.ADMIT, keys, args))
     verdict = as_str(reply[0])
     if verdict == "ok":
         return

@@ -15,6 +15,7 @@ from redis import Redis
 
 from backends.contract import stream
 from backends.contract.keys import ATTEMPT_FIELD, job_key, stream_key
+from backends.contract.queue.invariants import queue_violations
 from dispatcher import Fleet
 from tests.harness import RedisServer, wait_for
 from tests.reliability_checks import (
@@ -30,13 +31,24 @@ pytestmark = pytest.mark.timeout(240)
 RECOVERY_LIMIT_S = 15.0
 
 
-def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, tmp_path: Path) -> None:
+# The features a user turns on together: jobs of named tenants (their own queues, the fair
+# share), and claims with or without placement by held prefixes.
+MATRIX = [pytest.param(False, True, id="tenants-off-placement-on"),
+          pytest.param(True, False, id="tenants-on-placement-off"),
+          pytest.param(True, True, id="tenants-on-placement-on")]
+TENANTS = [None, "team-a", "team-b"]
+
+
+@pytest.mark.parametrize(("tenants", "placement"), MATRIX)
+def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, tmp_path: Path,
+                                                 tenants: bool, placement: bool) -> None:
     fleet = Fleet(redis_url)
     with fleet_workers(redis_url, tmp_path / "logs") as workers:
-        workers.start("w1", backend__slots=16, backend__threads=1)
-        w2 = workers.start("w2", backend__slots=16, backend__threads=1)
-        jobs = [fleet.submit(prompt=f"Story {i}: the", max_tokens=16, temperature=0.7, seed=i)
-                for i in range(200)]
+        workers.start("w1", backend__slots=16, backend__threads=1, placement=placement)
+        w2 = workers.start("w2", backend__slots=16, backend__threads=1, placement=placement)
+        named = [({"tenant": t} if t and tenants else {}) for t in TENANTS]
+        jobs = [fleet.submit(prompt=f"Story {i}: the", max_tokens=16, temperature=0.7, seed=i,
+                             **named[i % len(named)]) for i in range(200)]
         wait_streaming(redis, "w2", at_least=4)
         os.kill(w2.process.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -71,6 +83,7 @@ def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, t
     print(f"{resumed} of the dead worker's {len(victims)} jobs resumed from their delivered text")
     assert recovery <= RECOVERY_LIMIT_S, f"recovery took {recovery:.1f}s"
     assert not redis.exists("rq:worker:w2"), "the dead worker is still registered with RQ"
+    assert not queue_violations(redis), queue_violations(redis)
 
 
 def test_redis_restart_mid_run_with_aof(tmp_path: Path) -> None:

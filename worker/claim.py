@@ -34,19 +34,11 @@ from backends.contract.keys import (
     queue_key,
     worker_key,
 )
-from backends.contract.lua import lua_script
+from backends.contract.queue import CLAIM, STARVED
 from backends.contract.replies import as_str
 
 log = logging.getLogger("fleet.worker")
 
-
-# Moves ids from the queues into the in-flight list and takes ownership, in one step, so no two
-# workers start one id and lower priorities still move (KEYS, ARGV and reply: the script's header).
-# A claim takes only this worker's share of a burst, so idle workers all get some (balance.lua).
-# It leaves to other workers the jobs whose prefixes they hold (placement.lua).
-_CLAIM = lua_script("worker", "tenant_share.lua", "balance.lua", "placement.lua", "claim.lua")
-# Who should give way on a worker with no free slot (KEYS, ARGV and reply: the script's header).
-_STARVED = lua_script("worker", "tenant_share.lua", "starved.lua")
 
 FAIR_EVERY = 8  # the claim script's fairness cycle (picks)
 # a tenant that ran jobs here this recently still has its share of the slots kept: closed-loop
@@ -77,8 +69,8 @@ class Claimer:
         self.queue_keys = [queue_key(q) for q in queues]
         # the pool's free capacity: slots 0 (claim order only) neither reads nor writes it
         self.capacity = capacity_key(pool or queues[0].rsplit(":", 1)[0])
-        self._claim = redis.register_script(_CLAIM)
-        self._starved = redis.register_script(_STARVED)
+        self._claim = redis.register_script(CLAIM)
+        self._starved = redis.register_script(STARVED)
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
         self._last_held: dict[str, float] = {}  # tenant -> when it last held a job here (monotonic)
         self.server_ms = 0  # Redis server time of the last claim

@@ -33,12 +33,10 @@ from redis.commands.core import Script
 from redis.exceptions import ResponseError, WatchError
 
 from backends.base import Done
+from backends.contract import queue as queue_model
 from backends.contract import stream, tools
 from backends.contract.keys import (
     ATTEMPT_FIELD,
-    DIED_ON_FIELD,
-    DRAINS_FIELD,
-    EXECUTION_FIELD,
     FINAL_FIELD,
     OWNER_FIELD,
     SUSPECT_FIELD,
@@ -46,9 +44,7 @@ from backends.contract.keys import (
     executions_key,
     inflight_key,
     job_key,
-    queue_key,
     results_key,
-    started_registry_key,
     stream_key,
 )
 from backends.contract.lua import lua_script, queue_script
@@ -60,9 +56,9 @@ from worker.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.worker")
 
-# Back to the front of its queue, owner cleared, the attempt's RQ execution removed, in one step
-# (KEYS, ARGV and reply: the script's header).
-REQUEUE_LUA = lua_script("worker", "requeue.lua")
+# Back to the front of its queue, owner cleared, the attempt's RQ execution removed, in one step:
+# the queue model's requeue (backends/contract/queue).
+REQUEUE_LUA = queue_model.REQUEUE
 
 # Text deltas, written only while this worker owns the job (a worker the reaper took it from
 # must not write into the next attempt's stream).
@@ -203,12 +199,12 @@ class AttemptWriter:
 
 def requeue(script: Script, inflight: str, job_id: str, queue: str, *, bump_attempt: bool,
             died_on: str = "", counted: bool = True) -> int:
-    """Move `job_id` from `inflight` back to the front of `queue`; -1 if it was no longer there.
-    `died_on` names a dead worker to remember in the job hash (for the final failure reason);
-    `counted=False`: a drain hand-back, which does not use up one of the job's max_attempts."""
-    args: list[Any] = [job_id, "1" if bump_attempt else "0", ATTEMPT_FIELD, DIED_ON_FIELD, died_on,
-                       OWNER_FIELD, DRAINS_FIELD, "1" if counted else "0", EXECUTION_FIELD, SUSPECT_FIELD]
-    keys = [inflight, queue_key(queue), job_key(job_id), started_registry_key(queue)]
+    """Move `job_id` from `inflight` back to the front of the queue it came from (its origin:
+    a tenant's job to its tenant's queue; `queue` when the job hash names none); -1 if it was no
+    longer there. `died_on` names a dead worker to remember in the job hash (for the final failure
+    reason); `counted=False`: a drain hand-back, which does not use up one of the job's attempts."""
+    keys, args = queue_model.requeue_call(inflight, job_id, bump_attempt=bump_attempt, died_on=died_on,
+                                    counted=counted, fallback_queue=queue)
     return int(script(keys=keys, args=args))
 
 

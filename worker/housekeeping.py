@@ -12,23 +12,19 @@ the reaper lock, every CLEAN_EVERY seconds:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 from redis import Redis
-from redis.typing import EncodableT
 
+from backends.contract import queue as queue_model
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENDED_REGISTRIES,
-    FINAL_FIELD,
-    OWNER_FIELD,
+    RQ_QUEUES_SET,
     canceled_registry_key,
     job_key,
-    stream_key,
 )
-from backends.contract.lua import lua_script
 from backends.contract.replies import as_int, as_str
 from backends.contract.schema import job_result
 
@@ -36,8 +32,6 @@ log = logging.getLogger("fleet.reaper")
 CLEAN_EVERY = 5.0  # seconds
 CANCELS_PER_PASS = 1000  # members of one canceled registry looked at per pass (oldest first)
 
-# Ends a job RQ's job.cancel() took off a queue, if no worker holds it (KEYS, ARGV: its header).
-_END_RQ_CANCEL = lua_script("worker", "end_rq_cancel.lua")
 
 
 def cancelled_result(job_id: str, attempt: int = 1) -> dict[str, object]:
@@ -52,7 +46,7 @@ class Housekeeper:
         self.redis = redis
         self.queues = queues
         self.result_ttl = result_ttl
-        self._end_rq_cancel = redis.register_script(_END_RQ_CANCEL)
+        self._end_rq_cancel = redis.register_script(queue_model.END_RQ_CANCEL)
         self._next = 0.0
 
     def run(self, force: bool = False) -> None:
@@ -60,7 +54,8 @@ class Housekeeper:
             return
         self._next = time.monotonic() + CLEAN_EVERY
         seconds, _micros = self.redis.time()
-        for queue in self.queues:
+        registered = [as_str(k) or "" for k in self.redis.smembers(RQ_QUEUES_SET)]
+        for queue in queue_model.with_tenant_queues(self.queues, registered):
             self.end_rq_cancels(queue)
             with self.redis.pipeline(transaction=False) as pipe:
                 for prefix in ENDED_REGISTRIES:
@@ -72,9 +67,9 @@ class Housekeeper:
         for raw in self.redis.zrange(canceled_registry_key(queue), 0, CANCELS_PER_PASS - 1):
             job_id = as_str(raw) or ""
             attempt = as_int(self.redis.hget(job_key(job_id), ATTEMPT_FIELD)) + 1  # as the script counts
-            result = json.dumps(cancelled_result(job_id, attempt))
-            args: list[EncodableT] = [result, self.result_ttl, FINAL_FIELD, OWNER_FIELD, ATTEMPT_FIELD]
-            if self._end_rq_cancel(keys=[job_key(job_id), stream_key(job_id)], args=args):
+            keys, args = queue_model.end_rq_cancel_call(job_id, cancelled_result(job_id, attempt),
+                                                        self.result_ttl)
+            if self._end_rq_cancel(keys=keys, args=args):
                 ended += 1
                 log.info("job %s was cancelled with RQ while queued: final entry written", job_id)
         return ended

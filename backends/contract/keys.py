@@ -68,6 +68,7 @@ USAGE_TTL = 8 * 86400
 
 QUEUE_PREFIX = "rq:queue:"  # worker/claim.py's script strips these 9 characters to name the queue
 RQ_WORKERS_SET = "rq:workers"  # RQ's set of registered worker keys
+RQ_QUEUES_SET = "rq:queues"  # RQ's set of queue keys (every enqueue adds its queue)
 
 
 def queue_key(name: str) -> str:

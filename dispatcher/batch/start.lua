@@ -1,4 +1,4 @@
--- KEYS: state, lines   ARGV: now   (loaded after settle_function.lua)
+-- KEYS: state, lines   ARGV: now   (loaded after backends/contract/batch/settle_function.lua)
 -- Every line is enqueued: validating -> in_progress (unless cancelled meanwhile), then settle.
 -- Returns the state.
 if redis.call('HGET', KEYS[1], 'state') == 'validating' then

@@ -7,10 +7,10 @@
 local weight, holds, cap = tenant_share(ARGV[1])
 local want, over, seen = {}, {}, {}
 for _, queue_key in ipairs(KEYS) do
-  local fair = 'fleet:fair:' .. string.sub(queue_key, 10)
+  local fair = KEY.fair(queue_name_of(queue_key))
   if redis.call('TYPE', fair).ok == 'zset' then
     for _, tenant in ipairs(redis.call('ZRANGE', fair, 0, 255)) do
-      local key = tenant == 'default' and queue_key or (queue_key .. ':' .. tenant)
+      local key = KEY.queue(tenant_queue(queue_name_of(queue_key), tenant))
       local most = cap(fair, tenant)
       if most and not seen[tenant] and redis.call('TYPE', key).ok == 'list' then
         local waiting = redis.call('LLEN', key)

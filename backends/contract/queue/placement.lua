@@ -21,7 +21,7 @@ local function placement(me, pool, capacity, now, live_ms, on)
     return free ~= nil and tonumber(free) > 0 and now - tonumber(at) <= live_ms
   end
   local function holder_of(id)  -- the worker holding the job's longest held prefix
-    local key = 'rq:job:' .. id
+    local key = KEY.job(id)
     if redis.call('TYPE', key).ok ~= 'hash' then return nil end
     local keys = redis.call('HGET', key, 'fleet_affinity')
     if type(keys) ~= 'string' then return nil end
@@ -29,7 +29,7 @@ local function placement(me, pool, capacity, now, live_ms, on)
     for k in string.gmatch(keys, '%x+') do  -- a producer wrote it: hex words only, a few
       n = n + 1
       if n > 9 then return nil end
-      local held = 'fleet:held:' .. pool .. ':' .. k
+      local held = KEY.held(pool, k)
       if redis.call('TYPE', held).ok == 'string' then return redis.call('GET', held) end
     end
     return nil
@@ -38,10 +38,10 @@ local function placement(me, pool, capacity, now, live_ms, on)
   local function wake(worker)  -- an idle holder blocks on its own wake list: it claims at once
     if woken[worker] then return end
     woken[worker] = true
-    local key = 'fleet:wake:' .. pool .. ':' .. worker  -- contract/keys.py: worker_wake_key
+    local key = KEY.worker_wake(pool, worker)
     redis.call('LPUSH', key, '1')
     redis.call('LTRIM', key, 0, 0)
-    redis.call('EXPIRE', key, 10)  -- WORKER_WAKE_TTL
+    redis.call('EXPIRE', key, WORKER_WAKE_TTL)
   end
   local function left_to_another(id)
     local holder = holder_of(id)

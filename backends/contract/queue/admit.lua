@@ -1,3 +1,4 @@
+-- admit: reserve a request's jobs against its tenant's limits, or refuse them all.
 -- KEYS: the tenant's open zset, its queued zset, its rate prefix, its usage hash prefix, the zset
 -- of tenants with usage
 -- ARGV: jobs asking (n), max_concurrent (0: none), max_queued (-1: none), requests_per_minute
@@ -8,8 +9,7 @@
 -- them (the refusal is counted in this hour's usage and the total as 'rejected_<limit>').
 -- One script, so many gateways on many hosts never admit past a limit together. Entries whose
 -- expiry passed are dropped first: a job whose ending never came (its record expired) frees its
--- place within one lifetime. Key literals: ':<unix minute>' / ':<unix hour>' suffixes as in
--- backends/contract/keys.py (tenant_rate_prefix, usage_key), USAGE_TTL 691200.
+-- place within one lifetime.
 local n, maxc, maxq = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local rpm, tpm, life = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local t = redis.call('TIME')
@@ -23,10 +23,10 @@ local function refuse(limit, wait, count)
   local hour = math.floor(t[1] / 3600)
   for _, usage in ipairs({KEYS[4] .. ':' .. hour, KEYS[4] .. ':total'}) do
     redis.call('HINCRBY', usage, 'rejected_' .. limit, 1)
-    redis.call('EXPIRE', usage, 691200)
+    redis.call('EXPIRE', usage, USAGE_TTL)
   end
   redis.call('ZADD', KEYS[5], hour, ARGV[7])
-  redis.call('EXPIRE', KEYS[5], 691200)
+  redis.call('EXPIRE', KEYS[5], USAGE_TTL)
   return {limit, wait, count}
 end
 local f = redis.call('HMGET', rate, 'requests', 'tokens')

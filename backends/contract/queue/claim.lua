@@ -31,9 +31,7 @@
 -- to end: a tenant may hold at most its weight's share of this worker's slots among the tenants
 -- with work (queued here or running on this worker), and a lone tenant all but `reserve` of them,
 -- so another tenant's first job starts at once.
--- Key literals mirror backends/contract/keys.py: 'rq:queue:' QUEUE_PREFIX (stripped, 9
--- characters), 'rq:job:' job_key, 'fleet:inflight:' inflight_key, 'fleet:stream:' stream_key,
--- 'fleet:fair:' fair_key, 86400 FAIR_TTL, 2000 CAPACITY_LIVE_MS, 60 CAPACITY_TTL.
+-- Key names, fields and TTLs: the prelude (rendered from backends/contract/keys.py).
 -- Nothing after an LPOP may raise: a script that errors keeps its earlier writes, so the popped
 -- id would be in no list at all. Fields a producer can write are therefore read defensively: an
 -- owner whose in-flight key is not a list holds nothing, and the attempt is set, not HINCRBY'd.
@@ -55,18 +53,18 @@ local function order(p)
   return o
 end
 local weight, holds, cap, held, share = tenant_share(ARGV[8])
-local live_ms = 2000  -- a capacity entry older than this is a worker full, busy or gone
+local live_ms = CAPACITY_LIVE_MS  -- a capacity entry older than this is a worker full, busy or gone
 -- pops only a list (an error after an earlier LPOP would lose its id), leaving to other workers
 -- the jobs whose prefixes they hold (worker/placement.lua)
-local pool = string.match(string.sub(KEYS[4] or '', 10), '^(.*):[^:]+$') or ''
+local pool = string.match(queue_name_of(KEYS[4] or ''), '^(.*):[^:]+$') or ''
 local list_pop = placement(me, pool, capacity, out[1], live_ms, share.placement ~= false)
 local function fair_pop(queue_key, mine_only)
-  local fair = 'fleet:fair:' .. string.sub(queue_key, 10)
+  local fair = KEY.fair(queue_name_of(queue_key))
   if redis.call('TYPE', fair).ok ~= 'zset' then return list_pop(queue_key, mine_only) end
   local clock_key = fair .. ':clock'
   local clock = tonumber(redis.call('GET', clock_key) or '0') or 0
   if redis.call('TYPE', queue_key).ok == 'list' and redis.call('LLEN', queue_key) > 0 then
-    redis.call('ZADD', fair, 'NX', clock, 'default')
+    redis.call('ZADD', fair, 'NX', clock, DEFAULT_TENANT)
   end
   local full = {}  -- tenants at their cap, passed over in this pop
   for _ = 1, 256 do
@@ -80,15 +78,15 @@ local function fair_pop(queue_key, mine_only)
     if most ~= nil and holds(tenant) >= most then
       full[tenant] = true
     else
-      local id, others = list_pop(tenant == 'default' and queue_key or (queue_key .. ':' .. tenant),
+      local id, others = list_pop(KEY.queue(tenant_queue(queue_name_of(queue_key), tenant)),
                                   mine_only)
       if others and not id then
         full[tenant] = true  -- its jobs wait for the workers that hold their prefixes
       elseif id then
         if pass < clock then pass = clock end
-        redis.call('SET', clock_key, tostring(pass), 'EX', 86400)
+        redis.call('SET', clock_key, tostring(pass), 'EX', FAIR_TTL)
         redis.call('ZADD', fair, pass + 1 / weight(tenant), tenant)
-        redis.call('EXPIRE', fair, 86400)
+        redis.call('EXPIRE', fair, FAIR_TTL)
         held[tenant] = holds(tenant) + 1
         return id
       else
@@ -102,7 +100,7 @@ local function pop(p, claimed, mine_only)
   for _, k in ipairs(order(p)) do
     if claimed < tonumber(ARGV[5 + k] or ARGV[1]) then
       local id = fair_pop(KEYS[k], mine_only)
-      if id then return id, string.sub(KEYS[k], 10) end  -- strip 'rq:queue:'
+      if id then return id, queue_name_of(KEYS[k]) end
     end
   end
   return nil, nil
@@ -111,11 +109,11 @@ local function queued()
   local total = 0
   for k = 4, 3 + nq do
     if redis.call('TYPE', KEYS[k]).ok == 'list' then total = total + redis.call('LLEN', KEYS[k]) end
-    local fair = 'fleet:fair:' .. string.sub(KEYS[k], 10)
+    local fair = KEY.fair(queue_name_of(KEYS[k]))
     if redis.call('TYPE', fair).ok == 'zset' then
       for _, tenant in ipairs(redis.call('ZRANGE', fair, 0, 255)) do
-        local q = KEYS[k] .. ':' .. tenant
-        if tenant ~= 'default' and redis.call('TYPE', q).ok == 'list' then
+        local q = KEY.queue(tenant_queue(queue_name_of(KEYS[k]), tenant))
+        if tenant ~= DEFAULT_TENANT and redis.call('TYPE', q).ok == 'list' then
           total = total + redis.call('LLEN', q)
         end
       end
@@ -131,12 +129,12 @@ while claimed < n and looked < n + 256 do
   local id, queue = pop(pick, claimed, claimed >= share_n)
   if not id then break end
   looked = looked + 1
-  local key = 'rq:job:' .. id
+  local key = KEY.job(id)
   local keep = true
   if redis.call('TYPE', key).ok == 'hash' then
     local f = redis.call('HMGET', key, 'status', ARGV[4], ARGV[5], ARGV[6])
     local status, owner, final = f[1], f[2], f[3]
-    local holder = (owner and owner ~= '') and ('fleet:inflight:' .. owner) or nil
+    local holder = (owner and owner ~= '') and KEY.inflight(owner) or nil
     if holder and redis.call('TYPE', holder).ok == 'list' and redis.call('LPOS', holder, id) then
       keep = false  -- held by a worker (maybe this one): a second copy
     elseif status and ended[status] then
@@ -146,7 +144,7 @@ while claimed < n and looked < n + 256 do
       if final and before and tonumber(final) and tonumber(final) >= before + 1 then
         redis.call('HSET', key, ARGV[6], before + 1)  -- re-run of an ended attempt: a new number
         redis.call('PERSIST', key)
-        redis.call('PERSIST', 'fleet:stream:' .. id)
+        redis.call('PERSIST', KEY.stream(id))
       end
       redis.call('HSET', key, ARGV[4], me)
     end
@@ -162,5 +160,5 @@ while claimed < n and looked < n + 256 do
   end
 end
 if claimed > 0 then redis.call('SADD', KEYS[2], me) end
-if slots > 0 then record(capacity, me, out[1], n - claimed, slots, 60) end
+if slots > 0 then record(capacity, me, out[1], n - claimed, slots, CAPACITY_TTL) end
 return out

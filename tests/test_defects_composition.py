@@ -1,0 +1,111 @@
+"""Where features meet: a named tenant's job on a worker that dies, a tenant's queued request the
+client abandons, RQ's own cancel of a tenant's job. Real redis-server, real `fleet worker`
+processes (fake engine: the queue rules are the same for every engine) and a real `fleet serve`;
+each test ends with the queue model's invariants (backends/contract/queue/invariants.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from backends.contract.keys import tenant_open_key, tenant_queued_key
+from backends.contract.queue.invariants import queue_violations
+from dispatcher import Fleet
+from tests.gateway_harness import Gateways, wait_until_healthy
+from tests.harness import wait_for
+from tests.reliability_checks import assert_exactly_one_final, final_entries, held
+
+pytestmark = pytest.mark.timeout(180)
+
+FAKE = {"backend__type": "fake", "backend__slots": 2, "backend__step_delay": 0.05}
+TENANTS = {"gamma": {"api_keys": ["key-gamma"], "max_concurrent": 2, "max_queued": 4}}
+SETTINGS = {"gateway__tenants": TENANTS}
+LONG = " ".join(f"w{i}" for i in range(200))  # the fake engine says the prompt back: 200 steps
+
+
+def _holder(redis: Redis, job_id: str, names: list[str]) -> str | None:
+    return next((n for n in names if job_id in held(redis, n)), None)
+
+
+def test_a_named_tenants_job_resumes_after_its_worker_is_killed(redis_url: str, redis: Redis,
+                                                                workers: Any) -> None:
+    w1, w2 = workers.start("w1", **FAKE), workers.start("w2", **FAKE)
+    fleet = Fleet(redis_url)
+    job = fleet.submit(prompt=LONG, max_tokens=120, tenant="team-b")
+    holder = wait_for(lambda: _holder(redis, job.id, ["w1", "w2"]), 30, "a worker to claim the job")
+    wait_for(lambda: redis.xlen(f"fleet:stream:{job.id}") > 2, 30, "the job to stream")
+    victim = {"w1": w1, "w2": w2}[holder]
+    os.kill(victim.process.pid, signal.SIGKILL)
+    victim.process.wait(10)
+    # the survivor's reaper hands it back to team-b's queue, team-b back in the fair share, and
+    # the survivor claims it: without that the job waits until team-b sends another request
+    result = job.result(timeout=60)
+    assert result["attempt"] == 2 and result["worker"] != holder, result
+    assert_exactly_one_final(redis, [job.id])
+    assert not queue_violations(redis), queue_violations(redis)
+
+
+def _stream_then_hang_up(url: str, started: threading.Event, done: threading.Event) -> None:
+    """A streamed completion whose client goes away once the request was sent."""
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{url}/v1/completions", headers={"Authorization": "Bearer key-gamma"},
+            json={"model": "llm", "prompt": LONG, "max_tokens": 200, "stream": True}) as response:
+        started.set()
+        done.wait(30)
+        response.close()
+
+
+def test_an_abandoned_queued_request_gives_back_its_tenants_places(redis: Redis, workers: Any,
+                                                                   gateways: Gateways) -> None:
+    workers.start("w1", **{**FAKE, "backend__slots": 1}, **SETTINGS)
+    gw = gateways.start(**SETTINGS)
+    wait_until_healthy(gw)
+    first_started, first_done = threading.Event(), threading.Event()
+    runner = threading.Thread(target=_stream_then_hang_up, args=(gw.url, first_started, first_done))
+    runner.start()
+    wait_for(lambda: redis.zcard(tenant_open_key("gamma")) == 1, 15, "the first job to be admitted")
+    # the second waits behind it (one slot); its client hangs up while it is queued
+    second_started, second_done = threading.Event(), threading.Event()
+    waiter = threading.Thread(target=_stream_then_hang_up, args=(gw.url, second_started, second_done))
+    waiter.start()
+    wait_for(lambda: redis.zcard(tenant_queued_key("gamma")) == 1, 15, "the second job to wait in line")
+    second_done.set()
+    waiter.join(30)
+    # the cancelled job lets go of both places at once, not when its reservation expires
+    wait_for(lambda: redis.zcard(tenant_open_key("gamma")) == 1, 15,
+             "the abandoned job to give back its place")
+    assert redis.zcard(tenant_queued_key("gamma")) == 0
+    assert not queue_violations(redis), queue_violations(redis)
+    # so the tenant, with one job running and max_concurrent 2, is admitted again
+    answer = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer key-gamma"}, timeout=60,
+                        json={"model": "llm", "prompt": "three", "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    first_done.set()
+    runner.join(30)
+    wait_for(lambda: not redis.zcard(tenant_open_key("gamma")), 30, "every place to be given back")
+    assert not queue_violations(redis), queue_violations(redis)
+
+
+def test_rqs_own_cancel_of_a_tenants_queued_job_ends_it_and_frees_its_places(
+        redis_url: str, redis: Redis, workers: Any) -> None:
+    fleet = Fleet(redis_url)
+    job = fleet.submit(prompt="a b", max_tokens=4, tenant="team-b")
+    # admitted as the gateway admits (its places), then cancelled with RQ's own tools
+    redis.zadd(tenant_open_key("team-b"), {job.id: time.time() * 1000 + 3_600_000})
+    redis.zadd(tenant_queued_key("team-b"), {job.id: time.time() * 1000 + 3_600_000})
+    Job.fetch(job.id, connection=redis, serializer=JSONSerializer).cancel()
+    workers.start("w1", **FAKE)  # its housekeeping ends the job: a final entry, places let go
+    assert job.result(timeout=30)["finish_reason"] == "cancelled"
+    assert len(final_entries(redis, job.id)) == 1  # (no RQ result: like a queued job the fleet cancels)
+    wait_for(lambda: not redis.exists(tenant_open_key("team-b"), tenant_queued_key("team-b")), 15,
+             "team-b's places to be let go")
+    assert not queue_violations(redis), queue_violations(redis)
