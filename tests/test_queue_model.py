@@ -65,7 +65,8 @@ class QueueModel(RuleBasedStateMachine):
         self.started: set[str] = set()
         self.ids = itertools.count()
         self.writers = {w: endings.AttemptWriter(self.redis, w, "fake", 600, job_hooks()) for w in WORKERS}
-        self.claimers = {w: Claimer(self.redis, w, keys.queue_names(POOL), slots=4, pool=POOL) for w in WORKERS}
+        self.claimers = {w: Claimer(self.redis, w, keys.queue_names(POOL), slots=4, pool=POOL)
+                         for w in WORKERS}
 
     def teardown(self) -> None:
         self.redis.close()
@@ -87,11 +88,13 @@ class QueueModel(RuleBasedStateMachine):
 
     @rule(tenant=st.sampled_from(TENANTS), n=st.integers(1, 3))
     def submit_batch(self, tenant: str, n: int) -> None:
-        spec = BatchSpec(batch_id=f"b{next(self.ids)}", pool=POOL, tenant=None if tenant == "default" else tenant)
+        spec = BatchSpec(batch_id=f"b{next(self.ids)}", pool=POOL,
+                         tenant=None if tenant == "default" else tenant)
         lines = [f'{{"custom_id": "c{i}", "method": "POST", "url": "/v1/completions", '
                  f'"body": {{"model": "llm", "prompt": "x y", "max_tokens": 2}}}}' for i in range(n)]
         submit_batch(self.redis, spec, lambda: iter(lines))
-        for raw in self.redis.lrange(keys.queue_key(queue.enqueue_target(f"{POOL}:low", spec.tenant)[0]), 0, -1):
+        line_queue = keys.queue_key(queue.enqueue_target(f"{POOL}:low", spec.tenant)[0])
+        for raw in self.redis.lrange(line_queue, 0, -1):
             job_id = raw.decode()
             self.where.setdefault(job_id, "queue")
 
@@ -113,7 +116,7 @@ class QueueModel(RuleBasedStateMachine):
     def claim(self, worker: str, n: int) -> None:
         for raw, name in self.claimers[worker].claim(n):
             job_id = raw.decode()
-            assert self.where.get(job_id) == "queue", f"claimed {job_id}, which the model has at {self.where.get(job_id)}"
+            assert self.where.get(job_id) == "queue", f"claimed {job_id}, at {self.where.get(job_id)}"
             self.where[job_id] = worker
             self.jobs[job_id] = rqjobs.load(self.redis, job_id, name, 600, me=worker)
 
@@ -184,7 +187,8 @@ class QueueModel(RuleBasedStateMachine):
     @invariant()
     def every_job_is_where_the_model_says(self) -> None:
         for worker in WORKERS:
-            assert sorted(x.decode() for x in self.redis.lrange(keys.inflight_key(worker), 0, -1)) == self._held(worker)
+            held = sorted(x.decode() for x in self.redis.lrange(keys.inflight_key(worker), 0, -1))
+            assert held == self._held(worker)
         waiting = {j for j, w in self.where.items() if w == "queue"}
         in_queues = set()
         for key in self.redis.scan_iter(match=keys.queue_key(f"{POOL}:*")):
