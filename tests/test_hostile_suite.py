@@ -31,6 +31,7 @@ from rq.serializers import JSONSerializer
 from backends.contract.keys import JOB_FUNCTION, job_key, queue_key, stream_key, wake_key
 from backends.contract.stream import decode
 from dispatcher import Fleet
+from ecosystem.local.fleet_keys import keys_without_ttl
 from tests.gateway_harness import GatewayProcess, start_gateway, wait_until_healthy
 from tests.harness import RedisServer, WorkerProcess, start_worker, wait_for
 
@@ -39,11 +40,6 @@ ANSWER_WITHIN = 8.0  # seconds: every refusal is answered by then
 RUN_WITHIN = 90.0  # a legal request runs on the model (a shared 2-core box: generous)
 # A Python exception's name or a traceback in a body means an internal error leaked out.
 LEAK = re.compile(r"Traceback|\b(?:[A-Z][a-z]+)+(?:Error|Exception)\b|File \"/")
-# Keys a live fleet keeps without a TTL while it runs: sets of names, RQ's registrations, and keys
-# that empty themselves (queues as jobs are claimed, in-flight lists as they end, RQ's registries
-# as their entries' expiry scores pass: tests/test_defects_keys.py).
-LIVE_FLEET = re.compile(rb"^(fleet:workers|fleet:owners|fleet:pools|rq:queues|rq:workers(:.*)?|rq:worker:.*|"
-                        rb"fleet:inflight:.*|rq:queue:.*|fleet:wake:.*|rq:(finished|failed|canceled|wip):.*)$")
 JSON = {"content-type": "application/json"}
 
 
@@ -241,7 +237,7 @@ def check_answer(case: Case, response: httpx.Response) -> None:
 
 
 def assert_keys_expire(redis: Redis) -> None:
-    forever = [k for k in redis.scan_iter(count=1000) if redis.ttl(k) == -1 and not LIVE_FLEET.match(k)]
+    forever = keys_without_ttl(redis, limit=20)
     assert not forever, f"keys without a TTL: {forever[:20]}"
 
 

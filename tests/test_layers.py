@@ -1,5 +1,6 @@
 """The layer rule (docs/ARCHITECTURE.md, "Layers"): a module imports only from its own layer or
-below, no two packages import each other, directly or round a loop, and no two modules do either.
+below, never from a sibling layer (the worker and the producers meet only in the contract), no two
+packages import each other, directly or round a loop, and no two modules do either.
 Imports are read with `ast` from every module, function-level and TYPE_CHECKING imports
 included, so a lazy import cannot hide an upward edge or a cycle."""
 
@@ -14,20 +15,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("backends", "dispatcher", "ecosystem", "worker")
 
-# The layer table, top to bottom: a module may import from its own row or any row below it.
-# A module belongs to the row of the longest prefix that names it.
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("tools: the `fleet` CLI that assembles everything", ("ecosystem.cli",)),
-    ("ecosystem: placement, process managers, local fleets, bench", ("ecosystem",)),
-    ("worker: the worker process", ("worker",)),
-    ("producers: Fleet, AsyncFleet, the gateway", ("dispatcher",)),
-    ("backends: engines", ("backends",)),
-    ("contract: keys, codec, retry, schemas, settings", ("backends.contract",)),
+# The layer table, top to bottom: (level, name, prefixes). A module may import from its own row or
+# any row of a deeper level (a larger number). Rows of one level are siblings: neither imports the
+# other, so what both need lives below them (the worker and the producers share only the contract
+# and the backends). A module belongs to the row of the longest prefix that names it.
+LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (1, "tools: the `fleet` CLI that assembles everything", ("ecosystem.cli",)),
+    (2, "ecosystem: placement, process managers, local fleets, bench", ("ecosystem",)),
+    (3, "worker: the worker process", ("worker",)),
+    (3, "producers: Fleet, AsyncFleet, the gateway", ("dispatcher",)),
+    (4, "backends: engines", ("backends",)),
+    (5, "contract: keys, codec, retry, schemas, settings", ("backends.contract",)),
 )
 # Units of the package graph: the top-level packages and every prefix of the layer table (so the
 # contract is apart from the backends, the CLI apart from the rest of ecosystem); a subpackage
 # belongs to its package.
-UNITS = (*PACKAGES, *(p for _, ps in LAYERS for p in ps))
+UNITS = (*PACKAGES, *(p for _, _, ps in LAYERS for p in ps))
 
 
 def module_name(path: Path) -> str:
@@ -69,11 +72,23 @@ def longest_prefix(module: str, prefixes: tuple[str, ...]) -> str | None:
 
 
 def layer_of(module: str) -> int | None:
-    prefixes = tuple(p for _, ps in LAYERS for p in ps)
+    """The module's row in LAYERS."""
+    prefixes = tuple(p for _, _, ps in LAYERS for p in ps)
     hit = longest_prefix(module, prefixes)
     if hit is None:
         return None
-    return next(i for i, (_, ps) in enumerate(LAYERS) if hit in ps)
+    return next(i for i, (_, _, ps) in enumerate(LAYERS) if hit in ps)
+
+
+def forbidden(src: str, dst: str) -> str | None:
+    """Why `src` may not import `dst` (an upward or a sibling edge); None when it may."""
+    a, b = layer_of(src), layer_of(dst)
+    assert a is not None and b is not None, (src, dst)
+    (level_a, name_a, _), (level_b, name_b, _) = LAYERS[a], LAYERS[b]
+    if a == b or level_b > level_a:
+        return None
+    kind = "upward" if level_b < level_a else "sibling"
+    return f"{kind}: {name_a} -> {name_b}"
 
 
 def project_modules() -> dict[str, Path]:
@@ -164,13 +179,33 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_no_import_runs_upward() -> None:
-    upward = []
+    """Nor sideways, between sibling layers."""
+    bad = []
     for src, dst, line in edges():
-        a, b = layer_of(src), layer_of(dst)
-        assert a is not None and b is not None
-        if b < a:
-            upward.append(f"{src}:{line} imports {dst} ({LAYERS[a][0]} -> {LAYERS[b][0]})")
-    assert upward == [], "imports that run upward:\n" + "\n".join(upward)
+        why = forbidden(src, dst)
+        if why is not None:
+            bad.append(f"{src}:{line} imports {dst} ({why})")
+    assert bad == [], "imports that run upward or between siblings:\n" + "\n".join(bad)
+
+
+def test_worker_and_producers_are_siblings() -> None:
+    """The worker and the producers sit side by side over the contract: an import either way
+    between worker/ and dispatcher/ fails, while both may use the backends and the contract and
+    the tools and ecosystem above may use both."""
+    worker, producers = layer_of("worker.loop"), layer_of("dispatcher.client")
+    assert worker is not None and producers is not None and worker != producers
+    assert LAYERS[worker][0] == LAYERS[producers][0]
+    assert forbidden("worker.batch_hook", "dispatcher.batch.record") == (
+        f"sibling: {LAYERS[worker][1]} -> {LAYERS[producers][1]}")
+    assert forbidden("dispatcher.gateway.app", "worker.settings") == (
+        f"sibling: {LAYERS[producers][1]} -> {LAYERS[worker][1]}")
+    for below in ("backends.registry", "backends.contract.keys", "backends.contract.batch.line_record"):
+        assert forbidden("worker.facts", below) is None and forbidden("dispatcher.jobs", below) is None
+    for above in ("ecosystem.cli.worker", "ecosystem.local.processes"):
+        assert forbidden(above, "worker.loop") is None and forbidden(above, "dispatcher.client") is None
+    between = [(s, d, n) for s, d, n in edges()
+               if {unit_of(s), unit_of(d)} == {"worker", "dispatcher"}]
+    assert between == [], between
 
 
 def test_no_package_cycle() -> None:
@@ -206,15 +241,19 @@ def test_the_checker_sees_function_level_imports_and_cycles() -> None:
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
     assert layer_of("backends.contract.keys") == len(LAYERS) - 1
+    assert forbidden("backends.registry", "dispatcher.client") is not None  # upward
     assert layer_of("ecosystem.cli.batch") == 0 and layer_of("ecosystem.up") == 1
     assert unit_of("ecosystem.cli.batch") == "ecosystem.cli"
     assert unit_of("ecosystem.local.bench") == "ecosystem"
 
 
 def test_producers_and_the_contract_import_without_llama_cpp() -> None:
-    """Producer-only hosts have no llama-cpp-python: nothing below the worker may pull it in."""
+    """Producer-only hosts have no llama-cpp-python: neither the producers nor what they stand on
+    may pull it in (nor the worker's settings, which `fleet` loads for every command)."""
     code = ("import sys, dispatcher, dispatcher.client, backends, backends.registry, worker.settings\n"
             "import backends.contract.keys, backends.contract.settings, backends.contract.stream\n"
+            "import backends.contract.gateway_settings, backends.contract.observe_schema\n"
+            "import backends.contract.batch.line_record, dispatcher.gateway.settings\n"
             "print(sorted(m for m in sys.modules if m.startswith('llama_cpp')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -5,36 +5,38 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dispatcher.observe import history, schema
+from backends.contract import observe_schema
+from dispatcher.observe import history
 from ecosystem.local.bench_html import write_html
 from ecosystem.local.bench_load import Sample
 from ecosystem.local.bench_report import FLEET, PEER, Run, summaries
 
 
 def test_buckets_count_each_observation_once_and_cumulate_for_prometheus() -> None:
-    assert schema.bucket_field("ttft", 0.01) == "0.01"  # le: the bound itself counts
-    assert schema.bucket_field("ttft", 0.011) == "0.025"
-    assert schema.bucket_field("ttft", 99.0) == "+Inf"
+    assert observe_schema.bucket_field("ttft", 0.01) == "0.01"  # le: the bound itself counts
+    assert observe_schema.bucket_field("ttft", 0.011) == "0.025"
+    assert observe_schema.bucket_field("ttft", 99.0) == "+Inf"
     raw = {"0.01": "2", "0.025": "1", "+Inf": "3", "sum": "40.5"}
-    buckets, total = schema.cumulative_buckets("ttft", raw)
+    buckets, total = observe_schema.cumulative_buckets("ttft", raw)
     assert buckets[0] == ("0.01", 2.0) and buckets[1] == ("0.025", 3.0)
     assert buckets[-1] == ("+Inf", 6.0) and total == 40.5
     assert [c for _, c in buckets] == sorted(c for _, c in buckets)
 
 
 def test_restart_reasons_map_to_few_labels() -> None:
-    assert schema.restart_kind("worker w-1 died (its heartbeat expired)") == "worker_died"
-    assert schema.restart_kind("the previous process named w-1 died while running it") == "worker_died"
-    assert schema.restart_kind("outage buffer full") == "outage"
-    assert schema.restart_kind("worker stopped") == "shutdown"
-    assert schema.restart_kind("backend unavailable: connection refused") == "engine"
-    assert {schema.restart_kind(r) for r in ("x", "y")} <= set(schema.RESTART_KINDS)
+    assert observe_schema.restart_kind("worker w-1 died (its heartbeat expired)") == "worker_died"
+    assert observe_schema.restart_kind("the previous process named w-1 died while running it") == (
+        "worker_died")
+    assert observe_schema.restart_kind("outage buffer full") == "outage"
+    assert observe_schema.restart_kind("worker stopped") == "shutdown"
+    assert observe_schema.restart_kind("backend unavailable: connection refused") == "engine"
+    assert {observe_schema.restart_kind(r) for r in ("x", "y")} <= set(observe_schema.RESTART_KINDS)
 
 
 def test_history_keeps_prompts_short_and_attempts_in_order() -> None:
-    params = schema.short_params({"prompt": "x" * 1000, "max_tokens": 8})
-    assert len(params["prompt"]) == schema.PROMPT_SHOWN and params["max_tokens"] == 8
-    chat = schema.short_params({"messages": [{"role": "user", "content": "hi"}] * 3})
+    params = observe_schema.short_params({"prompt": "x" * 1000, "max_tokens": 8})
+    assert len(params["prompt"]) == observe_schema.PROMPT_SHOWN and params["max_tokens"] == 8
+    chat = observe_schema.short_params({"messages": [{"role": "user", "content": "hi"}] * 3})
     assert chat == {"messages": 3, "last_message": "hi"}
     lost = b'{"reason": "worker a died", "kind": "worker_died"}'
     raw = {b"queue": b"llm:default", b"state": b"finished", b"attempt:2": b'{"worker": "b"}',

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 from rq import Queue
 
-from backends.contract.keys import job_key
+from backends.contract.keys import job_key, tenant_queued_key
 from dispatcher import Fleet
 from dispatcher.plans import run
 from dispatcher.tenants import usage_plan
@@ -33,7 +33,7 @@ TENANTS = {
     "alpha": {"api_keys": ["key-alpha"], "requests_per_minute": 3},
     "beta": {"api_keys": ["key-beta"], "tokens_per_minute": 10},
     "gamma": {"api_keys": ["key-gamma"], "max_concurrent": 2},
-    "delta": {"api_keys": ["key-delta"], "max_queued": 0},
+    "delta": {"api_keys": ["key-delta"], "max_queued": 1},
     "low": {"api_keys": ["key-low"], "max_priority": "low", "models": ["llm"]},
 }
 SETTINGS = {"gateway__tenants": TENANTS, "gateway__admin_keys": ["key-admin"],
@@ -51,6 +51,7 @@ def refused(response: httpx.Response, limit: str) -> int:
     assert response.status_code == 429, response.text
     error = response.json()["error"]
     assert error["code"] == "rate_limit_exceeded" and error["param"] == limit, error
+    assert error["type"] == ("tokens" if limit == "tokens_per_minute" else "requests"), error  # OpenAI's
     assert limit in error["message"]
     return int(response.headers["Retry-After"])
 
@@ -74,8 +75,11 @@ def test_each_limit_answers_429_at_its_count_and_recovers(redis: Redis, workers:
         assert answer.status_code == 200, answer.text
         used += answer.json()["usage"]["total_tokens"]
     waits.append(refused(complete(gw.url, "key-beta"), "tokens_per_minute"))
-    # max_queued 0: nothing may wait, so every request is refused; others are not affected
+    # max_queued 1: one job waits (as if no slot were free), so the next is refused; others are not
+    # affected
+    redis.zadd(tenant_queued_key("delta"), {"waiting-job": int(time.time() * 1000) + 120_000})
     assert refused(complete(gw.url, "key-delta"), "max_queued") >= 1
+    redis.delete(tenant_queued_key("delta"))
     assert complete(gw.url, "key-low").status_code == 200
     # the minute turns: both are admitted again
     assert all(1 <= w <= 60 for w in waits), waits

@@ -1,7 +1,7 @@
 """The batch concern (a hook: worker/hooks.py): a batch line's ending is copied into its batch's
-record in the same MULTI as the job's final entry (dispatcher/batch/record.py), so it is recorded
-exactly once and outlives the job's own result (result_ttl). Jobs that are not batch lines cost
-one string prefix test."""
+record in the same MULTI as the job's final entry (backends/contract/batch/line_record.py), so
+it is recorded exactly once and outlives the job's own result (result_ttl). Jobs that are not
+batch lines cost one string prefix test."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from redis.client import Pipeline
 
+from backends.contract.batch.line_record import record_end
 from backends.contract.keys import BATCH_JOB_PREFIX
-from dispatcher.batch.record import record_end
 from worker.hooks import EndingHook
 
 if TYPE_CHECKING:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 from redis.client import Pipeline
 
+from backends.contract import observe_schema
 from backends.contract.keys import (
     HISTORY_RECENT,
     POOLS_SET,
@@ -35,8 +36,7 @@ from backends.contract.keys import (
     pool_counters_key,
     worker_counters_key,
 )
-from dispatcher.observe import schema
-from dispatcher.observe.schema import pool_of, restart_kind
+from backends.contract.observe_schema import pool_of, restart_kind
 
 if TYPE_CHECKING:
     from worker.hooks import Holder, Restart
@@ -70,27 +70,27 @@ def _count(pipe: Pipe, pool: str, worker: str | None, fields: dict[str, int]) ->
         for field, n in fields.items():
             if n:
                 pipe.hincrby(key, field, n)
-    pipe.expire(pool_counters_key(pool), schema.POOL_COUNTERS_TTL)
+    pipe.expire(pool_counters_key(pool), observe_schema.POOL_COUNTERS_TTL)
     if worker:
-        pipe.expire(worker_counters_key(worker), schema.WORKER_COUNTERS_TTL)
+        pipe.expire(worker_counters_key(worker), observe_schema.WORKER_COUNTERS_TTL)
 
 
 def _observe(pipe: Pipe, metric: str, pool: str, seconds: float) -> None:
     key = histogram_key(metric, pool)
-    pipe.hincrby(key, schema.bucket_field(metric, seconds), 1)
-    pipe.hincrbyfloat(key, schema.SUM_FIELD, round(max(seconds, 0.0), 6))
-    pipe.expire(key, schema.POOL_COUNTERS_TTL)
+    pipe.hincrby(key, observe_schema.bucket_field(metric, seconds), 1)
+    pipe.hincrbyfloat(key, observe_schema.SUM_FIELD, round(max(seconds, 0.0), 6))
+    pipe.expire(key, observe_schema.POOL_COUNTERS_TTL)
 
 
 def _touch_history(pipe: Pipe, job_id: str, fields: dict[str, str], now: float,
-                   ttl: int = schema.HISTORY_TTL) -> None:
+                   ttl: int = observe_schema.HISTORY_TTL) -> None:
     key = history_key(job_id)
     mapping: dict[Any, Any] = {**fields, "updated_at": repr(round(now, 3))}
     pipe.hset(key, mapping=mapping)
     pipe.expire(key, ttl)
     pipe.zadd(HISTORY_RECENT, {job_id: now})
-    pipe.zremrangebyrank(HISTORY_RECENT, 0, -schema.HISTORY_CAP - 1)
-    pipe.expire(HISTORY_RECENT, schema.HISTORY_TTL)
+    pipe.zremrangebyrank(HISTORY_RECENT, 0, -observe_schema.HISTORY_CAP - 1)
+    pipe.expire(HISTORY_RECENT, observe_schema.HISTORY_TTL)
 
 
 def record_start(job: ClaimedJob, worker: str, backend: str, pipe: Pipe) -> None:
@@ -99,7 +99,7 @@ def record_start(job: ClaimedJob, worker: str, backend: str, pipe: Pipe) -> None
               f"attempt:{job.attempt}": _dumps({"worker": worker, "backend": backend,
                                                  "started_at": round(time.time(), 3)})}
     if job.request is not None:
-        fields["params"] = _dumps(schema.short_params(job.request))
+        fields["params"] = _dumps(observe_schema.short_params(job.request))
     if job.enqueued_ms:
         fields["enqueued_at"] = repr(round(job.enqueued_ms / 1000, 3))
         if job.attempt == 1 and job.claimed_ms:  # a requeued job's wait would count earlier attempts
@@ -122,9 +122,9 @@ def record_end(job: ClaimedJob, ending: Ending, pipe: Pipe, worker: str, backend
     usage = (result or {}).get("usage") or {}
     ran_here = job.request is not None  # not a job failed before it ran (refused, or by the reaper)
     _count(pipe, pool, worker, {
-        schema.jobs_field(outcome): 1,
-        schema.TOKENS: int(job.completion_tokens),
-        schema.PROMPT_TOKENS: int(usage.get("prompt_tokens") or 0),
+        observe_schema.jobs_field(outcome): 1,
+        observe_schema.TOKENS: int(job.completion_tokens),
+        observe_schema.PROMPT_TOKENS: int(usage.get("prompt_tokens") or 0),
     })
     timings = dict((result or {}).get("timings") or {})
     if ran_here:
@@ -140,13 +140,13 @@ def record_end(job: ClaimedJob, ending: Ending, pipe: Pipe, worker: str, backend
            "attempt": job.attempt, "ended_at": round(now, 3), "timings": timings,
            "finish_reason": (result or {}).get("finish_reason"), "usage": usage,
            "completion_tokens": job.completion_tokens, "error": ending.error}
-    ttl = schema.HISTORY_TTL if outcome == "failed" else min(result_ttl, schema.HISTORY_TTL)
+    ttl = observe_schema.HISTORY_TTL if outcome == "failed" else min(result_ttl, observe_schema.HISTORY_TTL)
     _touch_history(pipe, job.id, {"queue": job.queue, "state": outcome, "end": _dumps(end)}, now, ttl)
     if outcome == "failed":
         failed = history_failed_key(job.queue)
         pipe.zadd(failed, {job.id: now})
-        pipe.zremrangebyrank(failed, 0, -schema.HISTORY_CAP - 1)
-        pipe.expire(failed, schema.HISTORY_TTL)
+        pipe.zremrangebyrank(failed, 0, -observe_schema.HISTORY_CAP - 1)
+        pipe.expire(failed, observe_schema.HISTORY_TTL)
 
 
 def record_restart(pipe: Pipe, job_id: str, queue: str, attempt: int, reason: str, by: str,
@@ -155,7 +155,8 @@ def record_restart(pipe: Pipe, job_id: str, queue: str, attempt: int, reason: st
     job goes round again (`requeued`) or, when the reaper gives up, has failed already."""
     now = time.time()
     kind = restart_kind(reason)
-    fields = {schema.restarts_field(kind): 1 if requeued else 0, schema.REAPED: 1 if reaped else 0}
+    fields = {observe_schema.restarts_field(kind): 1 if requeued else 0,
+              observe_schema.REAPED: 1 if reaped else 0}
     # counted against the pool only: the worker that held it may be dead (its name is in the reason)
     _count(pipe, pool_of(queue), None, fields)
     entry = {"reason": reason, "kind": kind, "at": round(now, 3), "by": by}
@@ -200,13 +201,13 @@ class LiveFacts:
 
     def on_beat(self, pipe: Pipe) -> None:
         pipe.sadd(POOLS_SET, self.pool)
-        pipe.expire(POOLS_SET, schema.POOL_COUNTERS_TTL)
+        pipe.expire(POOLS_SET, observe_schema.POOL_COUNTERS_TTL)
         if not self.counting:
             return
         if not self._started:  # once per process: restarts show as starts > 1 for a name
             self._started = True
-            _count(pipe, self.pool, self.name, {schema.STARTS: 1})
-        pipe.expire(worker_counters_key(self.name), schema.WORKER_COUNTERS_TTL)
+            _count(pipe, self.pool, self.name, {observe_schema.STARTS: 1})
+        pipe.expire(worker_counters_key(self.name), observe_schema.WORKER_COUNTERS_TTL)
 
 
 def backend_health(stats: dict[str, Any], engine_down: bool) -> str:

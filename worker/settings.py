@@ -4,7 +4,8 @@ the worker's own (name, pinning, heartbeat, attempts) and the backend's (backend
 Loaded from `worker-config.json`, overridden by `FLEET_*` environment variables (the machinery and
 its priority rules: backends/contract/settings.py). Unknown keys and bad values fail at start with
 pydantic's message, which names the key. One file configures the whole fleet, so the gateway's
-section is checked here too, with the gateway's own model.
+section is checked here too, with the gateway's own model (from the contract,
+backends/contract/gateway_settings.py: the worker never imports the gateway).
 
 The `backend` section is merged key by key across sources (a FLEET_BACKEND__SLOTS beside the file's
 section), with one rule: the section's engine is the `type` of the highest-priority source that
@@ -24,9 +25,9 @@ from pydantic import Field, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from backends.contract.gateway_settings import GatewaySettings
 from backends.contract.settings import ProducerSettings, SettingsError, config_path, load
 from backends.registry import DEFAULT_TYPE, SHARED_KEYS, BackendSettings, BackendType, LlamaCppSection
-from dispatcher.gateway.settings import GatewaySettings
 
 __all__ = ["BackendSettings", "BackendType", "FleetSettings", "SettingsError", "config_path",
            "format_cpu_list", "load_settings", "parse_cpu_list"]

@@ -45,17 +45,19 @@ class EmbedRequest(BaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _texts(cls, v: object) -> object:
-        """Clear words for what OpenAI's API also accepts but this fleet does not (token arrays)."""
+        """Clear words for what OpenAI's API also accepts but this fleet does not (token arrays),
+        and for what neither accepts (a number, a boolean, an object)."""
         if isinstance(v, str):
             return [v]
-        if isinstance(v, list):
-            if not v:
-                raise ValueError(f"no inputs: send a string or a list of 1 to {MAX_EMBED_INPUTS} strings")
-            for i, item in enumerate(v):
-                if isinstance(item, int | list) and not isinstance(item, bool):
-                    raise ValueError(f"item {i} is a token array or number; send text (strings) only")
-                if not isinstance(item, str):
-                    raise ValueError(f"item {i} is not a string")
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of strings")
+        if not v:
+            raise ValueError(f"no inputs: send a string or a list of 1 to {MAX_EMBED_INPUTS} strings")
+        for i, item in enumerate(v):
+            if isinstance(item, int | list) and not isinstance(item, bool):
+                raise ValueError(f"item {i} is a token array or number; send text (strings) only")
+            if not isinstance(item, str):
+                raise ValueError(f"item {i} is not a string")
         return v
 
     @field_validator("input")
@@ -117,7 +119,10 @@ def embeddings_of(result: Mapping[str, Any]) -> list[list[float]]:
 
 def embed_fields(texts: str | Sequence[str], **fields: Any) -> dict[str, Any]:
     """The fields of an embedding job (for `Fleet.submit`): a string is one input."""
-    inputs = texts if isinstance(texts, str) else list(texts)
+    # anything but a sequence of texts goes to validation as it is, which names it (a number
+    # is not iterable; an object would iterate over its keys)
+    sequence = isinstance(texts, Sequence) and not isinstance(texts, str | bytes)
+    inputs = list(texts) if sequence else texts
     return {"kind": "embed", "input": inputs, **fields}
 
 

@@ -5,17 +5,19 @@ FLEET_GATEWAY__API_KEYS='["key-1"]', FLEET_GATEWAY__MODELS='{"gemma-3-270m": "ll
     {"redis_url": "redis://10.0.0.5:6379/0",
      "gateway": {"port": 8000, "max_queue": 500, "api_keys": ["..."],
                  "models": {"gemma-3-270m": "llm", "big": "big-pool"}}}
+
+The section's model is in the contract because one file configures the whole fleet: the gateway
+(dispatcher/gateway/settings.py `ServeSettings`) reads it and the worker (worker/settings.py)
+checks it at start, and neither side may import the other.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from backends.contract.schema import MAX_TOKENS_LIMIT, TENANT_PATTERN, Priority
-from backends.contract.settings import ProducerSettings, load
 
 POOL_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
@@ -43,6 +45,18 @@ class TenantSettings(BaseModel):
     max_priority: Priority = Field("high", description="highest X-Fleet-Priority the tenant may ask; a "
                                    "higher one is lowered to it")
     models: list[str] | None = Field(None, description="models the tenant may use; None: all")
+    max_batch_lines: int | None = Field(None, ge=0, description="batch lines not ended yet across the "
+                                        "tenant's open batches (a batch's own quota); 0: no batches; "
+                                        "unset: no cap for a tenant without limits, 0 for one with any")
+
+    def batch_lines_cap(self) -> int | None:
+        """What the tenant's open batches may hold (None: no cap of its own). Batch lines do not
+        pass the interactive limits (a batch is admitted whole, its lines run over hours), so a
+        tenant an operator limited runs no batches until it is given a batch quota."""
+        if self.max_batch_lines is not None:
+            return self.max_batch_lines
+        limited = (self.requests_per_minute, self.tokens_per_minute, self.max_concurrent, self.max_queued)
+        return 0 if any(v is not None for v in limited) else None
 
 
 class GatewaySettings(BaseModel):
@@ -130,17 +144,3 @@ class GatewaySettings(BaseModel):
                 raise ValueError(f"model {model!r}: pool {pool!r} is not a pool name")
         return v
 
-
-class ServeSettings(ProducerSettings):
-    """The producer's settings plus the gateway section (`fleet serve`); worker keys in the same
-    file are the worker's to check."""
-
-    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
-
-    def model_pools(self) -> dict[str, str]:
-        """Model name -> pool, as the API lists them."""
-        return dict(self.gateway.models) or {self.pool: self.pool}
-
-
-def load_serve_settings(config: str | None = None, **overrides: Any) -> ServeSettings:
-    return load(ServeSettings, config, **overrides)

@@ -234,6 +234,12 @@ def creator_files_key(creator: str) -> str:
     return f"fleet:files:{creator}"
 
 
+def tenant_batches_key(tenant: str) -> str:
+    """Hash: a tenant's open batches (id -> created_at), whose lines count against its
+    `max_batch_lines` (create.lua). TTL: the longest batch's."""
+    return f"fleet:tenant:{tenant}:batches"
+
+
 def open_batches_key(pool: str) -> str:
     """Hash: the pool's open batches (id -> created_at), whose lines count against a cap on queued
     batch lines (create.lua); ended ones leave it at the next creation. TTL: the longest batch's."""

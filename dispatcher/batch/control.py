@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from redis import Redis
 
+from backends.contract.batch.line_record import BATCH_ID_PATTERN, line_job_id, parse_job_id
 from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, inflight_key
 from backends.contract.replies import as_str
 from dispatcher.batch import record
@@ -31,7 +32,7 @@ def running_plan(batch_id: str) -> Plan[int]:
         cursor, keys = yield from ask(cmd("scan", cursor, match=inflight_key("*"), count=500))
         for key in keys:
             for job_id in (yield from ask(cmd("lrange", key, 0, -1))):
-                parsed = record.parse_job_id(as_str(job_id) or "")
+                parsed = parse_job_id(as_str(job_id) or "")
                 n += parsed is not None and parsed[0] == batch_id
         if int(cursor) == 0:
             return n
@@ -56,7 +57,7 @@ def list_batches(redis: Redis, limit: int = 100, owner: str | None = None) -> li
 def list_plan(limit: int = 100, owner: str | None = None) -> Plan[list[dict[str, Any]]]:
     """Newest first (only `owner`'s when given); ids whose record expired leave the index."""
     ids = [as_str(raw) or "" for raw in (yield from ask(cmd("zrevrange", BATCHES_INDEX, 0, -1)))]
-    readable = [i for i in ids if record.BATCH_ID_PATTERN.fullmatch(i)]  # no other key is read
+    readable = [i for i in ids if BATCH_ID_PATTERN.fullmatch(i)]  # no other key is read
     raws = dict(zip(readable, (yield from gather([cmd("hgetall", batch_key(i)) for i in readable])),
                     strict=True))
     out: list[dict[str, Any]] = []
@@ -81,7 +82,7 @@ def cancel_plan(batch_id: str, job_timeout: int = 600, chunk: int = CANCEL_CHUNK
     next step and are recorded as cancelled). Only this batch's own lines are touched, read from
     its lines hash in chunks of `chunk`, so no queue is scanned. Returns the batch state after;
     KeyError for an unknown batch."""
-    if not record.BATCH_ID_PATTERN.fullmatch(batch_id):
+    if not BATCH_ID_PATTERN.fullmatch(batch_id):
         raise KeyError(batch_id)
     before = yield from record.mark_cancelling_plan(batch_id, time.time())
     if before is None:
@@ -147,7 +148,7 @@ def output_object(batch_id: str, key: str, line: record.LineState, model: str) -
                   "usage": {"prompt_tokens": r.get("p", 0), "completion_tokens": r.get("c", 0)}}
         if "tc" in r:
             result.update(content=r.get("ct"), tool_calls=r["tc"])
-        job_id = record.line_job_id(batch_id, key)
+        job_id = line_job_id(batch_id, key)
         reply = Reply(line.kind == "chat", model, [job_id], False, created=r.get("at"))
         out["response"] = {"status_code": 200, "request_id": f"req_{key}",
                            "body": reply.whole([JobUpdate(0, result=result)])}

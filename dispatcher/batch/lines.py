@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dispatcher.batch.record import Kind, line_key
+from backends.contract.batch.line_record import line_key
+from dispatcher.batch.record import Kind
 from dispatcher.gateway.core import ApiError, field_named
+from dispatcher.gateway.json_body import json_int
 from dispatcher.gateway.openai_bodies import job_fields
 from dispatcher.rules import validate_request
 
@@ -98,7 +100,7 @@ class LineProblem(Exception):
 def parse_line(number: int, text: str) -> BatchLine:
     """One input line as a BatchLine; raises LineProblem naming the field."""
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_int=json_int)
     except ValueError as e:
         raise LineProblem("(line)", f"not JSON: {e}") from None
     except RecursionError:

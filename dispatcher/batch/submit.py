@@ -22,6 +22,7 @@ from typing import Any
 
 from redis import Redis
 
+from backends.contract.batch.line_record import BATCH_ID_PATTERN, line_job_id
 from backends.contract.connect import server_version
 from backends.contract.keys import batch_key, batch_lines_key, batch_lock_key, queue_name
 from backends.contract.lua import RELEASE_LOCK, lua_script
@@ -60,6 +61,19 @@ class BatchQueueFull(BatchRefused):
         self.open_lines = open_lines
 
 
+class TenantBatchQuotaFull(BatchRefused):
+    """The tenant's open batches already hold so many lines that this batch would pass its
+    `max_batch_lines` (docs/tenants.md: a batch's own quota)."""
+
+    def __init__(self, open_lines: int, lines: int, spec: BatchSpec) -> None:
+        cap = spec.tenant_max_open_lines or 0
+        why = ("it may not run batches (max_batch_lines 0)" if cap == 0 else
+               f"it has {open_lines} batch lines not ended yet; this batch's {lines} more would pass its "
+               f"max_batch_lines of {cap}")
+        super().__init__(f"tenant '{spec.tenant}': {why}")
+        self.open_lines, self.lines, self.never = open_lines, lines, lines > cap
+
+
 @dataclass
 class BatchSpec:
     batch_id: str
@@ -73,6 +87,7 @@ class BatchSpec:
     metadata: dict[str, str] | None = None
     extra: dict[str, str] = field(default_factory=dict)  # more state fields (the gateway's file ids)
     max_open_lines: int | None = None  # cap on the pool's batch lines not ended yet (None: no cap)
+    tenant_max_open_lines: int | None = None  # the same cap on the tenant's batches (None: no cap)
     tenant: str | None = None  # whose lines: they wait in the tenant's queue and count as its usage
 
 
@@ -112,7 +127,7 @@ def submit_batch(redis: Redis, spec: BatchSpec, open_lines: Callable[[], Iterabl
 def check(spec: BatchSpec, open_lines: Callable[[], Iterable[str]], *, skip_invalid: bool = False,
           checked: Scan | None = None) -> Scan:
     """The scan of the lines, or BatchRefused (a bad id, window or retention, bad lines)."""
-    if not record.BATCH_ID_PATTERN.fullmatch(spec.batch_id):
+    if not BATCH_ID_PATTERN.fullmatch(spec.batch_id):
         raise BatchRefused(f"batch id {spec.batch_id!r} must be 1-64 characters from A-Z a-z 0-9 _ -")
     if not (0 < spec.window <= MAX_WINDOW and 0 < spec.retention <= MAX_RETENTION):
         raise BatchRefused(f"the completion window must be 1 s to {MAX_WINDOW // 86400} days and the "
@@ -166,12 +181,15 @@ def _create_plan(spec: BatchSpec, found: Scan, now: float, deadline: int) -> Pla
         "metadata": json.dumps(spec.metadata or {}), **spec.extra,
     }
     cap = -1 if spec.max_open_lines is None else spec.max_open_lines
+    tenant_cap = -1 if spec.tenant_max_open_lines is None else spec.tenant_max_open_lines
     reply = yield from record.create_plan(spec.batch_id, spec.pool, found.fingerprint, deadline, now, cap,
-                                          found.valid, fields)
+                                          found.valid, fields, spec.tenant, tenant_cap)
     if reply[0] == "created":
         return True
     if reply[0] == "full":
         raise BatchQueueFull(int(reply[1]), found.valid, spec)
+    if reply[0] == "tenant_full":
+        raise TenantBatchQuotaFull(int(reply[1]), found.valid, spec)
     if reply[1] != found.fingerprint:
         raise BatchRefused(f"batch {spec.batch_id} already exists with other lines; choose another --id")
     return False
@@ -213,5 +231,5 @@ def _prepared(spec: BatchSpec, line: BatchLine, queue_ttl: int) -> PreparedJob:
     named = {"tenant": spec.tenant} if spec.tenant else {}
     job = prepare(None, spec.priority, {**line.request, **named}, job_timeout=spec.job_timeout,
                   result_ttl=BATCH_JOB_RESULT_TTL, queue_ttl=queue_ttl)
-    job.job_id = record.line_job_id(spec.batch_id, line.key)
+    job.job_id = line_job_id(spec.batch_id, line.key)
     return job

@@ -37,10 +37,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backends.contract.gateway_settings import GatewaySettings
 from dispatcher.gateway import batch_api, embeddings_api, ollama_api, ollama_show, openai_api, responses_api
 from dispatcher.gateway.core import ApiError, Gateway, caller_keys, shown
 from dispatcher.gateway.responses import AsciiJSONResponse
-from dispatcher.gateway.settings import GatewaySettings, ServeSettings, load_serve_settings
+from dispatcher.gateway.settings import ServeSettings, load_serve_settings
 
 log = logging.getLogger("fleet.gateway")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -128,13 +129,18 @@ class GatewayApp(Starlette):
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 UPLOAD_ROUTE = "/v1/files"  # POST: multipart, with its own (larger) body limit
 BODY_GRACE = 5.0  # seconds a body may take before gateway.body_min_rate applies
-CLOSE = {"Connection": "close"}  # the rest of a refused body is not read: the connection ends
+CLOSE = {"Connection": "close"}  # past what a 413 drains, a refused body is not read: the connection ends
+# A 413 is sent once the refused body is read (and thrown away) up to this many times the limit:
+# clients (httpx, requests, the openai SDK) send the whole body before they read an answer, and a
+# connection closed on unread bytes is reset, so they would see a broken pipe instead of the 413
+DRAIN_FACTOR = 4
 
 
 class RequestGuard:
     """ASGI middleware: refuses cross-site browser requests on mutating routes (403), bodies over
-    the route's size limit (413: at once when Content-Length says so, else as soon as the bytes
-    read pass it, chunked or not) and bodies that arrive too slowly (408)."""
+    the route's size limit (413: once the bytes read pass it, chunked or not, or Content-Length
+    says so; the body is drained up to DRAIN_FACTOR times the limit first, a larger one is answered
+    at once) and bodies that arrive too slowly (408)."""
 
     def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
         self.app = app
@@ -148,6 +154,17 @@ class RequestGuard:
         headers = Headers(scope=scope)
         upload = scope["method"] == "POST" and scope["path"] == UPLOAD_ROUTE
         limit = self.settings.max_upload_bytes if upload else self.settings.max_body_bytes
+        meter = BodyMeter(receive, limit, upload, self.settings, headers)
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] == 413:
+                    await meter.drain()
+            await send(message)
+
         try:
             if scope["method"] in MUTATING:
                 self.refuse_cross_site(scope, headers)
@@ -157,22 +174,14 @@ class RequestGuard:
             if announced.isdigit() and int(announced) > limit:
                 raise too_large(limit, upload)
         except ApiError as refused:
-            await error_response(scope["path"], refused)(scope, receive, send)
+            await error_response(scope["path"], refused)(scope, receive, sending)
             return
-        meter = BodyMeter(receive, limit, upload, self.settings)
-        started = False
-
-        async def sending(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
             await self.app(scope, meter.receive, sending)
         except ApiError as refused:  # raised by the meter where no route handler caught it
             if started:
                 raise
-            await error_response(scope["path"], refused)(scope, receive, send)
+            await error_response(scope["path"], refused)(scope, receive, sending)
 
     def refuse_cross_site(self, scope: Scope, headers: Headers) -> None:
         """403 for a browser request from another site: browsers send Sec-Fetch-Site and Origin,
@@ -224,7 +233,8 @@ class BodyMeter:
     the time the body takes (uvicorn has no body timeout). Once the body is in, it only passes
     messages on (the disconnect watchers wait on it for as long as a response lasts)."""
 
-    def __init__(self, receive: Receive, limit: int, upload: bool, settings: GatewaySettings) -> None:
+    def __init__(self, receive: Receive, limit: int, upload: bool, settings: GatewaySettings,
+                 headers: Headers) -> None:
         self._receive = receive
         self.limit = limit
         self.upload = upload
@@ -233,6 +243,28 @@ class BodyMeter:
         self.started = time.monotonic()
         self.received = 0
         self.done = False
+        self.asked = False  # whether the route has read: uvicorn's first read sends "100 Continue"
+        self.waits_to_send = headers.get("expect", "").lower() == "100-continue"
+        announced = headers.get("content-length", "")
+        # what a 413 drains: nothing of a body announced larger than the drain would take anyway
+        self.drainable = DRAIN_FACTOR * limit
+        if announced.isdigit() and int(announced) > self.drainable:
+            self.drainable = 0
+
+    async def drain(self) -> None:
+        """Read and drop what is left of a refused body, up to `drainable` bytes in all and
+        within the body's own time bounds, so the client is done sending when the 413 comes. A
+        client that waits for "100 Continue" before it sends, and was not asked, reads it at once."""
+        if self.waits_to_send and not self.asked:
+            return
+        while not self.done and self.received < self.drainable:
+            try:
+                async with asyncio.timeout(self.deadline() - time.monotonic()):
+                    message = await self._receive()
+            except TimeoutError:
+                return
+            self.received += len(message.get("body", b""))
+            self.done = message["type"] != "http.request" or not message.get("more_body", False)
 
     def deadline(self) -> float:
         """When the body must be further along: gateway.body_timeout after the head, and never
@@ -245,6 +277,7 @@ class BodyMeter:
     async def receive(self) -> Message:
         if self.done:
             return await self._receive()
+        self.asked = True
         try:
             async with asyncio.timeout(self.deadline() - time.monotonic()):
                 message = await self._receive()

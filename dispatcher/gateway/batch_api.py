@@ -32,8 +32,17 @@ from backends.contract.schema import DEFAULT_TENANT
 from dispatcher.batch import control, files, record
 from dispatcher.batch.lines import URLS, safe_text, scan, split_lines
 from dispatcher.batch.multipart import UploadRefused, read_upload
-from dispatcher.batch.submit import BatchQueueFull, BatchRefused, BatchSpec, check, new_batch_id, submit_plan
-from dispatcher.gateway.core import OPEN, ApiError, Caller, Gateway, read_json_object
+from dispatcher.batch.submit import (
+    BatchQueueFull,
+    BatchRefused,
+    BatchSpec,
+    TenantBatchQuotaFull,
+    check,
+    new_batch_id,
+    submit_plan,
+)
+from dispatcher.gateway.core import OPEN, ApiError, Caller, Gateway
+from dispatcher.gateway.json_body import read_json_object
 from dispatcher.plans import Plan, run_async
 
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")  # what new_batch_id and default_batch_id make
@@ -67,6 +76,12 @@ def _reader(request: Request) -> str | None:
     """Whose files and batches the caller may read, cancel and delete: its own; an operator (admin
     key) everyone's."""
     return None if request.state.caller.admin else _creator(request)
+
+
+def _tenant_cap(gw: Gateway, request: Request) -> int | None:
+    """The caller's batch quota (TenantSettings.batch_lines_cap); the default tenant has none."""
+    tenant = gw.settings.gateway.tenants.get(request.state.caller.tenant)
+    return tenant.batch_lines_cap() if tenant is not None else None
 
 
 def _tenant(request: Request) -> str | None:
@@ -266,7 +281,8 @@ async def create_batch(request: Request) -> Response:
     spec = BatchSpec(new_batch_id(), pool, "low", window, job_timeout=gw.settings.job_timeout,
                      endpoint=str(endpoint), input_name=str(file_id), metadata=metadata,
                      extra={"input_file_id": str(file_id), "owner": creator},
-                     max_open_lines=limits.max_batch_queue, tenant=_tenant(request))
+                     max_open_lines=limits.max_batch_queue, tenant=_tenant(request),
+                     tenant_max_open_lines=_tenant_cap(gw, request))
     mismatched = found.kinds - {URLS[str(endpoint)]}
     try:
         if mismatched or found.invalid or not found.valid:
@@ -276,6 +292,11 @@ async def create_batch(request: Request) -> Response:
         await _run(request, submit_plan(spec, lambda: lines, found), offload=True)
     except BatchQueueFull as e:
         raise ApiError(429, f"{e} (gateway.max_batch_queue)", code="batch_queue_full",
+                       headers={"Retry-After": str(max(60, limits.retry_after))}) from None
+    except TenantBatchQuotaFull as e:
+        if e.never:  # more lines than the quota holds at all: retrying never helps
+            raise ApiError(400, str(e), param="input_file_id", code="batch_quota_exceeded") from None
+        raise ApiError(429, str(e), code="batch_quota_exceeded", kind="requests",
                        headers={"Retry-After": str(max(60, limits.retry_after))}) from None
     except BatchRefused as e:
         errors = [err.openai() for err in (e.scan.errors if e.scan else [])]

@@ -12,25 +12,22 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from backends.contract.gateway_settings import GatewaySettings, TenantSettings
 from backends.contract.keys import WORKERS_SET, queue_key, queue_names, tenant_queue_name, worker_key
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT, PRIORITIES
 from dispatcher.aio import AsyncFleet, AsyncFleetJob
-from dispatcher.gateway.settings import GatewaySettings, ServeSettings, TenantSettings
+from dispatcher.gateway.settings import ServeSettings
 from dispatcher.plans import run_async
 from dispatcher.rules import new_job_id
 from dispatcher.stream import JobFailed, JobRestarted, TextDeltas
-from dispatcher.tenants import LimitReached, Limits, admit_plan, release_plan
-
-if TYPE_CHECKING:  # Starlette stays out of producer-only hosts (openai_bodies imports this module)
-    from starlette.requests import Request
+from dispatcher.tenants import LimitReached, Limits, NeverAdmitted, admit_plan, release_plan
 
 log = logging.getLogger("fleet.gateway")
 REFRESH_INTERVAL = 1.0  # seconds between reads of the workers' status hashes
@@ -41,13 +38,14 @@ class ApiError(Exception):
     """An HTTP error; each API renders it in its own error shape."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, kind: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.kind = kind  # OpenAI's error `type`, where the status alone does not tell it
 
 
 def shown(value: object, limit: int = 100) -> str:
@@ -72,90 +70,6 @@ def unsupported(fields: str | Sequence[str], api: str) -> ApiError:
     verb = "is" if len(names) == 1 else "are"
     return ApiError(400, f"{listed} {verb} not supported by this {api} gateway (llama-fleet)",
                     param=shown(names[0]), code="unsupported_field")
-
-
-# -- reading a JSON body ----------------------------------------------------------------------------
-
-LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # a pair is fine; checked below
-
-
-async def read_json_object(request: Request, *, limit: int, max_depth: int = 64) -> dict[str, Any]:
-    """The body of a JSON route as a dict, or an ApiError that names what is wrong with it:
-    415 unless Content-Type is application/json (so a browser's plain form post runs nothing),
-    413 past `limit` bytes (announced or streamed), 400 for invalid UTF-8, non-JSON, nesting
-    deeper than `max_depth`, lone surrogates or a non-object."""
-    ctype = request.headers.get("content-type", "")
-    media, _, params = ctype.partition(";")
-    charset = params.strip().lower().removeprefix("charset=").strip('"') if params.strip() else "utf-8"
-    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
-        got = f"'{shown(ctype)}'" if ctype else "none"
-        raise ApiError(415, f"Content-Type must be application/json (UTF-8); got {got}",
-                       code="unsupported_media_type")
-    announced = request.headers.get("content-length", "")
-    if announced.isdigit() and int(announced) > limit:
-        raise body_too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-    try:
-        text = b"".join(chunks).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"the body is not valid UTF-8 (at byte {e.start})", code="invalid_json") from None
-    try:
-        body = json.loads(text, parse_constant=_not_json, parse_float=_finite)
-    except RecursionError:  # the C scanner recurses per level; not a ValueError
-        raise too_deep(max_depth) from None
-    except ValueError as e:
-        raise ApiError(400, f"the body is not JSON: {e}", code="invalid_json") from None
-    if text.count("[") + text.count("{") > max_depth and _deeper_than(body, max_depth):
-        raise too_deep(max_depth)
-    if LONE_SURROGATE_ESCAPE.search(text):
-        try:
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, "the body holds a lone surrogate escape (\\ud800-\\udfff without its pair): "
-                           "not text", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    return body
-
-
-def body_too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than {limit:,} bytes (gateway.max_body_bytes)",
-                    code="body_too_large", headers={"Connection": "close"})
-
-
-def too_deep(limit: int) -> ApiError:
-    return ApiError(400, f"the JSON body nests deeper than {limit} levels (gateway.max_json_depth)",
-                    code="invalid_json")
-
-
-def _not_json(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):  # 1e999: no response or job could carry it back as JSON
-        raise ValueError(f"the number {shown(text, 30)} is out of range")
-    return value
-
-
-def _deeper_than(value: object, limit: int) -> bool:
-    """Whether `value` nests deeper than `limit`, without recursion (the caller's stack must not
-    be what a client's body measures)."""
-    stack = [(value, 1)] if isinstance(value, dict | list) else []
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
 
 
 # -- what a client is told about a failed job -------------------------------------------------------
@@ -300,19 +214,24 @@ class Gateway:
     def tenant(self, caller: Caller) -> TenantSettings | None:
         return self.settings.gateway.tenants.get(caller.tenant)
 
+    def models_for(self, caller: Caller) -> dict[str, str]:
+        """The models `caller` may use (name -> pool): its tenant's `models`, else every one. A
+        model the tenant may not use does not exist for it, in listings as in requests."""
+        tenant = self.tenant(caller)
+        if tenant is None or tenant.models is None:
+            return self.models
+        allowed = set(tenant.models)
+        return {name: pool for name, pool in self.models.items() if name in allowed}
+
     def pool_for(self, model: object, caller: Caller = OPEN) -> str:
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required: the name of a model this gateway serves",
                            param="model", code="missing_model")
-        pool = self.models.get(model)
-        tenant = self.tenant(caller)
-        if tenant is not None and tenant.models is not None and model not in tenant.models:
-            pool = None  # a model the tenant may not use does not exist for it
+        served = self.models_for(caller)
+        pool = served.get(model)
         if pool is None:
-            served = sorted(self.models) if tenant is None or tenant.models is None else sorted(
-                set(self.models) & set(tenant.models))
             raise ApiError(404, f"The model '{shown(model)}' does not exist (this gateway serves: "
-                           f"{', '.join(served)})", param="model", code="model_not_found")
+                           f"{', '.join(sorted(served))})", param="model", code="model_not_found")
         return pool
 
     async def submit(self, pool: str, requests: list[dict[str, Any]], priority: str,
@@ -359,15 +278,19 @@ class Gateway:
         return jobs
 
     async def _admit(self, name: str, tenant: TenantSettings | None, ids: list[str]) -> None:
-        """Reserve the jobs under the tenant's limits (429 naming the limit, OpenAI's shape)."""
+        """Reserve the jobs under the tenant's limits (429 naming the limit, OpenAI's shape; 400
+        when more jobs are asked at once than a limit ever allows)."""
         limits = tenant_limits(tenant)
         if not limits.any:
             return
         life = (self.settings.queue_ttl or DEFAULT_RESERVATION) + self.settings.job_timeout
         try:
             await run_async(self.fleet.redis, admit_plan(name, ids, limits, life))
-        except LimitReached as e:
+        except NeverAdmitted as e:  # not a 429: a client would retry it for ever
+            raise ApiError(400, str(e), param="n", code="invalid_value") from None
+        except LimitReached as e:  # OpenAI's rate-limit errors: type "tokens" for token limits
             raise ApiError(429, str(e), code="rate_limit_exceeded", param=e.limit,
+                           kind="tokens" if e.limit == "tokens_per_minute" else "requests",
                            headers={"Retry-After": str(e.retry_after)}) from None
         except OUTAGE_ERRORS:
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None

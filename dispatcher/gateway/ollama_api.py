@@ -58,13 +58,15 @@ def _model_entry(name: str) -> dict[str, Any]:
 
 async def tags(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    return JSONResponse({"models": [_model_entry(m) for m in sorted(gw.models)]})
+    served = gw.models_for(request.state.caller)
+    return JSONResponse({"models": [_model_entry(m) for m in sorted(served)]})
 
 
 async def ps(request: Request) -> Response:
-    """Models with at least one live worker (Ollama: models loaded in memory)."""
+    """The caller's models with at least one live worker (Ollama: models loaded in memory)."""
     gw: Gateway = request.app.state.gateway
-    running = [m for m, pool in sorted(gw.models.items()) if gw.live_workers.get(pool)]
+    served = gw.models_for(request.state.caller)
+    running = [m for m, pool in sorted(served.items()) if gw.live_workers.get(pool)]
     return JSONResponse({"models": [{**_model_entry(m), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}
                                     for m in running]})
 

@@ -24,8 +24,8 @@ from dispatcher.gateway.core import (
     cancel_all,
     collect,
     follow,
-    read_json_object,
 )
+from dispatcher.gateway.json_body import read_json_object
 from dispatcher.gateway.openai_bodies import Reply, calls_tools, error_body, job_fields, per_choice
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
@@ -38,13 +38,14 @@ def model_object(name: str) -> dict[str, Any]:
 
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    return JSONResponse({"object": "list", "data": [model_object(m) for m in sorted(gw.models)]})
+    served = gw.models_for(request.state.caller)
+    return JSONResponse({"object": "list", "data": [model_object(m) for m in sorted(served)]})
 
 
 async def get_model(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     name = request.path_params["model"]
-    gw.pool_for(name)  # 404 when unknown
+    gw.pool_for(name, request.state.caller)  # 404 when unknown, or not the caller's to use
     return JSONResponse(model_object(name))
 
 

@@ -38,7 +38,7 @@ FINISH_REASONS = ("length", "tool_calls")  # as the result says; every other end
 
 
 def error_body(err: ApiError) -> dict[str, Any]:
-    kind = "invalid_request_error" if err.status < 500 else "server_error"
+    kind = err.kind or ("invalid_request_error" if err.status < 500 else "server_error")
     if err.status == 401:
         kind = "authentication_error"
     param = OPENAI_PARAM.get(err.param or "", err.param)

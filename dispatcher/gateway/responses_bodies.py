@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from backends.contract.tools import AnswerReader
-from dispatcher.gateway.core import ApiError, JobUpdate, unsupported
+from dispatcher.gateway.core import ApiError, JobUpdate, shown, unsupported
 from dispatcher.gateway.openai_bodies import error_body, sse_data
 from dispatcher.gateway.openai_tools import function, invalid, tool_fields
 
@@ -56,6 +56,8 @@ def job_request(body: dict[str, Any]) -> dict[str, Any]:
             raise unsupported(name, "OpenAI Responses")
     if body.get("include") or body.get("truncation") not in (None, "disabled"):
         raise unsupported("include" if body.get("include") else "truncation", "OpenAI Responses")
+    if not isinstance(body.get("user", ""), str):  # accepted and unused, but typed as OpenAI's
+        raise invalid("user", "'user' must be a string")
     fields: dict[str, Any] = {k: body[k] for k in ("temperature", "top_p") if k in body}
     if "max_output_tokens" in body:
         fields["max_tokens"] = body["max_output_tokens"]
@@ -104,6 +106,9 @@ def _input(value: object) -> list[dict[str, Any]]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise invalid("input", "'input' must be a string or a non-empty list of items")
+    # a tool's output answers a call of the same input (nothing is stored to find it elsewhere)
+    called = {item.get("call_id") for item in value if isinstance(item, dict)
+              and item.get("type") == "function_call" and isinstance(item.get("call_id"), str)}
     out: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
@@ -126,6 +131,9 @@ def _input(value: object) -> list[dict[str, Any]]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, str | list):
                 raise invalid(where, f"{where} needs call_id and output (a string)")
+            if item["call_id"] not in called:  # OpenAI's words
+                raise invalid("input", f"No tool call found for function call output with call_id "
+                              f"{shown(item['call_id'])}.")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(output, where)})
         elif kind == "message" and isinstance(item.get("role"), str) and item["role"] in ROLES:
             out.append({"role": ROLES[item["role"]], "content": _text(item.get("content"), where)})

@@ -19,6 +19,7 @@ from rq.job import Job, parse_job_id
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from backends.contract import observe_schema
 from backends.contract.keys import (
     HISTORY_RECENT,
     WORKERS_SET,
@@ -31,7 +32,6 @@ from backends.contract.keys import (
 )
 from backends.contract.replies import as_str
 from backends.contract.schema import PRIORITIES
-from dispatcher.observe import schema
 from dispatcher.plans import Plan, ask, cmd, gather, run
 from dispatcher.rules import RQ_OFFLINE
 
@@ -131,7 +131,7 @@ def from_rq_plan(job_id: str) -> Plan[dict[str, Any] | None]:
                 "attempts": [], "params": None, "queue": None}
     params = job.args[0] if isinstance(job.args, list | tuple) and job.args else None
     if isinstance(params, dict):
-        params = schema.short_params(params)
+        params = observe_schema.short_params(params)
     rq_status = job.get_status(refresh=False)
     exc = None
     if rq_status == "failed":
@@ -196,7 +196,7 @@ def listing_plan(pool: str, kind: str = "recent", limit: int = 20) -> Plan[list[
 
 
 def _in_pool(records: list[dict[str, Any]], pool: str) -> list[dict[str, Any]]:
-    return [r for r in records if schema.pool_of(r.get("queue") or pool) == pool]
+    return [r for r in records if observe_schema.pool_of(r.get("queue") or pool) == pool]
 
 
 def age(record: dict[str, Any], now: float | None = None) -> float | None:

@@ -20,18 +20,19 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 from redis import Redis
 
+from backends.contract import observe_schema
 from backends.contract.keys import histogram_key
-from dispatcher.observe import schema, snapshot
+from dispatcher.observe import snapshot
 from dispatcher.plans import ClientSource, Plan, cmd, gather, run, run_on
 from dispatcher.tenants import LIMIT_NAMES, Usage, totals_plan
 
 P = "llama_fleet_"
 # every metric family this exporter writes (the Grafana dashboard test checks against the output)
 COUNTERS = {
-    "tokens_generated": ("Tokens generated (completion tokens of ended jobs)", schema.TOKENS),
-    "prompt_tokens": ("Prompt tokens of ended jobs", schema.PROMPT_TOKENS),
-    "jobs_reaped": ("Jobs recovered from dead workers (requeued or failed for good)", schema.REAPED),
-    "worker_starts": ("Worker processes started (restarts included)", schema.STARTS),
+    "tokens_generated": ("Tokens generated (completion tokens of ended jobs)", observe_schema.TOKENS),
+    "prompt_tokens": ("Prompt tokens of ended jobs", observe_schema.PROMPT_TOKENS),
+    "jobs_reaped": ("Jobs recovered from dead workers (requeued or failed for good)", observe_schema.REAPED),
+    "worker_starts": ("Worker processes started (restarts included)", observe_schema.STARTS),
 }
 
 
@@ -67,9 +68,10 @@ def scrape_plan(default_pool: str) -> Plan[Scrape]:
     for pool in pools:
         counters = yield from snapshot.pool_counters_plan(pool)
         queues = yield from snapshot.queues_plan(pool)
-        replies = yield from gather([cmd("hgetall", histogram_key(m, pool)) for m in schema.HISTOGRAMS])
+        replies = yield from gather([cmd("hgetall", histogram_key(m, pool))
+                                     for m in observe_schema.HISTOGRAMS])
         histograms = {m: {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
-                      for m, raw in zip(schema.HISTOGRAMS, replies, strict=True)}
+                      for m, raw in zip(observe_schema.HISTOGRAMS, replies, strict=True)}
         ws = [w for w in everyone if w.get("pool", default_pool) == pool]
         out.append(PoolReading(pool, queues, counters, ws, histograms))
     tenants = yield from totals_plan()
@@ -156,10 +158,10 @@ class Families:
     def add_pool(self, pool: str, queues: list[dict[str, Any]], counters: dict[str, int]) -> None:
         for name, (_doc, field) in COUNTERS.items():
             self.counters[name].add_metric([pool], counters.get(field, 0))
-        for outcome in schema.OUTCOMES:
-            self.jobs.add_metric([pool, outcome], counters.get(schema.jobs_field(outcome), 0))
-        for kind in schema.RESTART_KINDS:
-            self.restarts.add_metric([pool, kind], counters.get(schema.restarts_field(kind), 0))
+        for outcome in observe_schema.OUTCOMES:
+            self.jobs.add_metric([pool, outcome], counters.get(observe_schema.jobs_field(outcome), 0))
+        for kind in observe_schema.RESTART_KINDS:
+            self.restarts.add_metric([pool, kind], counters.get(observe_schema.restarts_field(kind), 0))
         for q in queues:
             labels = [pool, q["priority"]]
             self.depth.add_metric(labels, q["depth"])
@@ -172,9 +174,10 @@ class Families:
             labels = [pool, str(w["name"])]
             self.up.add_metric(labels, 1 if w["up"] else 0)
             counters = w.get("counters") or {}
-            self.worker_tokens.add_metric(labels, counters.get(schema.TOKENS, 0))
-            for outcome in schema.OUTCOMES:
-                self.worker_jobs.add_metric([*labels, outcome], counters.get(schema.jobs_field(outcome), 0))
+            self.worker_tokens.add_metric(labels, counters.get(observe_schema.TOKENS, 0))
+            for outcome in observe_schema.OUTCOMES:
+                self.worker_jobs.add_metric([*labels, outcome],
+                                            counters.get(observe_schema.jobs_field(outcome), 0))
             if not w["up"]:
                 continue
             self.busy.add_metric(labels, float(w.get("inflight") or 0))
@@ -196,7 +199,7 @@ class Families:
 
     def add_histograms(self, pool: str, raw: dict[str, dict[str, Any]]) -> None:
         for metric, family in self.histograms.items():
-            buckets, total = schema.cumulative_buckets(metric, raw.get(metric, {}))
+            buckets, total = observe_schema.cumulative_buckets(metric, raw.get(metric, {}))
             family.add_metric([pool], buckets, total)
 
     def all(self) -> Iterator[Metric]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from redis import Redis
 
+from backends.contract import observe_schema
 from backends.contract.keys import (
     POOLS_SET,
     WORKERS_SET,
@@ -29,7 +30,6 @@ from backends.contract.keys import (
 )
 from backends.contract.replies import as_str
 from backends.contract.schema import PRIORITIES
-from dispatcher.observe import schema
 from dispatcher.plans import Plan, ask, cmd, gather, run
 
 FAILED_WINDOW = 3600.0  # "failed in the last hour"
@@ -156,7 +156,7 @@ def totals(ws: list[dict[str, Any]], qs: list[dict[str, Any]], counters: dict[st
         "queued": sum(q["depth"] for q in qs),
         "running": sum(q["running"] for q in qs),
         "failed_1h": sum(q["failed_1h"] for q in qs),
-        "tokens_generated": counters.get(schema.TOKENS, 0),
-        "prompt_tokens": counters.get(schema.PROMPT_TOKENS, 0),
-        "jobs": {o: counters.get(schema.jobs_field(o), 0) for o in schema.OUTCOMES},
+        "tokens_generated": counters.get(observe_schema.TOKENS, 0),
+        "prompt_tokens": counters.get(observe_schema.PROMPT_TOKENS, 0),
+        "jobs": {o: counters.get(observe_schema.jobs_field(o), 0) for o in observe_schema.OUTCOMES},
     }

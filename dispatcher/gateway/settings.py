@@ -1,0 +1,27 @@
+"""`fleet serve`'s settings: the producer's settings plus the `gateway` section, whose model
+(GatewaySettings) is in the contract (backends/contract/gateway_settings.py) so the worker can
+check the same file's section without importing the gateway."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from backends.contract.gateway_settings import GatewaySettings
+from backends.contract.settings import ProducerSettings, load
+
+
+class ServeSettings(ProducerSettings):
+    """The producer's settings plus the gateway section (`fleet serve`); worker keys in the same
+    file are the worker's to check."""
+
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+
+    def model_pools(self) -> dict[str, str]:
+        """Model name -> pool, as the API lists them."""
+        return dict(self.gateway.models) or {self.pool: self.pool}
+
+
+def load_serve_settings(config: str | None = None, **overrides: Any) -> ServeSettings:
+    return load(ServeSettings, config, **overrides)
