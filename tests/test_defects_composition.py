@@ -22,6 +22,7 @@ from backends.contract.queue.invariants import queue_violations
 from dispatcher import Fleet
 from tests.gateway_harness import Gateways, wait_until_healthy
 from tests.harness import wait_for
+from tests.test_hostile_batch import auth, batch_of, create, jsonl, upload
 from tests.reliability_checks import assert_exactly_one_final, final_entries, held
 
 pytestmark = pytest.mark.timeout(180)
@@ -108,4 +109,33 @@ def test_rqs_own_cancel_of_a_tenants_queued_job_ends_it_and_frees_its_places(
     assert len(final_entries(redis, job.id)) == 1  # (no RQ result: like a queued job the fleet cancels)
     wait_for(lambda: not redis.exists(tenant_open_key("team-b"), tenant_queued_key("team-b")), 15,
              "team-b's places to be let go")
+    assert not queue_violations(redis), queue_violations(redis)
+
+
+def test_a_tenants_batches_pass_its_batch_quota_not_around_its_limits(redis: Redis, workers: Any,
+                                                                      gateways: Gateways) -> None:
+    """A batch is admitted whole and its lines run for hours, so they do not pass the interactive
+    limits one by one: a limited tenant has a batch quota of its own (max_batch_lines), and
+    without one it runs no batches at all."""
+    tenants = {"capped": {"api_keys": ["key-capped"], "requests_per_minute": 10, "max_queued": 1},
+               "quota": {"api_keys": ["key-quota"], "requests_per_minute": 10, "max_batch_lines": 5}}
+    settings = {"gateway__tenants": tenants}
+    workers.start("w1", **{**FAKE, "backend__step_delay": 0.2}, **settings)
+    gw = gateways.start(**settings)
+    wait_until_healthy(gw)
+    # the operator's report: rpm 10, max_queued 1, and a 30-line batch ran
+    refused = create(gw.url, upload(gw.url, jsonl(30), "key-capped").json()["id"], "key-capped")
+    assert refused.status_code == 400, refused.text
+    assert "max_batch_lines" in refused.json()["error"]["message"]
+    assert not redis.exists("fleet:batches:open:llm") or not redis.hlen("fleet:batches:open:llm")
+    # a batch larger than the quota can never run: 400; within it, a second one waits its turn: 429
+    too_big = create(gw.url, upload(gw.url, jsonl(6), "key-quota").json()["id"], "key-quota")
+    assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "batch_quota_exceeded"
+    first = batch_of(gw.url, jsonl(4, max_tokens=20, prompt=LONG), "key-quota")
+    second = create(gw.url, upload(gw.url, jsonl(2), "key-quota").json()["id"], "key-quota")
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["type"] == "requests" and int(second.headers["Retry-After"]) >= 1
+    wait_for(lambda: httpx.get(f"{gw.url}/v1/batches/{first['id']}", headers=auth("key-quota"),
+                               timeout=10).json()["status"] == "completed", 60, "the first batch to end")
+    assert batch_of(gw.url, jsonl(2), "key-quota")["status"] in ("validating", "in_progress", "completed")
     assert not queue_violations(redis), queue_violations(redis)

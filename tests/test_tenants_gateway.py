@@ -30,7 +30,8 @@ from tests.test_hostile_batch import auth, batch_of, jsonl
 
 FAKE = {"backend__type": "fake", "backend__slots": 8}
 TENANTS = {
-    "alpha": {"api_keys": ["key-alpha"], "requests_per_minute": 3},
+    # a limited tenant runs batches only with a batch quota of its own
+    "alpha": {"api_keys": ["key-alpha"], "requests_per_minute": 3, "max_batch_lines": 100},
     "beta": {"api_keys": ["key-beta"], "tokens_per_minute": 10},
     "gamma": {"api_keys": ["key-gamma"], "max_concurrent": 2},
     "delta": {"api_keys": ["key-delta"], "max_queued": 1},
