@@ -103,7 +103,7 @@ class PreparedJob:
     def enqueue_calls(self, queue: str, enqueued_ms: int | None = None) -> list[Call]:
         """RQ's enqueue writes (run them in one MULTI): the queue joins RQ's set of queues, the
         job hash, the id at the queue's tail. A tenant's job waits in its tenant's queue beside
-        `queue`, and the tenant joins the queue's fair share (worker/claim.lua)."""
+        `queue`, and the tenant joins the queue's fair share (backends/contract/queue/claim.lua)."""
         tenant = self.payload.get("tenant")
         target, fair = queue_model.enqueue_target(queue, tenant)
         job = self.rq_job(target, enqueued_ms)

@@ -7,7 +7,7 @@ What a reader does (read_events):
 - A text entry whose `n` was already read for its attempt is a duplicate (a worker re-sends a batch
   whose acknowledgement was lost when Redis went away) and is skipped.
 - A job has exactly one final entry (d or e): workers write it only while they still hold the job
-  (worker.endings.commit_held), so a job that was taken over never gets a second one.
+  (worker.serving.endings.commit_held), so a job that was taken over never gets a second one.
 A late subscriber reads from the start, so it gets every token.
 """
 

@@ -4,7 +4,7 @@ usage read back.
 Limits that must hold across gateway processes and hosts live in Redis and change in the one
 script that admits (the queue model's admit.lua): jobs admitted and not ended (`max_concurrent`), admitted
 and not started (`max_queued`), requests and tokens in this minute. A worker's hook
-(worker/tenant_usage.py) lets go of a job's places as it starts and ends and counts its tokens, in
+(worker/hooks/tenant_usage.py) lets go of a job's places as it starts and ends and counts its tokens, in
 the same MULTI as the job's own final entry, so usage is counted exactly once.
 """
 

@@ -34,7 +34,7 @@ from backends.contract.affinity import FIELD, held_key  # noqa: E402
 from backends.contract.keys import job_key, queue_key  # noqa: E402
 from ecosystem.local.bench import machine_meta  # noqa: E402
 from ecosystem.local.processes import RedisServer  # noqa: E402
-from worker.claim import Claimer  # noqa: E402
+from worker.claiming.claim import Claimer  # noqa: E402
 
 POOL, QUEUE = "llm", "llm:default"
 HELD = "ab" * 12

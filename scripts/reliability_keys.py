@@ -89,9 +89,9 @@ def job_run(rs: RedisServer, logs: Path, n_jobs: int) -> dict[str, Any]:
 
 
 def reap_with_a_million_keys(rs: RedisServer, logs: Path) -> dict[str, Any]:
-    from worker.heartbeat import Heartbeat
     from worker.inprocess import fake_worker as inproc_worker
-    from worker.reaper import Reaper
+    from worker.liveness.heartbeat import Heartbeat
+    from worker.liveness.reaper import Reaper
 
     r = rs.client()
     r.flushall()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.inprocess import fake_worker, worker_client  # noqa: F401  (re-exported for the tests)
-from worker.loop import FleetWorker
+from worker.serving.loop import FleetWorker
 
 
 class LossyProxy:

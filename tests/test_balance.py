@@ -1,4 +1,4 @@
-"""Balance at the claim (worker/balance.lua), on a real redis-server: a burst spreads over the
+"""Balance at the claim (the queue model's balance.lua), on a real redis-server: a burst spreads over the
 live workers by their free slots instead of landing on the first to wake; a worker alone, or
 beside workers that are full or gone, still takes everything it has room for."""
 
@@ -13,7 +13,7 @@ from redis import Redis
 from backends.contract.keys import CAPACITY_LIVE_MS, capacity_key, queue_key
 from dispatcher import Fleet
 from tests.reliability_checks import Workers
-from worker.claim import Claimer
+from worker.claiming.claim import Claimer
 
 POOL = "llm"
 QUEUE = f"{POOL}:default"

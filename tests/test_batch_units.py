@@ -7,7 +7,7 @@ import json
 from backends.contract.batch.line_record import compact_ending, line_job_id, line_key, parse_job_id
 from dispatcher.batch.lines import parse_line, scan
 from dispatcher.batch.record import decode_line, queued_value
-from worker.priority import ClaimPolicy, auto_reserved, claim_limits
+from worker.claiming.priority import ClaimPolicy, auto_reserved, claim_limits
 
 QUEUES = ["llm:high", "llm:default", "llm:low"]
 

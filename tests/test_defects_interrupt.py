@@ -19,7 +19,7 @@ from backends.contract.replies import as_str
 from dispatcher import Fleet
 from tests.harness import ROOT, default_sigint
 from tests.lossy import inproc_worker, long_prompt
-from worker.loop import FleetWorker
+from worker.serving.loop import FleetWorker
 
 pytestmark = pytest.mark.timeout(120)
 WORDS = 20_000  # the fake engine emits one word per step: long enough to interrupt

@@ -86,8 +86,8 @@ def test_a_heartbeat_racing_the_final_write_does_not_bring_the_execution_back(re
     from backends.contract.keys import queue_names
     from tests.lossy import inproc_worker, run_until
     from tests.reliability_checks import final_entries
-    from worker.heartbeat import Heartbeat
-    from worker.reaper import Reaper
+    from worker.liveness.heartbeat import Heartbeat
+    from worker.liveness.reaper import Reaper
 
     job = Fleet(redis_url).submit(prompt="a b c d", max_tokens=4)
     fw = inproc_worker(redis_url, "hb2")

@@ -15,7 +15,7 @@ from backends.fake import FakeBackend
 from dispatcher import Fleet, JobFailed
 from tests.lossy import inproc_worker, run_until, worker_client
 from tests.reliability_checks import final_entries
-from worker.loop import FleetWorker
+from worker.serving.loop import FleetWorker
 from worker.settings import FleetSettings
 
 pytestmark = pytest.mark.timeout(120)

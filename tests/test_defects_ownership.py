@@ -25,8 +25,8 @@ from backends.contract.keys import (
 from dispatcher import Fleet
 from tests.lossy import LossyProxy, inproc_worker, long_prompt, run_until
 from tests.reliability_checks import assert_exactly_one_final, final_entries, stream_events
-from worker.claim import Claimer
-from worker.reaper import Reaper
+from worker.claiming.claim import Claimer
+from worker.liveness.reaper import Reaper
 
 pytestmark = pytest.mark.timeout(120)
 QUEUE = "llm:default"
@@ -107,7 +107,7 @@ def test_a_reaped_worker_cannot_start_or_write_the_job_it_lost(redis_url: str, r
 def test_a_restart_marker_never_lowers_the_attempt(redis_url: str, redis: Redis) -> None:
     """Defect 10: an engine restart writes the job's new attempt number only upwards, and only
     while the worker owns the job."""
-    from worker import endings
+    from worker.serving import endings
 
     job = Fleet(redis_url).submit(prompt="a b c", max_tokens=3)
     fw = inproc_worker(redis_url, "m1")

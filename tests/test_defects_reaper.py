@@ -16,9 +16,9 @@ from backends.contract.keys import queue_names, worker_key
 from dispatcher import Fleet, JobFailed
 from tests.lossy import inproc_worker, long_prompt, run_until
 from tests.reliability_checks import final_entries
-from worker.heartbeat import Heartbeat
-from worker.loop import FleetWorker
-from worker.reaper import Reaper
+from worker.liveness.heartbeat import Heartbeat
+from worker.liveness.reaper import Reaper
+from worker.serving.loop import FleetWorker
 
 pytestmark = pytest.mark.timeout(120)
 _JUNK = "for i = 1, tonumber(ARGV[1]) do redis.call('SET', 'junk:' .. i, 'x') end"

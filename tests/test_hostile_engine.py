@@ -36,7 +36,7 @@ from backends.llamacpp_settings import LlamaCppSettings
 from dispatcher import Fleet, JobFailed
 from tests.harness import ROOT, wait_for
 from tests.reliability_checks import fleet_workers, held
-from worker.claim import Claimer
+from worker.claiming.claim import Claimer
 
 pytestmark = pytest.mark.timeout(600)
 QUEUE = "llm:default"

@@ -192,17 +192,18 @@ def test_worker_and_producers_are_siblings() -> None:
     """The worker and the producers sit side by side over the contract: an import either way
     between worker/ and dispatcher/ fails, while both may use the backends and the contract and
     the tools and ecosystem above may use both."""
-    worker, producers = layer_of("worker.loop"), layer_of("dispatcher.client")
+    worker, producers = layer_of("worker.serving.loop"), layer_of("dispatcher.client")
     assert worker is not None and producers is not None and worker != producers
     assert LAYERS[worker][0] == LAYERS[producers][0]
-    assert forbidden("worker.batch_hook", "dispatcher.batch.record") == (
+    assert forbidden("worker.hooks.batch_hook", "dispatcher.batch.record") == (
         f"sibling: {LAYERS[worker][1]} -> {LAYERS[producers][1]}")
     assert forbidden("dispatcher.gateway.app", "worker.settings") == (
         f"sibling: {LAYERS[producers][1]} -> {LAYERS[worker][1]}")
     for below in ("backends.registry", "backends.contract.keys", "backends.contract.batch.line_record"):
-        assert forbidden("worker.facts", below) is None and forbidden("dispatcher.jobs", below) is None
+        assert forbidden("worker.hooks.facts", below) is None and forbidden("dispatcher.jobs", below) is None
     for above in ("ecosystem.cli.worker", "ecosystem.local.processes"):
-        assert forbidden(above, "worker.loop") is None and forbidden(above, "dispatcher.client") is None
+        assert forbidden(above, "worker.serving.loop") is None
+        assert forbidden(above, "dispatcher.client") is None
     between = [(s, d, n) for s, d, n in edges()
                if {unit_of(s), unit_of(d)} == {"worker", "dispatcher"}]
     assert between == [], between
@@ -234,10 +235,10 @@ def test_fleet_worker_loads_no_gateway_batch_bench_or_kubernetes_code() -> None:
 
 def test_the_checker_sees_function_level_imports_and_cycles() -> None:
     """The checker itself: a lazy import counts, and a two-package loop is found."""
-    source = "def f():\n    from worker.loop import FleetWorker\n"
+    source = "def f():\n    from worker.serving.loop import FleetWorker\n"
     tree = ast.parse(source)
     found = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert found == ["worker.loop"]
+    assert found == ["worker.serving.loop"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
     assert layer_of("backends.contract.keys") == len(LAYERS) - 1

@@ -113,6 +113,6 @@ def test_partitioned_host_is_fenced_and_rejoins(partition: dict[str, Any]) -> No
 def test_partitioned_host_rewrites_no_status(partition: dict[str, Any]) -> None:
     # every job finished: a fenced worker rewrites no status, and one back from the cut claims
     # nothing before its heartbeat registered it again (else the reaper took each claim back and
-    # three rounds failed jobs "after 3 attempts"; worker/claim.lua). The job's hash and RQ
+    # three rounds failed jobs "after 3 attempts"; backends/contract/queue/claim.lua). The job's hash and RQ
     # results name the writer if this ever fails.
     assert not partition["wrong_status"], partition["wrong_status"]

@@ -1,5 +1,5 @@
 """Placement by held prefixes: the keys a producer and a worker compute (contract/affinity.py),
-and the claim (worker/placement.lua) on a real redis-server, then two real workers: a chat's next
+and the claim (placement.lua) on a real redis-server, then two real workers: a chat's next
 turn is claimed by the worker that ran the last one; a holder that is full or gone is not
 waited for; a worker that balance holds back still takes the jobs it holds."""
 
@@ -23,7 +23,7 @@ from backends.contract.keys import (
 from backends.contract.schema import GenerateRequest
 from dispatcher import Fleet
 from tests.reliability_checks import Workers
-from worker.claim import Claimer
+from worker.claiming.claim import Claimer
 
 POOL = "llm"
 QUEUE = f"{POOL}:default"
@@ -84,7 +84,7 @@ def test_a_job_left_to_its_holder_wakes_the_holder(redis: Redis) -> None:
     enqueue(redis, "for-b", ["beef"])
     assert ids(a.claim(4)) == [] and ids(a.claim(4)) == []  # left to b, twice
     own = worker_wake_key(POOL, "b")
-    # b, idle, blocks on this list (worker/loop.py) and claims at once: one token, with a TTL
+    # b, idle, blocks on this list (worker/serving/loop.py) and claims at once: one token, with a TTL
     assert redis.lrange(own, 0, -1) == [b"1"] and 0 < redis.ttl(own) <= WORKER_WAKE_TTL
     assert not redis.exists(worker_wake_key(POOL, "a"))
     assert redis.blpop([wake_key(POOL), own], timeout=1) == (own.encode(), b"1")

@@ -30,11 +30,11 @@ from dispatcher.batch.submit import BatchSpec, submit_batch
 from dispatcher.plans import run
 from dispatcher.tenants import LimitReached, Limits, NeverAdmitted, admit_plan
 from tests.harness import RedisServer
-from worker import endings, rqjobs
 from worker.assembly import job_hooks
-from worker.claim import Claimer
-from worker.housekeeping import Housekeeper
-from worker.reaper import Reaper
+from worker.claiming.claim import Claimer
+from worker.liveness.housekeeping import Housekeeper
+from worker.liveness.reaper import Reaper
+from worker.serving import endings, rqjobs
 
 POOL = "llm"
 TENANTS = ("default", "alpha", "beta")

@@ -1,4 +1,4 @@
-"""Fair share between tenants at the claim (worker/claim.lua), on a real redis-server: tenants with
+"""Fair share between tenants at the claim (the queue model's claim.lua), on a real redis-server: tenants with
 work at one priority take turns in proportion to their weights, whatever each has queued; idle
 time earns no credit; jobs naming no tenant are the default tenant's; crafted state loses no id;
 RQ's own tools still see ordinary queues."""
@@ -17,7 +17,7 @@ from backends.contract.keys import fair_key, inflight_key, job_key, queue_key
 from dispatcher import Fleet
 from tests.harness import wait_for
 from tests.reliability_checks import fleet_workers, streaming
-from worker.claim import Claimer
+from worker.claiming.claim import Claimer
 
 POOL = "llm"
 QUEUE = f"{POOL}:default"
@@ -146,7 +146,7 @@ def test_a_tenant_between_two_requests_keeps_its_share_for_a_moment(
     """Closed-loop users resubmit moments after an answer: the slots they just freed are not
     another tenant's backlog's meanwhile (or they would wait for it to give way), for
     RECENT_SECONDS; after that a lone tenant takes all but one slot again."""
-    import worker.claim as claim
+    import worker.claiming.claim as claim
 
     fleet = Fleet(redis_url)
     claimer = Claimer(redis, "w", [QUEUE], slots=16)

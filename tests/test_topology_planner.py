@@ -342,7 +342,7 @@ def test_pin_sets_affinity_of_process_and_existing_threads() -> None:
     out = run_isolated(
         f"""
         import json, threading, time
-        from worker.pinning import pin
+        from worker.machine.pinning import pin
         stop = threading.Event()
         early = threading.Thread(target=stop.wait)  # started before pin(): must be re-pinned too
         early.start()
@@ -378,7 +378,7 @@ def test_pin_memory_on_this_machine() -> None:
     out = run_isolated(
         f"""
         import json
-        from worker.pinning import pin
+        from worker.machine.pinning import pin
         r = pin(None, {LIVE_NODES[0] if LIVE_NODES else 0})
         print(json.dumps({{"memory": r.memory, "summary": r.summary()}}))
         """
@@ -393,7 +393,7 @@ def test_pin_binds_memory_for_real_when_sysfs_says_two_nodes() -> None:
     out = run_isolated(
         f"""
         import json
-        from worker.pinning import memory_policy, pin
+        from worker.machine.pinning import memory_policy, pin
         before = memory_policy()
         r = pin([0], 0, sysfs_root="{FIXTURES / "2node-16core-smt"}")
         print(json.dumps({{"before": before, "memory": r.memory, "detail": r.detail,
@@ -411,7 +411,7 @@ def test_pin_reports_unavailable_numa_without_raising(tmp_path: Path) -> None:
     out = run_isolated(
         f"""
         import json
-        from worker.pinning import bind_memory, pin
+        from worker.machine.pinning import bind_memory, pin
         no_nodes = pin(None, 0, sysfs_root="/nonexistent")
         # node {absent} is online in the tree but outside this process's cpuset mems
         absent = pin(None, {absent}, sysfs_root="{tmp_path}")
@@ -433,7 +433,7 @@ def test_pin_not_requested() -> None:
     out = run_isolated(
         """
         import json, os
-        from worker.pinning import pin
+        from worker.machine.pinning import pin
         before = sorted(os.sched_getaffinity(0))
         r = pin(None, None)
         print(json.dumps({"same": before == sorted(os.sched_getaffinity(0)), "summary": r.summary()}))
@@ -448,7 +448,7 @@ def test_pin_rejects_cpus_outside_allowed_set_and_keeps_mask() -> None:
     out = run_isolated(
         f"""
         import json, os
-        from worker.pinning import pin
+        from worker.machine.pinning import pin
         errors = []
         for cpus in ([0, {bad}], [], ):
             try:

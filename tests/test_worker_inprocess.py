@@ -24,9 +24,9 @@ from dispatcher import Fleet, JobFailed
 from tests.harness import RedisServer, wait_for
 from tests.lossy import long_prompt, run_until
 from tests.reliability_checks import assert_exactly_one_final, final_entries, stream_events
-from worker import loop
 from worker.inprocess import fake_worker
-from worker.reaper import Reaper
+from worker.liveness.reaper import Reaper
+from worker.serving import loop
 
 pytestmark = pytest.mark.timeout(120)
 QUEUE = "llm:default"

@@ -1,4 +1,4 @@
-"""Which hooks (worker/hooks.py) a worker's writes carry: one line per concern.
+"""Which hooks (worker/hooks/__init__.py) a worker's writes carry: one line per concern.
 
 `fleet worker` (worker/main.py) and the in-process worker (worker/inprocess.py) are built with
 these; a FleetWorker or Reaper made without hooks gets them too, so every way of making a worker
@@ -7,12 +7,12 @@ writes the same records.
 
 from __future__ import annotations
 
-from worker.batch_hook import BatchRecord
-from worker.facts import Facts
-from worker.held_prefixes import HeldPrefixes
 from worker.hooks import JobHook
+from worker.hooks.batch_hook import BatchRecord
+from worker.hooks.facts import Facts
+from worker.hooks.held_prefixes import HeldPrefixes
+from worker.hooks.tenant_usage import TenantUsage
 from worker.settings import FleetSettings
-from worker.tenant_usage import TenantUsage
 
 
 def job_hooks(settings: FleetSettings | None = None) -> tuple[JobHook, ...]:

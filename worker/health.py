@@ -21,7 +21,7 @@ import click
 import psutil
 
 if TYPE_CHECKING:
-    from worker.loop import FleetWorker
+    from worker.serving.loop import FleetWorker
 
 READY_STATES = ("idle", "busy")
 SLACK_S = 2.0

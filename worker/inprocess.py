@@ -10,7 +10,7 @@ from redis import Redis
 from backends.contract.keys import worker_key
 from backends.fake import FakeBackend, FakeSettings
 from worker.assembly import job_hooks
-from worker.loop import FleetWorker
+from worker.serving.loop import FleetWorker
 from worker.settings import FleetSettings
 
 

@@ -19,12 +19,12 @@ from backends.contract.keys import RQ_WORKERS_SET, queue_names, worker_key
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.registry import engine_threads, make_backend
 from worker.assembly import job_hooks
-from worker.burst import BurstSummary
-from worker.heartbeat import Heartbeat, clear_status, static_status
-from worker.link import RedisLink
-from worker.loop import FleetWorker
-from worker.pinning import pin
-from worker.reaper import Reaper, recover_own
+from worker.liveness.heartbeat import Heartbeat, clear_status, static_status
+from worker.liveness.link import RedisLink
+from worker.liveness.reaper import Reaper, recover_own
+from worker.machine.pinning import pin
+from worker.serving.burst import BurstSummary
+from worker.serving.loop import FleetWorker
 from worker.settings import FleetSettings
 
 log = logging.getLogger("fleet.worker")

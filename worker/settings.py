@@ -43,13 +43,14 @@ class FleetSettings(ProducerSettings):
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
     max_attempts: int = Field(3, ge=1, le=20)
     reserved_slots: int | None = Field(None, ge=0, description="slots a worker keeps free of low-priority "
-                                       "(batch) jobs for interactive ones; None: 1 in 8 (worker/priority.py)")
+                                       "(batch) jobs for interactive ones; None: 1 in 8 "
+                                       "(worker/claiming/priority.py)")
     batch_share: float = Field(0.5, ge=0, le=16, description="while interactive jobs run, low-priority "
                                "jobs per interactive one (at least one): bounds what a batch adds to a "
-                               "step, hence to interactive time to first token (worker/priority.py)")
+                               "step, hence to interactive time to first token (worker/claiming/priority.py)")
     placement: bool = Field(True, description="claim the jobs whose prefixes (a chat's history) this "
                             "worker holds, and leave to other live workers with a free slot the ones "
-                            "they hold (worker/placement.lua); false: queue order only")
+                            "they hold (backends/contract/queue/placement.lua); false: queue order only")
     stream_interval: float = Field(0.03, ge=0, le=1, description="seconds between writes of running "
                                    "jobs' new text to Redis (fewer writes, and less CPU taken from the "
                                    "engine: a few tokens a write at one user); a job's first text and "

@@ -3,7 +3,7 @@
 A worker that ran a job keeps its KV (its slot's, or a checkpoint of it): the conversation's next
 turn, or the next question on the same document, prefills only what is new there. So a claim
 prefers jobs whose prefix this worker holds and leaves to their holder the jobs another live
-worker with room holds (worker/claim.lua). Keys hash everything before a boundary: a chat's
+worker with room holds (backends/contract/queue/claim.lua). Keys hash everything before a boundary: a chat's
 boundaries are its messages, a prompt's every BLOCK_CHARS characters. A job carries the keys of
 its own prefixes, longest first; a worker, once a job ended, says it holds the keys of the job's
 whole prompt and of the prompt with the answer appended (what a client resends next turn).

@@ -66,7 +66,7 @@ def usage_key(tenant: str, hour: int | str) -> str:
 USAGE_TENANTS = "fleet:usage:tenants"
 USAGE_TTL = 8 * 86400
 
-QUEUE_PREFIX = "rq:queue:"  # worker/claim.py's script strips these 9 characters to name the queue
+QUEUE_PREFIX = "rq:queue:"  # worker/claiming/claim.py's script strips these 9 characters to name the queue
 RQ_WORKERS_SET = "rq:workers"  # RQ's set of registered worker keys
 RQ_QUEUES_SET = "rq:queues"  # RQ's set of queue keys (every enqueue adds its queue)
 
@@ -145,7 +145,7 @@ def wake_key(pool: str) -> str:
 
 def worker_wake_key(pool: str, worker: str) -> str:
     """One worker's own wake-up: a claim that leaves a job to the worker holding its prefix
-    pushes here (worker/placement.lua builds the same name), so an idle holder claims it at once
+    pushes here (the queue model's placement.lua builds it), so an idle holder claims it at once
     rather than at its next poll. At most one token, TTL WORKER_WAKE_TTL."""
     return f"fleet:wake:{pool}:{worker}"
 

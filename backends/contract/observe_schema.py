@@ -1,6 +1,6 @@
 """What the worker writes for observability and the readers read: counter fields, histogram
 buckets, history bounds. One place, so the exporter, `fleet status` and the worker agree; it is
-in the contract because the worker (worker/facts.py) writes it and the producers'
+in the contract because the worker (worker/hooks/facts.py) writes it and the producers'
 dispatcher/observe/ reads it, and neither side may import the other."""
 
 from __future__ import annotations

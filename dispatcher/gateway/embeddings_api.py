@@ -2,7 +2,7 @@
 legacy POST /api/embeddings.
 
 A request is one embedding job (up to 2048 inputs), queued, prioritised, admitted for its tenant
-and run by a worker like any job (worker/embed_jobs.py). Vectors come back L2-normalised (legacy
+and run by a worker like any job (worker/serving/embed_jobs.py). Vectors come back L2-normalised (legacy
 /api/embeddings: as pooled, as Ollama's), cut to `dimensions` when asked. Bad input is a 400
 naming it: at the gateway (fields, types, empty or too many inputs), or from the worker (an
 input longer than its embedding context, `dimensions` over the model's size).

@@ -1,6 +1,6 @@
 """Reading job history for `fleet jobs`, `fleet job ID` and the dashboard.
 
-The worker writes fleet:history:<id> (worker/facts.py); jobs still waiting have none yet, so
+The worker writes fleet:history:<id> (worker/hooks/facts.py); jobs still waiting have none yet, so
 queued jobs are read from their queue and RQ's job hash. Each read is a plan (dispatcher/plans.py):
 the functions without `_plan` run it on a sync client (`fleet jobs`), the gateway's dashboard runs
 the plans on its async client."""

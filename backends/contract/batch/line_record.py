@@ -5,7 +5,7 @@ workers write (the rest, and every other write, is dispatcher/batch/record.py's;
     fleet:batch:<id>:lines  line key -> "<state><kind><custom_id JSON>[\\n<result JSON>]"   same TTL
 
 A line key is 16 hex digits of sha256(custom_id); the line's job id is "fbatch-<id>-<key>", so a
-worker (worker/batch_hook.py) finds the batch of any job it ends without reading anything else.
+worker (worker/hooks/batch_hook.py) finds the batch of any job it ends without reading anything else.
 States: q queued, d done, f failed, x cancelled. A line ends once (record_end.lua turns `q` into
 d/f/x and counts it), and the batch ends when every enqueued line has.
 

@@ -1,4 +1,4 @@
--- A worker's share of a burst (worker/claim.lua loads this first). Without it, the first worker
+-- A worker's share of a burst (claim.lua loads this first). Without it, the first worker
 -- to wake takes every queued job it has slots for while the others idle: a burst of 8 onto two
 -- idle 1-core workers split 7/1. `capacity` (fleet:capacity:<pool>) holds, per worker, its free
 -- slots after its last claim, its slots and when ("free|slots|ms"); an entry older than

@@ -1,10 +1,10 @@
 -- KEYS: inflight, owners set, the worker's status key, queue1..queueN (priority order), the
--- pool's capacity hash (worker/balance.lua)
+-- pool's capacity hash (balance.lua)
 -- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, '1' if the
 -- status key must exist, the tenants' share (JSON: {"w": {tenant: weight > 0, 1 when absent},
 -- "held": {tenant: jobs this worker runs}, "slots": its slots, "reserve": slots kept from a lone
 -- tenant}), then optionally per queue the most jobs the claim may hold once it took from that
--- queue (worker/priority.py)
+-- queue (worker/claiming/priority.py)
 -- Returns: server time (ms), ids dropped (-1: refused, the status key is missing), then id1,
 -- queue1, id2, queue2, ...
 -- A worker whose status key expired is dead to the fleet: the reaper hands back whatever it holds.
@@ -17,7 +17,7 @@
 -- already got a final entry) gets a new attempt number, so readers void the old ending.
 -- Fairness: of every 8 picks, the 4th starts at the second queue (default) and the
 -- 8th at the last one (low), so lower priorities move under sustained high-priority load
--- (FAIR_EVERY in worker/claim.py).
+-- (FAIR_EVERY in worker/claiming/claim.py).
 -- Tenants: within one priority, the tenants with work take turns in proportion to their weights
 -- (start-time fair queueing). A tenant's jobs wait in '<queue>:<tenant>' (the default tenant's in
 -- the queue itself); 'fleet:fair:<queue>' holds each tenant with work and its virtual pass, which
@@ -55,7 +55,7 @@ end
 local weight, holds, cap, held, share = tenant_share(ARGV[8])
 local live_ms = CAPACITY_LIVE_MS  -- a capacity entry older than this is a worker full, busy or gone
 -- pops only a list (an error after an earlier LPOP would lose its id), leaving to other workers
--- the jobs whose prefixes they hold (worker/placement.lua)
+-- the jobs whose prefixes they hold (placement.lua)
 local pool = string.match(queue_name_of(KEYS[4] or ''), '^(.*):[^:]+$') or ''
 local list_pop = placement(me, pool, capacity, out[1], live_ms, share.placement ~= false)
 local function fair_pop(queue_key, mine_only)

@@ -1,14 +1,14 @@
--- Placement by held prefixes (worker/claim.lua loads this first; backends/contract/affinity.py
+-- Placement by held prefixes (claim.lua loads this first; backends/contract/affinity.py
 -- says what the keys are). A job hash's 'fleet_affinity' field lists its prefixes' keys, longest
 -- first; 'fleet:held:<pool>:<key>' names the worker that last ran that prefix and holds its KV.
 -- A claim leaves to its holder a job that another live worker with a free slot holds, and wakes
 -- it (its own wake list): that worker claims it at once when idle, between steps when busy, and
 -- prefills only what is new. A holder that is full,
--- busy in a long step or gone (its capacity entry, worker/balance.lua) is not waited for: then
+-- busy in a long step or gone (its capacity entry, balance.lua) is not waited for: then
 -- balance wins over the cache, as it should. Only the first LOOK_AHEAD jobs of a queue are
 -- looked at, and only when its head is left to another worker, so a claim costs O(1) when
 -- nothing is held and O(LOOK_AHEAD) at worst, however long the queue.
--- A worker that balance keeps from taking more (worker/balance.lua) still takes the jobs it
+-- A worker that balance keeps from taking more (balance.lua) still takes the jobs it
 -- holds, or nobody would: the others leave them to it.
 -- placement(me, pool, capacity, now, live_ms, on) -> pop(list key, mine_only): an id (nil: none
 -- for this worker) and whether the queue kept jobs back (left to others, or not this worker's).

@@ -1,4 +1,4 @@
--- The tenants' share of a worker's slots (worker/claim.lua and worker/starved.lua load this
+-- The tenants' share of a worker's slots (claim.lua and starved.lua load this
 -- first). `tenant_share(json)` reads the worker's share argument ({"w": {tenant: weight},
 -- "held": {tenant: jobs it runs}, "recent": {tenant: 1}, "slots": n, "reserve": n}) and returns
 -- weight(t), holds(t),

@@ -6,7 +6,7 @@
         events change the jobs' state in memory  (text deltas, endings, restarts)
         flush (every stream_interval; a first token, an ending or a hand-back at once): one
                pipeline of text deltas + cancel checks, then the endings in one MULTI that
-               applies only to jobs this worker still holds, then requeues (worker/endings.py)
+               applies only to jobs this worker still holds, then requeues (worker/serving/endings.py)
 
 Redis outages: generation does not wait for Redis. Unwritten deltas and endings stay on the jobs
 and are flushed, in order, when Redis answers again (RedisLink paces the retries). Past
@@ -14,7 +14,7 @@ OUTAGE_BUFFER_ENTRIES unwritten deltas the job holding most is cancelled and han
 queue once Redis is back. After an outage the loop compares its jobs with its in-flight list: a
 job the reaper took meanwhile is dropped here; an id claimed whose reply was lost is started.
 
-A heartbeat thread (worker/heartbeat.py) keeps the worker alive to the fleet and reaps dead
+A heartbeat thread (worker/liveness/heartbeat.py) keeps the worker alive to the fleet and reaps dead
 workers' jobs, however long one step takes.
 """
 
@@ -46,18 +46,19 @@ from backends.contract.keys import cancel_key, job_key, queue_names, wake_key, w
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT
-from worker import endings, handover, limits, rqjobs
 from worker.assembly import job_hooks
-from worker.burst import BurstSummary
-from worker.claim import Claimer
-from worker.counters import EngineHold, WorkerCounters
-from worker.embed_jobs import EmbedQueue
-from worker.endings import AttemptWriter, Contended
+from worker.claiming import handover
+from worker.claiming.claim import Claimer
+from worker.claiming.priority import ClaimPolicy
 from worker.hooks import JobHook
-from worker.link import RedisLink
-from worker.pacing import EVERYTHING, Due, WritePacer
-from worker.priority import ClaimPolicy
-from worker.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
+from worker.liveness.link import RedisLink
+from worker.serving import endings, limits, rqjobs
+from worker.serving.burst import BurstSummary
+from worker.serving.counters import EngineHold, WorkerCounters
+from worker.serving.embed_jobs import EmbedQueue
+from worker.serving.endings import AttemptWriter, Contended
+from worker.serving.pacing import EVERYTHING, Due, WritePacer
+from worker.serving.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
 from worker.settings import FleetSettings
 
 log = logging.getLogger("fleet.worker")
@@ -73,7 +74,7 @@ class _WokenBySignal(Exception):
 class FleetWorker:
     def __init__(self, settings: FleetSettings, backend: Backend, redis: Redis, name: str,
                  link: RedisLink | None = None, hooks: Sequence[JobHook] | None = None) -> None:
-        """`hooks`: what job writes carry besides their own (worker/hooks.py); None: assembly's."""
+        """`hooks`: what job writes carry besides their own (worker/hooks/__init__.py); None: assembly's."""
         self.settings = settings
         self.backend = backend
         self.embeds = EmbedQueue(backend)  # embedding jobs, run between generation steps
@@ -213,7 +214,7 @@ class FleetWorker:
         self._start_unstarted()
         free, held = self._room()
         if free <= 0 and set(held) - {DEFAULT_TENANT} and time.monotonic() >= self._next_give_way:
-            # every slot taken: tenants above their share give way to one below (worker/handover.py)
+            # every slot taken: tenants above their share give way to one below (worker/claiming/handover.py)
             self._next_give_way = time.monotonic() + GIVE_WAY_EVERY
             for job in handover.give_way(self.inflight.values(), *self.claimer.starved(held)):
                 self._hand_back(job, "preempted: its tenant held more than its share", counted=False)
@@ -301,7 +302,7 @@ class FleetWorker:
             if isinstance(request, EmbedRequest):
                 self.embeds.add(job_id, request)
             elif isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, request):
-                self.counters.resumed += 1  # continues its last attempt's text (worker/handover.py)
+                self.counters.resumed += 1  # continues its last attempt's text (worker/claiming/handover.py)
             else:
                 self.backend.admit(job_id, request)
         except JobRejected as e:
@@ -375,7 +376,7 @@ class FleetWorker:
 
     def _flush(self, due: Due = EVERYTHING) -> None:
         """Everything Redis has not seen yet, in order: deltas, then endings, then hand-backs;
-        with them, a look at the running jobs' cancel flags (what is `due`: worker/pacing.py)."""
+        with them, a look at the running jobs' cancel flags (what is `due`: worker/serving/pacing.py)."""
         jobs = list(self.inflight.values())
         checked = [j for j in jobs if j.ending is None] if due.cancels else []
         with self.redis.pipeline(transaction=False) as pipe:

@@ -1,4 +1,4 @@
-"""The tenants concern (a hook: worker/hooks.py): a job lets go of its tenant's admission places
+"""The tenants concern (a hook: worker/hooks/__init__.py): a job lets go of its tenant's admission places
 as it starts and ends, and its ending counts into the tenant's usage (requests, tokens, queue wait,
 failures: this hour's hash) and this minute's tokens (what `tokens_per_minute` admits against),
 all in the same MULTI as the job's own writes, so each is counted exactly once. Jobs naming no
@@ -19,11 +19,11 @@ from backends.contract.keys import (
     tenant_rate_prefix,
     usage_key,
 )
-from worker.rqjobs import tenant_of
+from worker.serving.rqjobs import tenant_of
 
 if TYPE_CHECKING:
     from worker.hooks import Holder, Restart
-    from worker.rqjobs import ClaimedJob, Ending
+    from worker.serving.rqjobs import ClaimedJob, Ending
 
 RATE_TTL = 120  # seconds a minute's counts are kept (the admission script reads this minute's)
 

@@ -1,6 +1,6 @@
 """Every write that starts, ends or restarts an attempt of a job, fenced by ownership.
 
-Who holds a job is the in-flight list it is in (worker/claim.py). Every write here applies only
+Who holds a job is the in-flight list it is in (worker/claiming/claim.py). Every write here applies only
 while the job is still in this worker's list (or, for text, while the job hash names this worker
 its owner), so when the reaper took a job from a worker it thought dead (say, one cut off from
 Redis for a while), nothing that worker writes about it lands: not its start, not its text, not a
@@ -15,8 +15,8 @@ second final result (docs/reliability.md, "Who holds a job"):
 The endings themselves are built here too (`finished`, `cancelled`, `gave_up`): the loop decides
 when a job ends, this module decides what its ending says.
 
-Written here: the stream, RQ's bookkeeping (worker/rqjobs.py) and the expiries. Every other
-concern (a batch line's record, the observability facts) is a hook (worker/hooks.py) queued on
+Written here: the stream, RQ's bookkeeping (worker/serving/rqjobs.py) and the expiries. Every other
+concern (a batch line's record, the observability facts) is a hook (worker/hooks/__init__.py) queued on
 the same pipeline or MULTI as the write it belongs to; this module never names one.
 """
 
@@ -50,9 +50,9 @@ from backends.contract.keys import (
 from backends.contract.lua import lua_script, queue_script
 from backends.contract.replies import as_str
 from backends.contract.schema import job_result
-from worker import rqjobs
 from worker.hooks import Holder, Hooks, Restart
-from worker.rqjobs import ClaimedJob, Ending
+from worker.serving import rqjobs
+from worker.serving.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.worker")
 
@@ -62,7 +62,7 @@ REQUEUE_LUA = queue_model.REQUEUE
 
 # Text deltas, written only while this worker owns the job (a worker the reaper took it from
 # must not write into the next attempt's stream).
-_WRITE_TEXT = lua_script("worker", "write_text.lua")
+_WRITE_TEXT = lua_script("worker.serving", "write_text.lua")
 
 
 class Contended(Exception):
@@ -78,7 +78,7 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
     ttft_ms = (job.first_token_at - job.claimed_at) * 1000 if job.first_token_at else None
     gen_s = now - job.first_token_at if job.first_token_at else 0.0
     # per-token log-probabilities, when the request asked and the engine gave them; an
-    # embedding job's vectors (worker/embed_jobs.py)
+    # embedding job's vectors (worker/serving/embed_jobs.py)
     extra: dict[str, Any] = {k: done.extra[k] for k in ("logprobs", "embeddings", "dimensions")
                              if done.extra.get(k)}
     text, finish = "".join(job.text), done.finish_reason

@@ -43,11 +43,12 @@ from backends.contract.keys import (
 )
 from backends.contract.lua import RELEASE_LOCK
 from backends.contract.replies import as_int, as_str
-from worker import endings, housekeeping
 from worker.assembly import job_hooks
 from worker.hooks import Holder, Hooks, Restart
-from worker.link import RedisLink
-from worker.rqjobs import ClaimedJob, Ending
+from worker.liveness import housekeeping
+from worker.liveness.link import RedisLink
+from worker.serving import endings
+from worker.serving.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.reaper")
 LOCK_MS = 10_000
@@ -63,7 +64,7 @@ class Reaper:
         self.result_ttl = result_ttl
         self.link = link
         self.hold_off = hold_off  # seconds after our own reconnect before declaring others dead
-        # what a reaped job's restart or failure carries besides its own write (worker/hooks.py)
+        # what a reaped job's restart or failure carries besides its own write (worker/hooks/__init__.py)
         self.hooks = tuple(hooks) if hooks is not None else job_hooks()
         self._requeue = redis.register_script(endings.REQUEUE_LUA)
         self._unlock = redis.register_script(RELEASE_LOCK)

@@ -8,7 +8,7 @@ a queue, or a worker's in-flight list (where the reaper finds it if the worker d
 The claim script also takes ownership (`fleet_owner` in the job hash, and the worker's name in
 the reaper's owners index) in the same step, refusing a second copy of an id someone holds.
 Every way out of an in-flight list (a requeue, a final result) and every other write about a
-job (its start, its text) checks the id is still there: those writes are in worker/endings.py.
+job (its start, its text) checks the id is still there: those writes are in worker/serving/endings.py.
 """
 
 from __future__ import annotations

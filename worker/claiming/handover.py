@@ -21,7 +21,7 @@ from backends.base import Resumable
 from backends.contract import stream
 from backends.contract.keys import stream_key
 from backends.contract.schema import GenerateRequest
-from worker.rqjobs import ClaimedJob, tenant_of
+from worker.serving.rqjobs import ClaimedJob, tenant_of
 
 log = logging.getLogger("fleet.worker")
 

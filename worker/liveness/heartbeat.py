@@ -26,19 +26,19 @@ from backends.contract.lua import lua_script, queue_script
 from backends.contract.redact import redact_url
 from backends.contract.replies import Fields
 from backends.contract.retry import OUTAGE_ERRORS
-from worker import facts
 from worker.health import write_health
+from worker.hooks import facts
 
 if TYPE_CHECKING:
     from rq.worker import Worker
 
-    from worker.loop import FleetWorker
-    from worker.reaper import Reaper
+    from worker.liveness.reaper import Reaper
+    from worker.serving.loop import FleetWorker
 
 log = logging.getLogger("fleet.heartbeat")
 
 # Refreshes an RQ execution only while it exists (why, KEYS and ARGV: the script's header).
-_REFRESH_EXECUTION = lua_script("worker", "refresh_execution.lua")
+_REFRESH_EXECUTION = lua_script("worker.liveness", "refresh_execution.lua")
 REAP_EVERY = 2  # heartbeat intervals
 EARLY_BEAT_GAP = 0.2  # seconds
 

@@ -1,6 +1,6 @@
-"""The placement concern (a hook: worker/hooks.py): once a job ends with a result, this worker
+"""The placement concern (a hook: worker/hooks/__init__.py): once a job ends with a result, this worker
 says it holds the job's prefixes (backends/contract/affinity.py), so the conversation's next turn
-is claimed where its KV is (worker/claim.lua). In the same MULTI as the job's final write: only
+is claimed where its KV is (the queue model's claim.lua). In the same MULTI as the job's final write: only
 the worker that wrote the result claims its prefixes. Each claim lasts HELD_TTL and the last
 worker to run a prefix takes it over."""
 
@@ -16,7 +16,7 @@ from worker.hooks import EndingHook
 
 if TYPE_CHECKING:
     from worker.hooks import Holder
-    from worker.rqjobs import ClaimedJob, Ending
+    from worker.serving.rqjobs import ClaimedJob, Ending
 
 
 class HeldPrefixes(EndingHook):

@@ -1,4 +1,4 @@
-"""The batch concern (a hook: worker/hooks.py): a batch line's ending is copied into its batch's
+"""The batch concern (a hook: worker/hooks/__init__.py): a batch line's ending is copied into its batch's
 record in the same MULTI as the job's final entry (backends/contract/batch/line_record.py), so
 it is recorded exactly once and outlives the job's own result (result_ttl). Jobs that are not
 batch lines cost one string prefix test."""
@@ -16,7 +16,7 @@ from worker.hooks import EndingHook
 
 if TYPE_CHECKING:
     from worker.hooks import Holder
-    from worker.rqjobs import ClaimedJob, Ending
+    from worker.serving.rqjobs import ClaimedJob, Ending
 
 
 class BatchRecord(EndingHook):

@@ -1,6 +1,6 @@
 """What a job's writes carry beside the job's own: hooks, chosen when the worker is built.
 
-The fleet's own writes about a job (worker/endings.py: its start, its text, its one final entry,
+The fleet's own writes about a job (worker/serving/endings.py: its start, its text, its one final entry,
 a hand-back for another attempt) are fenced by ownership and sent on as few round trips as they
 can be. Other concerns (a batch line's record, the observability facts; later tenants' usage)
 ride on those same pipelines: a hook only queues commands on the pipeline it is handed and never
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 from redis.client import Pipeline
 
 if TYPE_CHECKING:
-    from worker.rqjobs import ClaimedJob, Ending
+    from worker.serving.rqjobs import ClaimedJob, Ending
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from backends.contract.keys import (
 )
 from backends.contract.replies import as_int, as_str
 from backends.contract.schema import DEFAULT_TENANT, GenerateRequest, describe_validation_error
-from worker import limits
+from worker.serving import limits
 
 log = logging.getLogger("fleet.worker")
 
@@ -120,7 +120,7 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: flo
     """Fetch and check a job this worker (`me`) claimed. Raises BadJob for anything refused,
     NotToRun for an id that must be dropped without a result, CancelledByRQ. A job this worker
     already owns (a start whose reply was lost) is resumed, not dropped. `job_timeout`/`queue_ttl`
-    apply when the job sets none; `budget` bounds the request (worker/limits.py)."""
+    apply when the job sets none; `budget` bounds the request (worker/serving/limits.py)."""
     fields = [ATTEMPT_FIELD, OWNER_FIELD, DRAINS_FIELD, EXECUTION_FIELD, FINAL_FIELD]
     try:
         raw_attempt, owner, drains, execution, final = redis.hmget(job_key(job_id), fields)

@@ -8,7 +8,7 @@
 - a bounded history per job: params (prompt shortened), every attempt (worker, backend), the
   reason each one was restarted, the ending with its timings. TTL'd hash + capped index zsets.
 
-The job facts are a hook (`Facts`, worker/hooks.py): they are queued on a pipeline the caller
+The job facts are a hook (`Facts`, worker/hooks/__init__.py): they are queued on a pipeline the caller
 already sends (the start's MULTI, a step's text pipeline, the ending's MULTI; after a requeue
 script, which cannot carry them, one pipeline of their own), so observability adds no round
 trips to the hot path. The worker setting
@@ -40,7 +40,7 @@ from backends.contract.observe_schema import pool_of, restart_kind
 
 if TYPE_CHECKING:
     from worker.hooks import Holder, Restart
-    from worker.rqjobs import ClaimedJob, Ending
+    from worker.serving.rqjobs import ClaimedJob, Ending
 
 Pipe = Pipeline | Redis
 JOBS_SHOWN = 32  # jobs listed with their progress in a worker's status hash

@@ -1,4 +1,4 @@
-"""When the worker loop talks to Redis after a step (worker/loop.py `_step`).
+"""When the worker loop talks to Redis after a step (worker/serving/loop.py `_step`).
 
 - Running jobs' new text goes out every `stream_interval`: at one user a step is ~11 ms, and a
   write per step is a script in Redis, a wake-up and an SSE write in the gateway, all on the cores
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from worker.rqjobs import ClaimedJob
+from worker.serving.rqjobs import ClaimedJob
 
 CANCEL_CHECK_INTERVAL = 0.05  # seconds between looks at the running jobs' cancel flags (2 reads a job)
 

@@ -1,0 +1,1 @@
+"""Placement on the machine: CPU pinning and NUMA memory binding."""
