@@ -22,8 +22,8 @@ from backends.contract.queue.invariants import queue_violations
 from dispatcher import Fleet
 from tests.gateway_harness import Gateways, wait_until_healthy
 from tests.harness import wait_for
-from tests.test_hostile_batch import auth, batch_of, create, jsonl, upload
 from tests.reliability_checks import assert_exactly_one_final, final_entries, held
+from tests.test_hostile_batch import auth, batch_of, create, jsonl, upload
 
 pytestmark = pytest.mark.timeout(180)
 
