@@ -139,3 +139,27 @@ def test_a_tenants_batches_pass_its_batch_quota_not_around_its_limits(redis: Red
                                timeout=10).json()["status"] == "completed", 60, "the first batch to end")
     assert batch_of(gw.url, jsonl(2), "key-quota")["status"] in ("validating", "in_progress", "completed")
     assert not queue_violations(redis), queue_violations(redis)
+
+
+RECURSIVE = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+             "$ref": "#/$defs/a"}
+
+
+def test_a_schema_no_finite_answer_satisfies_is_refused(workers: Any, gateways: Gateways) -> None:
+    """A `$ref` that requires itself with no way out could only run to max_tokens: 400 up front,
+    for structured output and for a tool's parameters; a recursive schema with a way out runs."""
+    workers.start("w1", **FAKE)
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    shaped = {**chat, "response_format": {"type": "json_schema",
+                                          "json_schema": {"name": "a", "schema": RECURSIVE}}}
+    tools = {**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}]}
+    for body in (shaped, tools):
+        answer = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30)
+        assert answer.status_code == 400, answer.text
+        assert "no finite JSON satisfies the schema" in answer.json()["error"]["message"]
+    tree = {"$defs": {"n": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+        "next": {"$ref": "#/$defs/n"}}, "required": ["next"]}]}}, "$ref": "#/$defs/n"}
+    fine = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": tree}}}
+    assert httpx.post(f"{gw.url}/v1/chat/completions", json=fine, timeout=60).status_code == 200

@@ -67,6 +67,10 @@ def check_schema_limits(schema: dict[str, Any]) -> None:
                                f"is {MAX_GRAMMAR_CHARS:,} (lower maxLength/maxItems/minItems or split it)")
     _check_ref_cycles(schema, walk.nodes)
     shortest = _Shortest(schema).chars(schema, 0)
+    if shortest == math.inf:
+        raise SchemaTooComplex("no finite JSON satisfies the schema: a $ref requires itself (through "
+                               "required properties, minItems or allOf) with no way out, so an answer "
+                               "could only stop at max_tokens, unfinished")
     if shortest > MAX_OUTPUT_CHARS:
         raise SchemaTooComplex(f"the schema requires at least {shortest:,} characters of output (minItems/"
                                f"minLength multiply when nested); the limit is {MAX_OUTPUT_CHARS:,}")
@@ -187,22 +191,26 @@ def _check_ref_cycles(root: dict[str, Any], nodes: list[dict[str, Any]]) -> None
 
 
 class _Shortest:
-    """The fewest characters of JSON a schema allows (as far as the converter enforces it)."""
+    """The fewest characters of JSON a schema allows (as far as the converter enforces it); inf
+    when none is finite: a node that requires itself again along every way out."""
 
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
         self.resolving: set[int] = set()
 
-    def chars(self, node: Any, depth: int) -> int:
-        if not isinstance(node, dict) or depth > 4 * MAX_NESTING or id(node) in self.resolving:
-            return 0  # a recursive $ref or a chain of refs: counted as free (never over-refuse)
+    def chars(self, node: Any, depth: int) -> float:
+        if id(node) in self.resolving:
+            return math.inf  # required again inside itself: this way never ends
+        if not isinstance(node, dict) or depth > 4 * MAX_NESTING:
+            return 0  # a very long chain of refs: counted as free (never over-refuse)
         self.resolving.add(id(node))
         try:
-            return min(self._chars(node, depth + 1), MAX_OUTPUT_CHARS + 1)
+            found = self._chars(node, depth + 1)
+            return found if found == math.inf else min(found, MAX_OUTPUT_CHARS + 1)
         finally:
             self.resolving.discard(id(node))
 
-    def _chars(self, node: dict[str, Any], depth: int) -> int:
+    def _chars(self, node: dict[str, Any], depth: int) -> float:
         if "$ref" in node:
             return self.chars(resolve_ref(self.root, node["$ref"]), depth)
         for key in ("oneOf", "anyOf"):
