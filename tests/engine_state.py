@@ -20,9 +20,10 @@ def prompt(n: int, first: int = 1000) -> list[int]:
 
 
 def engine(*, slots: int = 16, prefix_cache: int = 4, n_batch: int = 512, n_ctx: int = 16384,
-           n_ctx_per_seq: int = 4096, per_slot: bool = True, draft_max: int = 0) -> Scheduler:
+           n_ctx_per_seq: int = 4096, per_slot: bool = True, draft_max: int = 0,
+           invariant: bool = False) -> Scheduler:
     kv = KvBookkeeper(slots=slots, prefix_cache=prefix_cache, n_ctx=n_ctx, n_batch=n_batch,
-                      per_slot=per_slot)
+                      per_slot=per_slot, invariant=invariant)
     return Scheduler(kv, n_batch=n_batch, n_ctx_per_seq=n_ctx_per_seq, draft_max=draft_max)
 
 

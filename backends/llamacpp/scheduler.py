@@ -314,7 +314,7 @@ class Scheduler:
         n = len(decoding)
         # a lone row takes the split-KV attention past SPLIT_KV_CELLS, a drafted step never: an
         # undrafted lone decoder gets a second row (when the pool has a cell to spare), so its
-        # text is the same either way
+        # text is the same with and without speculation
         lone = n == 1 and not prompts and self.kv.fits(1)
         base = (2, 1) if lone else (n, n)  # (rows, rows with logits)
         room = 0 if prompts else draft_room(n, self.draft_max)
@@ -459,11 +459,14 @@ class Scheduler:
         return [self.n_ctx_per_seq - used.get(i, 0) for i in range(lo, hi + 1)]
 
     def _span(self, members: list[ActiveJob], width: int) -> tuple[int, int]:
-        """The ids an equal-width ubatch covers. A lone decoder past SPLIT_KV_CELLS // 2 cells
-        gets a neighbour, else ggml splits its KV scan across threads (and rounds differently)."""
+        """The ids an equal-width ubatch covers. With batch invariance a lone decoder past
+        SPLIT_KV_CELLS // 2 cells gets a neighbour, else ggml splits its KV scan across threads
+        (and rounds differently from the batched kernel). Without it the fleet promises what
+        llama-server does, and a lone decoder decodes alone (the row cost ~17 % of its step)."""
         lo = min(j.seq_id for j in members)
         hi = max(j.seq_id for j in members)
-        if lo == hi and width == 1 and members[0].n_past + 1 > SPLIT_KV_CELLS // 2:
+        if (self.kv.invariant and lo == hi and width == 1
+                and members[0].n_past + 1 > SPLIT_KV_CELLS // 2):
             if hi + 1 < self.kv.n_streams:
                 hi += 1
             elif lo > 0:

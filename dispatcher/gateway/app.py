@@ -130,17 +130,18 @@ MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 UPLOAD_ROUTE = "/v1/files"  # POST: multipart, with its own (larger) body limit
 BODY_GRACE = 5.0  # seconds a body may take before gateway.body_min_rate applies
 CLOSE = {"Connection": "close"}  # past what a 413 drains, a refused body is not read: the connection ends
-# A 413 is sent once the refused body is read (and thrown away) up to this many times the limit:
-# clients (httpx, requests, the openai SDK) send the whole body before they read an answer, and a
-# connection closed on unread bytes is reset, so they would see a broken pipe instead of the 413
+# After a 413 the rest of the body is read (and thrown away) up to this many times the limit
+# before the connection closes: clients (http.client, requests, httpx, the openai SDK) send the
+# whole body before they read an answer, and a connection closed on unread bytes is reset, so
+# they would see a broken pipe or a reset instead of the 413
 DRAIN_FACTOR = 4
 
 
 class RequestGuard:
     """ASGI middleware: refuses cross-site browser requests on mutating routes (403), bodies over
-    the route's size limit (413: once the bytes read pass it, chunked or not, or Content-Length
-    says so; the body is drained up to DRAIN_FACTOR times the limit first, a larger one is answered
-    at once) and bodies that arrive too slowly (408)."""
+    the route's size limit (413: at once when Content-Length says so, else as soon as the bytes
+    read pass it, chunked or not; the connection lingers while the rest of the body is drained)
+    and bodies that arrive too slowly (408)."""
 
     def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
         self.app = app
@@ -155,14 +156,18 @@ class RequestGuard:
         upload = scope["method"] == "POST" and scope["path"] == UPLOAD_ROUTE
         limit = self.settings.max_upload_bytes if upload else self.settings.max_body_bytes
         meter = BodyMeter(receive, limit, upload, self.settings, headers)
-        started = False
+        started = lingers = False
 
         async def sending(message: Message) -> None:
-            nonlocal started
+            nonlocal started, lingers
             if message["type"] == "http.response.start":
-                started = True
-                if message["status"] == 413:
-                    await meter.drain()
+                started, lingers = True, message["status"] == 413
+            elif lingers and not message.get("more_body", False):
+                # the whole 413 goes out now (a client that reads while it sends stops at once);
+                # the response ends, and the connection with it, once the body is drained
+                await send({**message, "more_body": True})
+                await meter.drain()
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
             await send(message)
 
         try:
@@ -243,8 +248,6 @@ class BodyMeter:
         self.started = time.monotonic()
         self.received = 0
         self.done = False
-        self.asked = False  # whether the route has read: uvicorn's first read sends "100 Continue"
-        self.waits_to_send = headers.get("expect", "").lower() == "100-continue"
         announced = headers.get("content-length", "")
         # what a 413 drains: nothing of a body announced larger than the drain would take anyway
         self.drainable = DRAIN_FACTOR * limit
@@ -253,10 +256,7 @@ class BodyMeter:
 
     async def drain(self) -> None:
         """Read and drop what is left of a refused body, up to `drainable` bytes in all and
-        within the body's own time bounds, so the client is done sending when the 413 comes. A
-        client that waits for "100 Continue" before it sends, and was not asked, reads it at once."""
-        if self.waits_to_send and not self.asked:
-            return
+        within the body's own time bounds, until the client has sent it all or leaves."""
         while not self.done and self.received < self.drainable:
             try:
                 async with asyncio.timeout(self.deadline() - time.monotonic()):
@@ -277,7 +277,6 @@ class BodyMeter:
     async def receive(self) -> Message:
         if self.done:
             return await self._receive()
-        self.asked = True
         try:
             async with asyncio.timeout(self.deadline() - time.monotonic()):
                 message = await self._receive()
