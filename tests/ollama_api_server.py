@@ -62,12 +62,36 @@ def gemma_chat_prompt(messages: list[dict[str, str]]) -> str:
     return "".join(turns) + "<start_of_turn>model\n"
 
 
+def _unrepacked_llama(model_path: str, **kw: Any) -> llama_cpp.Llama:
+    """A Llama without weight repacking, as the fleet's engine loads the model: repacking picks
+    ggml's AMX kernels on a CPU that lists AMX, and where Linux was not asked for the tile state
+    they die with SIGILL (ecosystem/local/llama_server.py, amx_unusable). Llama() has no argument
+    for it, so its default model parameters are amended while it loads."""
+    low = llama_cpp.llama_cpp  # the module Llama() reads its defaults from
+    default = low.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    with _LOAD_LOCK:
+        low.llama_model_default_params = params
+        try:
+            return llama_cpp.Llama(model_path, **kw)
+        finally:
+            low.llama_model_default_params = default
+
+
+_LOAD_LOCK = threading.Lock()
+
+
 class Engine:
     """One Llama, one generation at a time (Ollama with OLLAMA_NUM_PARALLEL=1)."""
 
     def __init__(self, model_path: str, n_ctx: int, threads: int) -> None:
         started = time.perf_counter_ns()
-        self.llm = llama_cpp.Llama(model_path, n_ctx=n_ctx, n_threads=threads, verbose=False)
+        self.llm = _unrepacked_llama(model_path, n_ctx=n_ctx, n_threads=threads, verbose=False)
         self.load_ns = time.perf_counter_ns() - started
         self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.lock = threading.Lock()

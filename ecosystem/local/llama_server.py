@@ -11,10 +11,12 @@ binary; a `llama-server` on PATH is the last resort.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,6 +88,44 @@ class LlamaServer:
         raise RuntimeError(f"llama-server not healthy after {timeout}s: {self.log.read_text()[-2000:]}")
 
 
+# What ggml's AMX kernels do: LDTILECFG [rdi]; TILEZERO tmm0; TILERELEASE; RET, in a process that
+# has not asked Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM): the llama.cpp pinned here
+# does not ask, and a Linux that wants the request (5.16+) answers the first tile instruction with
+# SIGILL, as llama-server's first decode got on a Xeon Sapphire Rapids (KVM guest).
+_AMX_PROBE = """
+import ctypes, mmap
+code = bytes([0xc4, 0xe2, 0x78, 0x49, 0x07, 0xc4, 0xe2, 0x7b, 0x49, 0xc0,
+              0xc4, 0xe2, 0x78, 0x49, 0xc0, 0xc3])
+m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+m.write(code)
+config = (ctypes.c_ubyte * 64)()
+config[0], config[16], config[48] = 1, 64, 16  # palette 1; tile 0: 64 bytes x 16 rows
+run = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+run(ctypes.addressof(config))
+"""
+
+
+@functools.cache
+def amx_unusable() -> bool:
+    """The CPU says it has AMX but a tile instruction kills a process that did not ask for it.
+    llama-server's weight repacking then picks ggml's AMX kernels and dies at its first decode
+    (SIGILL), so it must start with `--no-repack` (the in-process engine never repacks:
+    use_extra_bufts off)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    if " amx_tile" not in flags:
+        return False
+    probe = subprocess.run([sys.executable, "-c", _AMX_PROBE], capture_output=True, timeout=30)
+    return probe.returncode != 0
+
+
+def peer_flags() -> list[str]:
+    """Flags llama-server needs on this machine to run at all (see amx_unusable)."""
+    return ["--no-repack"] if amx_unusable() else []
+
+
 def start_llama_server(
     log_dir: Path,
     *,
@@ -107,7 +147,7 @@ def start_llama_server(
     log = log_dir / f"llama-server-{port}.log"
     args = [str(llama_server_binary()), "-m", str(model or default_model_path()),
             "--parallel", str(parallel), "-c", str(ctx), "-t", str(threads),
-            "--host", "127.0.0.1", "--port", str(port), "--slots", *extra_args]
+            "--host", "127.0.0.1", "--port", str(port), "--slots", *peer_flags(), *extra_args]
     with log.open("ab") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                    preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
