@@ -112,6 +112,11 @@ class PreparedJob:
                              cmd("rpush", queue_key(target), self.job_id)]
         if fair is not None:
             calls += [cmd("zadd", fair, {tenant: 0}, nx=True), cmd("expire", fair, FAIR_TTL)]
+        if tenant:  # the places an admission reserved are held from now on for the job's lifetime
+            expires = int(time.time() * 1000) + queue_model.reservation_ms(self.meta.get("queue_ttl"),
+                                                                           self.job_timeout)
+            for key, member in queue_model.confirm_places(tenant, self.job_id, expires):
+                calls += [cmd("zadd", key, member, xx=True), cmd("pexpireat", key, expires, gt=True)]
         return calls
 
     def _hash(self, job: Job) -> dict[str, Any]:

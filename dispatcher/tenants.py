@@ -77,17 +77,17 @@ class NeverAdmitted(Exception):
                          f"is {allowed} ({COUNTED[limit]}), so no wait admits it and retrying does not help")
 
 
-def admit_plan(tenant: str, job_ids: list[str], limits: Limits, lifetime_s: int) -> Plan[None]:
+def admit_plan(tenant: str, job_ids: list[str], limits: Limits) -> Plan[None]:
     """Reserve `job_ids` under the tenant's limits; LimitReached refuses every one of them for
-    now, NeverAdmitted for good (before any round trip: nothing is counted).
-    `lifetime_s`: how long a reservation lasts if the job's ending never comes."""
+    now, NeverAdmitted for good (before any round trip: nothing is counted). The places last a
+    minute unless the jobs' enqueue confirms them for their lifetime (the queue model's
+    PENDING_MS, confirm_places)."""
     if (never := limits.never_admits(len(job_ids))) is not None:
         raise NeverAdmitted(tenant, *never, len(job_ids))
     keys, args = queue_model.admit_call(
         tenant, job_ids, max_concurrent=limits.max_concurrent or 0,
         max_queued=-1 if limits.max_queued is None else limits.max_queued,
-        requests_per_minute=limits.requests_per_minute or 0, tokens_per_minute=limits.tokens_per_minute or 0,
-        lifetime_ms=lifetime_s * 1000)
+        requests_per_minute=limits.requests_per_minute or 0, tokens_per_minute=limits.tokens_per_minute or 0)
     reply = yield from ask(Eval(queue_model.ADMIT, keys, args))
     verdict = as_str(reply[0])
     if verdict == "ok":

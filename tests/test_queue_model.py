@@ -78,7 +78,7 @@ class QueueModel(RuleBasedStateMachine):
         ids = [f"{next(self.ids):032x}" for _ in range(n)]
         if tenant in LIMITS:
             try:
-                run(self.redis, admit_plan(tenant, ids, LIMITS[tenant], 3600))
+                run(self.redis, admit_plan(tenant, ids, LIMITS[tenant]))
             except (LimitReached, NeverAdmitted):
                 return
         named = {} if tenant == "default" else {"tenant": tenant}
@@ -218,3 +218,21 @@ def test_the_prelude_splits_queues_as_python_does(redis: Redis) -> None:
     flat: list[Any] = redis.eval(script, 0, *names)
     got = [(flat[i].decode(), flat[i + 1].decode()) for i in range(0, len(flat), 2)]
     assert got == [queue.split_queue(n) for n in names]
+
+
+def test_a_place_admitted_but_never_enqueued_frees_itself_within_a_minute(redis: Redis,
+                                                                          redis_url: str) -> None:
+    """A gateway that dies between admission and enqueue holds the tenant's place for PENDING_MS,
+    not for the job's lifetime; the enqueue confirms the place for the job's lifetime."""
+    lost, kept = f"{1:032x}", f"{2:032x}"
+    run(redis, admit_plan("t", [lost, kept], Limits(max_concurrent=5)))
+    seconds, _ = redis.time()
+    for job_id in (lost, kept):
+        expiry = redis.zscore(keys.tenant_open_key("t"), job_id)
+        assert expiry is not None and expiry <= seconds * 1000 + queue.PENDING_MS + 2000
+    Fleet(redis_url).submit(prompt="a", max_tokens=2, tenant="t", job_id=kept, job_timeout=600)
+    expiry = redis.zscore(keys.tenant_open_key("t"), kept)
+    assert expiry is not None and expiry >= seconds * 1000 + queue.reservation_ms(None, 600) - 5000
+    assert redis.pttl(keys.tenant_open_key("t")) >= queue.reservation_ms(None, 600) - 5000
+    lost_expiry = redis.zscore(keys.tenant_open_key("t"), lost)
+    assert lost_expiry is not None and lost_expiry <= seconds * 1000 + queue.PENDING_MS + 2000

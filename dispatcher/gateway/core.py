@@ -283,9 +283,8 @@ class Gateway:
         limits = tenant_limits(tenant)
         if not limits.any:
             return
-        life = (self.settings.queue_ttl or DEFAULT_RESERVATION) + self.settings.job_timeout
         try:
-            await run_async(self.fleet.redis, admit_plan(name, ids, limits, life))
+            await run_async(self.fleet.redis, admit_plan(name, ids, limits))
         except NeverAdmitted as e:  # not a 429: a client would retry it for ever
             raise ApiError(400, str(e), param="n", code="invalid_value") from None
         except LimitReached as e:  # OpenAI's rate-limit errors: type "tokens" for token limits
@@ -313,7 +312,6 @@ class Gateway:
             return sum(int(n) for n in await pipe.execute())
 
 
-DEFAULT_RESERVATION = 3600  # seconds a tenant's place is held for a job waiting without queue_ttl
 
 
 def tenant_limits(tenant: TenantSettings | None) -> Limits:

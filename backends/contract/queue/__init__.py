@@ -38,6 +38,19 @@ from backends.contract.keys import (
 from backends.contract.queue.scripts import queue_script
 from backends.contract.schema import DEFAULT_TENANT, PRIORITIES
 
+# A tenant's place is reserved for PENDING_MS at admission and held for the job's lifetime once its
+# enqueue (the same MULTI as RQ's writes) confirms it: a gateway that dies between the two leaves a
+# place that frees itself within a minute, not within the job's lifetime.
+PENDING_MS = 60_000
+DEFAULT_RESERVATION_S = 3600  # a job waiting without queue_ttl: how long its place is held
+
+
+def reservation_ms(queue_ttl: int | None, job_timeout: int) -> int:
+    """How long a tenant's place is held for an enqueued job whose ending never comes (its
+    records expired): the longest it may wait, plus the longest it may run."""
+    return ((queue_ttl or DEFAULT_RESERVATION_S) + job_timeout) * 1000
+
+
 CLAIM = queue_script("tenant_share.lua", "balance.lua", "placement.lua", "claim.lua")
 STARVED = queue_script("tenant_share.lua", "starved.lua")
 REQUEUE = queue_script("requeue.lua")
@@ -91,8 +104,9 @@ def end_rq_cancel_call(job_id: str, result: dict[str, Any], ttl: int) -> KeysArg
 
 
 def admit_call(tenant: str, job_ids: list[str], *, max_concurrent: int, max_queued: int,
-               requests_per_minute: int, tokens_per_minute: int, lifetime_ms: int) -> KeysArgs:
-    """`max_queued` -1 and the others 0 for no limit (the script's header)."""
+               requests_per_minute: int, tokens_per_minute: int, lifetime_ms: int = PENDING_MS) -> KeysArgs:
+    """`max_queued` -1 and the others 0 for no limit (the script's header); the places last
+    `lifetime_ms` unless the enqueue confirms them (`confirm_places`)."""
     keys = [tenant_open_key(tenant), tenant_queued_key(tenant), tenant_rate_prefix(tenant),
             usage_prefix(tenant), USAGE_TENANTS]
     return keys, [len(job_ids), max_concurrent, max_queued, requests_per_minute, tokens_per_minute,
@@ -102,3 +116,10 @@ def admit_call(tenant: str, job_ids: list[str], *, max_concurrent: int, max_queu
 def places_keys(tenant: str) -> tuple[str, str]:
     """A tenant's admission places: jobs admitted and not ended, admitted and not started."""
     return tenant_open_key(tenant), tenant_queued_key(tenant)
+
+
+def confirm_places(tenant: str, job_id: str, expires_ms: int) -> list[tuple[str, dict[str, int]]]:
+    """(zset, {job id: expiry}) pairs for the enqueue's MULTI to write with ZADD XX: a job
+    admitted at the gateway holds its places until `expires_ms` from now on; a job nobody
+    admitted (a Python or RQ producer's) gets none."""
+    return [(key, {job_id: expires_ms}) for key in places_keys(tenant)]

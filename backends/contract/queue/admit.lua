@@ -40,8 +40,9 @@ for i = 8, 7 + n do
   redis.call('ZADD', KEYS[1], now + life, ARGV[i])
   redis.call('ZADD', KEYS[2], now + life, ARGV[i])
 end
-redis.call('PEXPIRE', KEYS[1], life)
-redis.call('PEXPIRE', KEYS[2], life)
+for k = 1, 2 do  -- never shorten: the set holds places confirmed for longer (confirm_places)
+  if redis.call('PTTL', KEYS[k]) < life then redis.call('PEXPIRE', KEYS[k], life) end
+end
 redis.call('HINCRBY', rate, 'requests', n)
 redis.call('EXPIRE', rate, 120)
 return {'ok'}

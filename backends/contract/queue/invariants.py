@@ -8,8 +8,9 @@ it after every step, the soak when the fleet is quiet, and `fleet soak` names wh
 - `owner`: a job in a worker's in-flight list names that worker its owner, and a job waiting in
   a queue names none;
 - `places`: a tenant's admission places (open: admitted and not ended; queued: admitted and not
-  started) hold only jobs in that state, and queued ⊆ open: an ended or vanished job gives its
-  places back at once, not when its reservation expires;
+  started) hold only jobs in that state, and queued ⊆ open: an ended or cancelled job gives its
+  places back at once, not when its reservation expires (a place whose reservation expired is
+  free: admission drops it);
 - `wip`: RQ's started registries name only executions of jobs a worker holds.
 
 The snapshot is read in one MULTI after listing the keys, so a quiet fleet (or a test that
@@ -64,18 +65,22 @@ def _snapshot(redis: Redis) -> dict[str, Any]:
     places = [k for k in _names(redis, _TENANT_PREFIX + "*") if k.endswith((":open", ":queued"))]
     wips = [k for k in _names(redis, _WIP_PREFIX + "*") if redis.type(k) == b"zset"]
     jobs = _names(redis, _JOB_PREFIX + "*")
+    seconds, micros = redis.time()
+    now_ms = seconds * 1000 + micros // 1000
     with redis.pipeline(transaction=True) as pipe:
         for k in queues + inflights:
             pipe.lrange(k, 0, -1)
-        for k in fairs + places + wips:
+        for k in fairs + wips:
             pipe.zrange(k, 0, -1)
+        for k in places:  # a place whose expiry passed is free: admission drops it first
+            pipe.zrange(k, "(" + str(now_ms), "+inf", byscore=True)
         for k in jobs:
             pipe.hmget(k, ["status", OWNER_FIELD, "origin"])
         replies = iter(pipe.execute(raise_on_error=False))
     decode = lambda values: [as_str(v) or "" for v in values] if isinstance(values, list) else []  # noqa: E731
     return {
         "lists": {k: decode(next(replies)) for k in queues + inflights},
-        "zsets": {k: decode(next(replies)) for k in fairs + places + wips},
+        "zsets": {k: decode(next(replies)) for k in fairs + wips + places},
         "jobs": {k[len(_JOB_PREFIX):]: [as_str(v) for v in r] if isinstance(r, list) else None
                  for k, r in ((k, next(replies)) for k in jobs)},
         "queues": queues, "inflights": inflights,
