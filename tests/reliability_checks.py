@@ -1,5 +1,6 @@
-"""Shared by the chaos, recovery, fuzz and security tests: what a job left in Redis, and
-workers that are always stopped at the end of a test."""
+"""Shared by the chaos, recovery, fuzz and security tests: what a job left in Redis (read by
+ecosystem/local/records.py, which `fleet soak` shares), and workers that are always stopped at the
+end of a test."""
 
 from __future__ import annotations
 
@@ -14,31 +15,20 @@ from typing import Any
 
 from redis import Redis
 
-from backends.contract import stream
-from backends.contract.keys import inflight_key, stream_key
+from backends.contract.keys import inflight_key
 from dispatcher import FleetJob
 from ecosystem.local.processes import free_port
+from ecosystem.local.records import final_entries, not_ended_once, stream_events
 from ecosystem.private_redis import redis_server_binary
 from tests.harness import RedisServer, WorkerProcess, start_worker, wait_for
 
-
-def stream_events(redis: Redis, job_id: str) -> list[stream.StreamEvent]:
-    """Every stored entry of the job's stream, void attempts included."""
-    return [stream.decode(fields) for _id, fields in redis.xrange(stream_key(job_id))]
-
-
-def final_entries(redis: Redis, job_id: str) -> list[stream.StreamEvent]:
-    return [ev for ev in stream_events(redis, job_id) if ev.final]
+__all__ = ["BackgroundResults", "Workers", "assert_exactly_one_final", "final_entries", "fleet_workers",
+           "held", "start_guarded_redis", "stream_events", "streaming", "wait_streaming"]
 
 
 def assert_exactly_one_final(redis: Redis, job_ids: list[str]) -> None:
     """One final stream entry and one RQ result per job: nothing lost, nothing finished twice."""
-    problems = {}
-    for job_id in job_ids:
-        finals = len(final_entries(redis, job_id))
-        rq_results = redis.xlen(f"rq:results:{job_id}")
-        if (finals, rq_results) != (1, 1):
-            problems[job_id] = {"final stream entries": finals, "RQ results": rq_results}
+    problems = not_ended_once(redis, job_ids)
     assert not problems, f"{len(problems)} jobs without exactly one final result: {problems}"
 
 

@@ -68,8 +68,11 @@ class RedisServer:
             self.process.send_signal(sig)
             self.process.wait(10)
 
-    def restart(self) -> None:
-        self.stop()
+    def restart(self, sig: int = signal.SIGTERM, down_for: float = 0.0) -> None:
+        """Stop (SIGTERM: a clean shutdown; SIGKILL: a crash) and start again on the same port and
+        directory, so an AOF brings back what it held; `down_for` seconds in between."""
+        self.stop(sig)
+        time.sleep(down_for)
         again = RedisServer.start(self.dir, self.port, self.extra)
         self.process = again.process
 
@@ -180,13 +183,14 @@ class GatewayProcess:
 
 
 def start_gateway(redis_url: str, log_dir: Path, *, port: int | None = None, name: str = "gateway",
-                  cwd: Path | None = None, **settings: Any) -> GatewayProcess:
-    """`fleet serve` on a free port (or `port`), settings as FLEET_* like a worker's; returns once
-    it answers HTTP."""
+                  cwd: Path | None = None, config: Path | None = None, timeout: float = 30,
+                  **settings: Any) -> GatewayProcess:
+    """`fleet serve` on a free port (or `port`), settings as FLEET_* like a worker's, `config` the
+    worker-config.json it reads (default: this process's); returns once it answers HTTP."""
     port = port or free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    env = worker_env(redis_url, name, **settings)
+    env = worker_env(redis_url, name, config=config, **settings)
     proc = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", "serve", "--port", str(port)],
                             env=env, cwd=cwd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
     gw = GatewayProcess(f"http://127.0.0.1:{port}", port, proc, log)
@@ -199,7 +203,7 @@ def start_gateway(redis_url: str, log_dir: Path, *, port: int | None = None, nam
         except httpx.HTTPError:
             return False
 
-    wait_for(answers, 30, "fleet serve to answer")
+    wait_for(answers, timeout, "fleet serve to answer")
     return gw
 
 
