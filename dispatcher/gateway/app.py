@@ -26,6 +26,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis as AsyncRedis
@@ -38,8 +39,9 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backends.contract.gateway_settings import GatewaySettings
+from backends.contract.retry import OUTAGE_ERRORS
 from dispatcher.gateway import batch_api, embeddings_api, ollama_api, ollama_show, openai_api, responses_api
-from dispatcher.gateway.core import ApiError, Gateway, caller_keys, shown
+from dispatcher.gateway.core import ApiError, Gateway, caller_keys, ollama_route, shown
 from dispatcher.gateway.responses import AsciiJSONResponse
 from dispatcher.gateway.settings import ServeSettings, load_serve_settings
 
@@ -65,13 +67,24 @@ def guarded(handler: Handler) -> Handler:
 
 def error_response(path: str, exc: ApiError) -> Response:
     """An ApiError in the shape of the API that was called, in ASCII JSON (it may echo any text)."""
-    body = ollama_api.error_body(exc) if path.startswith("/api/") else openai_api.error_body(exc)
+    body = ollama_api.error_body(exc) if ollama_route(path) else openai_api.error_body(exc)
     return AsciiJSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 async def render_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return error_response(request.url.path, exc)
+
+
+async def render_outage(request: Request, exc: Exception) -> Response:
+    """Redis away under a route that does not say so itself (files, batches, listings): the same
+    503 the job routes answer, never a 500; the pool's idle connections go, dead after a restart."""
+    log.warning("%s %s: Redis unreachable: %s", request.method, request.url.path, exc)
+    gateway = getattr(request.app.state, "gateway", None)
+    if isinstance(gateway, Gateway):
+        await gateway.drop_idle_connections()
+    return error_response(request.url.path, ApiError(503, "the fleet's Redis is unreachable",
+                                                     code="redis_unavailable", headers={"Retry-After": "1"}))
 
 
 # -- the request id on every response ---------------------------------------------------------------
@@ -334,7 +347,9 @@ def create_app(settings: ServeSettings) -> Starlette:
         *batch_api.routes(guarded),
         *observability_routes(settings, lambda: app.state.gateway.fleet.redis),
     ]
-    app = GatewayApp(routes=routes, lifespan=lifespan, exception_handlers={ApiError: render_error},
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {ApiError: render_error}
+    handlers.update({outage: render_outage for outage in OUTAGE_ERRORS})
+    app = GatewayApp(routes=routes, lifespan=lifespan, exception_handlers=handlers,
                     middleware=[Middleware(RequestGuard, settings=settings.gateway)])
     return app
 

@@ -48,6 +48,11 @@ class ApiError(Exception):
         self.kind = kind  # OpenAI's error `type`, where the status alone does not tell it
 
 
+def ollama_route(path: str) -> bool:
+    """Whether `path` is one of Ollama's routes (its error shape, its leniency on Content-Type)."""
+    return path.startswith("/api/")
+
+
 def shown(value: object, limit: int = 100) -> str:
     """A client's value as it may appear in an error message: unprintable characters (lone
     surrogates, controls) escaped, so any JSON encoder can write it, and at most `limit` long."""
@@ -163,6 +168,13 @@ class Gateway:
             await asyncio.sleep(REFRESH_INTERVAL)
             await self.refresh()
 
+    async def drop_idle_connections(self) -> None:
+        """Close the pool's idle connections: after a Redis restart each one is dead, and each
+        would fail one request (a 503) long after Redis came back. Connections in use fail and
+        close themselves."""
+        with contextlib.suppress(Exception):
+            await self.fleet.redis.connection_pool.disconnect(inuse_connections=False)
+
     async def refresh(self) -> None:
         """Count live, serving workers per pool from their status hashes (TTL = liveness)."""
         redis = self.fleet.redis
@@ -176,6 +188,7 @@ class Gateway:
             if self.redis_up:
                 log.warning("Redis unreachable: %s", e)
             self.redis_up = False
+            await self.drop_idle_connections()
             return
         counts: dict[str, int] = {}
         members: dict[str, list[str]] = {}
