@@ -25,7 +25,7 @@ import httpx
 from httpx_sse import connect_sse
 
 from backends.base import BackendUnavailable, Done, Event, Token
-from backends.contract.schema import FinishReason, GenerateRequest, Sampling
+from backends.contract.schema import LOGIT_BIAS_BAN, FinishReason, GenerateRequest, Sampling
 from backends.http_pool import (
     STATUS_ERRORS,
     HttpStreamBackend,
@@ -235,10 +235,12 @@ class LlamaServerBackend(HttpStreamBackend):
 
 
 def common_fields(s: Sampling) -> dict[str, Any]:
-    out = {**sampler_fields(s), "seed": -1 if s.seed is None else s.seed, "stop": s.stop,
-           "stream": True, "cache_prompt": True}
+    out: dict[str, Any] = {**sampler_fields(s), "seed": -1 if s.seed is None else s.seed, "stop": s.stop,
+                           "stream": True, "cache_prompt": True}
     if s.ignore_eos:  # both endpoints read it (masks every end-of-generation token)
         out["ignore_eos"] = True
+    if s.logit_bias:  # llama-server's pair form, which both endpoints read; false: a ban (-inf)
+        out["logit_bias"] = [[tok, False if bias <= LOGIT_BIAS_BAN else bias] for tok, bias in s.logit_bias]
     return out
 
 

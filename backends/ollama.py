@@ -31,7 +31,7 @@ class OllamaBackend(HttpStreamBackend):
         503: ("{what} is busy (503): {message}", True),
     }
 
-    lacks = ("min_tokens", "ignore_eos")  # Ollama's options have neither
+    lacks = ("min_tokens", "ignore_eos", "logit_bias")  # Ollama's options have none of these
 
     def __init__(self, settings: OllamaSettings, *, transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(settings, "ollama", transport)

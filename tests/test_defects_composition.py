@@ -141,7 +141,8 @@ def test_a_tenants_batches_pass_its_batch_quota_not_around_its_limits(redis: Red
     assert not queue_violations(redis), queue_violations(redis)
 
 
-RECURSIVE = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+RECURSIVE = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                       "required": ["x"]}},
              "$ref": "#/$defs/a"}
 
 

@@ -171,9 +171,9 @@ def test_errors_404_400_401_and_keys_never_logged(workers, gateways) -> None:
         client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}], functions=[
             {"name": "f", "parameters": {"type": "object"}}])
     assert functions.value.param == "functions" and "'functions'" in functions.value.message
-    with pytest.raises(openai.BadRequestError) as bias:
-        client.completions.create(model="llm", prompt=PROMPT, max_tokens=2, logit_bias={"1": 5})
-    assert bias.value.param == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as best_of:
+        client.completions.create(model="llm", prompt=PROMPT, max_tokens=2, best_of=2)
+    assert best_of.value.param == "best_of"
     with pytest.raises(openai.BadRequestError) as hot:
         client.completions.create(model="llm", prompt=PROMPT, max_tokens=2, temperature=9)
     assert hot.value.param == "temperature"

@@ -102,12 +102,13 @@ def test_tool_calls_on_the_llama_server_backend(gateway: Any) -> None:
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
     ask: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
     whole = client.chat.completions.create(model="gemma", messages=ask, tools=BOTH, tool_choice="required",
-                                           max_tokens=64, temperature=0)
+                                           parallel_tool_calls=False, max_tokens=64, temperature=0)
     assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
     calls = whole.choices[0].message.tool_calls or []
     assert len(calls) == 1 and check_call(calls[0]) is not None
     chunks = list(client.chat.completions.create(model="gemma", messages=ask, tools=BOTH, max_tokens=64,
-                                                 tool_choice="required", temperature=0, stream=True))
+                                                 tool_choice="required", parallel_tool_calls=False,
+                                                 temperature=0, stream=True))
     content, streamed, finish = reassembled(chunks)
     assert content == "" and finish == "tool_calls" and len(streamed) == 1
     first = calls[0].function

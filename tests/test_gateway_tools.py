@@ -77,8 +77,9 @@ def test_openai_tool_calls_whole_streamed_required_named_parallel_none(workers, 
     client = oai(gw)
     common: dict[str, Any] = {"model": "llm", "max_tokens": 64, "temperature": 0}
 
-    # required: one call (parallel_tool_calls defaults to false), content null
-    whole = client.chat.completions.create(messages=ASK, tools=BOTH, tool_choice="required", **common)
+    # required, one call (parallel_tool_calls false; it defaults to true), content null
+    whole = client.chat.completions.create(messages=ASK, tools=BOTH, tool_choice="required",
+                                           parallel_tool_calls=False, **common)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
@@ -88,7 +89,8 @@ def test_openai_tool_calls_whole_streamed_required_named_parallel_none(workers, 
     # always the whole request's call: this one reuses that one's KV, and the last prompt token
     # evaluated alone rounds differently, which can tip a near tie between the tools
     with client.chat.completions.with_streaming_response.create(
-            messages=ASK, tools=[WEATHER, TIME], tool_choice="required", stream=True, **common) as raw_stream:
+            messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+            stream=True, **common) as raw_stream:
         job_id = raw_stream.headers["x-fleet-job-id"]
         chunks = list(raw_stream.parse())
     content, calls, finish = reassembled(chunks)
@@ -141,7 +143,7 @@ def test_two_step_loop_ollama_client_and_python_producers(workers, gateways, red
 
     # step 1: the call; step 2: its result in the history (a tool message), answered in words
     first = client.chat.completions.create(model="llm", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=64, temperature=0)
+                                           parallel_tool_calls=False, max_tokens=64, temperature=0)
     call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
     check_call(call)
     history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
@@ -157,19 +159,20 @@ def test_two_step_loop_ollama_client_and_python_producers(workers, gateways, red
     reply = again.choices[0].message
     assert reply.content is not None or [check_call(c) for c in reply.tool_calls or []]
 
-    # the ollama client: tools, a call with its arguments as an object; streamed too
+    # the ollama client: tools, calls with their arguments as objects (Ollama has no
+    # parallel_tool_calls: an answer may hold several, none repeated); streamed too
     oc = ollama.Client(host=gw.url)
-    options = {"num_predict": 64, "temperature": 0}
+    options = {"num_predict": 128, "temperature": 0}
     answer = oc.chat(model="llm", messages=ASK, tools=[WEATHER], options=options)
     calls = answer.message.tool_calls or []
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
-    jsonschema.validate(dict(calls[0].function.arguments), schema_of("get_weather"))
+    assert calls and {c.function.name for c in calls} == {"get_weather"}
+    for call in calls:
+        jsonschema.validate(dict(call.function.arguments), schema_of("get_weather"))
     assert answer.done_reason == "stop" and not answer.message.content
-    parts = list(oc.chat(model="llm", messages=ASK, tools=[WEATHER], stream=True,
-                         options={"num_predict": 64, "temperature": 0}))
+    parts = list(oc.chat(model="llm", messages=ASK, tools=[WEATHER], stream=True, options=options))
     streamed = [c for p in parts for c in p.message.tool_calls or []]
     assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == \
-        [(calls[0].function.name, dict(calls[0].function.arguments))]
+        [(c.function.name, dict(c.function.arguments)) for c in calls]
     # a tool result back (Ollama's tool_name), answered
     follow_up = oc.chat(model="llm", options={"num_predict": 16, "temperature": 0}, messages=[
         *ASK, answer.message, {"role": "tool", "tool_name": "get_weather", "content": "18 degrees"}])
@@ -178,7 +181,7 @@ def test_two_step_loop_ollama_client_and_python_producers(workers, gateways, red
     # a Python producer: the same fields, the calls in the result beside the raw JSON text
     fleet = Fleet(redis_url)
     res = fleet.submit(messages=ASK, tools=[WEATHER["function"]], tool_choice="required",
-                       max_tokens=64, temperature=0.0).result(timeout=120)
+                       parallel_tool_calls=False, max_tokens=64, temperature=0.0).result(timeout=120)
     assert res.finish_reason == "tool_calls" and res["content"] is None
     assert json.loads(res.text)["tool_calls"][0]["name"] == res["tool_calls"][0]["name"] == "get_weather"
     jsonschema.validate(json.loads(res["tool_calls"][0]["arguments"]), schema_of("get_weather"))
@@ -248,7 +251,8 @@ def test_a_hundred_required_tool_calls_all_parse_and_validate(workers, gateways,
     async def one(client: openai.AsyncOpenAI, i: int) -> Any:
         ask = [{"role": "user", "content": asks[i // 20 % 5].format(cities[i % 20])}]
         return await client.chat.completions.create(model="llm", messages=ask, tools=[WEATHER, TIME],
-                                                    tool_choice="required", max_tokens=64, temperature=0)
+                                                    tool_choice="required", parallel_tool_calls=False,
+                                                    max_tokens=64, temperature=0)
 
     async def run() -> list[Any]:
         client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=300)

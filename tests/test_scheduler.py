@@ -158,7 +158,8 @@ def test_decoders_share_one_equal_width_ubatch_over_consecutive_ids() -> None:
 # The neighbour row is batch invariance's promise (the lone row's text as the batched kernel's);
 # by default a lone decoder decodes alone, as in llama-server, and saves the row's cost.
 @pytest.mark.parametrize(("slots", "lone_id", "invariant", "span"),
-                         [(2, 0, True, (0, 1)), (2, 1, True, (0, 1)), (2, 0, False, (0, 0)), (2, 1, False, (1, 1))])
+                         [(2, 0, True, (0, 1)), (2, 1, True, (0, 1)),
+                          (2, 0, False, (0, 0)), (2, 1, False, (1, 1))])
 def test_a_lone_long_decoder_gets_a_neighbour_row_only_with_batch_invariance(
         slots: int, lone_id: int, invariant: bool, span: tuple[int, int]) -> None:
     s = engine(slots=slots, prefix_cache=0, invariant=invariant)

@@ -115,12 +115,12 @@ def test_answer_schema_choices_and_rebased_refs() -> None:
     required = answer_schema(r.tools or [], "required", None)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"response": "hi"}, required)
-    with pytest.raises(jsonschema.ValidationError):  # one call unless parallel
-        jsonschema.validate({"tool_calls": call["tool_calls"] * 2}, required)
-    jsonschema.validate(
-        {"tool_calls": call["tool_calls"] * MAX_PARALLEL_CALLS},
-        answer_schema(r.tools or [], "required", True),
-    )
+    with pytest.raises(jsonschema.ValidationError):  # one call with parallel_tool_calls false
+        jsonschema.validate({"tool_calls": call["tool_calls"] * 2},
+                            answer_schema(r.tools or [], "required", False))
+    for parallel in (True, None):  # unset: OpenAI's default, true
+        jsonschema.validate({"tool_calls": call["tool_calls"] * MAX_PARALLEL_CALLS},
+                            answer_schema(r.tools or [], "required", parallel))
     named = answer_schema(
         r.tools or [],
         r.model_validate(

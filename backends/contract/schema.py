@@ -7,6 +7,7 @@ Importable without llama_cpp and without Redis: producers, workers and backends 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,6 +40,9 @@ MAX_PROMPT_CHARS = 1_000_000
 MAX_REQUEST_CHARS = 1_000_000
 MAX_SCHEMA_CHARS = 32_768  # a JSON schema for structured output, serialized
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias: each costs a little on every token of the job
+LOGIT_BIAS_BAN = -100.0  # OpenAI: -100 bans the token; engines make it -inf, not merely low
+TOKEN_ID = re.compile(r"[0-9]{1,10}")
 Priority = Literal["high", "default", "low"]
 # A tenant's name: it names Redis keys (its queues, its counters), so no ':' and nothing odd
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -113,6 +117,9 @@ class GenerateRequest(BaseModel):
     # ignore_eos: none at all (the job runs to max_tokens). Stop strings still stop.
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
     ignore_eos: bool = False
+    # OpenAI's and llama-server's logit_bias: token id (as text, as JSON keys are) -> a bias from
+    # -100 to 100 added to that token's logit at every step; -100 bans it
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # who asks (docs/tenants.md): fair share at the claim, usage, limits; None: the default tenant
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
     # a conversation's id, or OpenAI's prompt_cache_key: jobs with one go to the worker that ran
@@ -120,10 +127,14 @@ class GenerateRequest(BaseModel):
     cache_key: str | None = Field(None, min_length=1, max_length=256)
     # tool calling (backends/contract/tools.py): functions the model may call, whether it must
     # (auto: it may answer in words; none: tools not offered; required; {"name": ...}: that one),
-    # and whether one answer may hold several calls (default false, as llama-server's)
+    # and whether one answer may hold several calls (default true, as OpenAI's)
     tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # the answer is in the generic tool format: it ends at a call that repeats an earlier one
+    # word for word (small models repeat a call until max_tokens). tools.lower sets it when an
+    # answer may hold several calls; an engine that cannot check it reads the answer to the end
+    end_at_repeated_call: bool = False
 
     @field_validator("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty", mode="before")
@@ -131,6 +142,24 @@ class GenerateRequest(BaseModel):
     def _int_is_a_float(cls, v: object) -> object:
         # strict mode refuses 1 for a float field; JSON producers write 1 for 1.0
         return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_biases(cls, v: object) -> object:
+        """Token ids as text (a Python producer's int keys too), biases as floats in range."""
+        if not isinstance(v, dict):
+            return v
+        out: dict[str, float] = {}
+        for key, bias in v.items():
+            tok = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+            if not isinstance(tok, str) or not TOKEN_ID.fullmatch(tok) or int(tok) >= 2**31:
+                raise ValueError('keys must be token ids: integers as text, like "15043"')
+            if isinstance(bias, int) and not isinstance(bias, bool):
+                bias = float(bias)
+            if not isinstance(bias, float) or not LOGIT_BIAS_BAN <= bias <= -LOGIT_BIAS_BAN:
+                raise ValueError(f"token {int(tok)}: the bias must be a number from -100 to 100")
+            out[str(int(tok))] = bias
+        return out
 
     @field_validator("stop")
     @classmethod
@@ -204,8 +233,10 @@ class GenerateRequest(BaseModel):
             if v is not None:
                 d[k] = v
         top = (self.top_logprobs or 0) if self.logprobs else None
+        bias = tuple(sorted((int(tok), b) for tok, b in (self.logit_bias or {}).items()))
         return Sampling(**d, seed=self.seed, stop=list(self.stop), format=self.format, top_logprobs=top,
-                        min_tokens=min(self.min_tokens, d["max_tokens"]), ignore_eos=self.ignore_eos)
+                        min_tokens=min(self.min_tokens, d["max_tokens"]), ignore_eos=self.ignore_eos,
+                        logit_bias=bias, end_at_repeated_call=self.end_at_repeated_call)
 
 
 def check_json_schema(schema: dict[str, Any]) -> None:
@@ -244,6 +275,8 @@ class Sampling:
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token (0..20)
     min_tokens: int = 0  # no end of generation before this many tokens (at most max_tokens)
     ignore_eos: bool = False  # no end of generation at all: to max_tokens (or a stop string)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) by id; -100 bans the token
+    end_at_repeated_call: bool = False  # a generic-format tool answer: it ends at a repeated call
 
     def bans_eog(self) -> bool:
         """Whether end-of-generation tokens are masked for some of the job's tokens (they are

@@ -23,7 +23,7 @@ MAX_TOOLS_CHARS = 65_536  # every tool of a request serialized: names, descripti
 MAX_DESCRIPTION_CHARS = 4096
 MAX_ARGUMENTS_CHARS = 100_000  # one call's arguments (JSON text) in a chat's history
 MAX_CALLS_PER_MESSAGE = 64
-MAX_PARALLEL_CALLS = 16  # calls in one answer with parallel_tool_calls: true
+MAX_PARALLEL_CALLS = 16  # calls in one answer unless parallel_tool_calls is false or one is named
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's names, and the dots some clients use
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -72,10 +72,17 @@ def check_tools(tools: list[Tool], choice: ToolChoice | None) -> None:
                          f"({', '.join(names)})")
 
 
+def max_calls(choice: ToolChoice | None, parallel: bool | None) -> int:
+    """How many calls one answer may hold: OpenAI's rules. A named function is called exactly
+    once; else up to MAX_PARALLEL_CALLS unless `parallel` is False (unset means true, OpenAI's
+    default). Small models tend to repeat a call: an answer ends at a call that repeats an
+    earlier one word for word, and the repeat is dropped (tools.AnswerReader)."""
+    return 1 if parallel is False or isinstance(choice, NamedTool) else MAX_PARALLEL_CALLS
+
+
 def answer_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool | None) -> dict[str, Any]:
     """The JSON schema of the answer (module docstring) for tool_choice auto (None), required or
-    a named tool; `parallel`: up to MAX_PARALLEL_CALLS calls, else (the default, as llama-server's:
-    small models tend to repeat a call until max_tokens) one. Each tool's
+    a named tool, with at most `max_calls` calls. Each tool's
     parameters sit under `$defs` (their own local `$ref`s rebased there), so pydantic-style
     schemas with `$defs` keep working."""
     offered = [t for t in tools if not isinstance(choice, NamedTool) or t.name == choice.name]
@@ -88,7 +95,7 @@ def answer_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool |
                                                        "arguments": {"$ref": f"#/$defs/{key}"}},
                       "required": ["name", "arguments"], "additionalProperties": False})
     listed = {"type": "array", "items": items[0] if len(items) == 1 else {"oneOf": items}, "minItems": 1,
-              "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+              "maxItems": max_calls(choice, parallel)}
     calls = {"type": "object", "properties": {"tool_calls": listed}, "required": ["tool_calls"],
              "additionalProperties": False}
     if choice in (None, "auto"):

@@ -12,7 +12,8 @@ or description stays text and cannot open or close a turn.
 
 What comes back (`AnswerReader`): the raw text is the JSON answer (the job's stream carries it
 as generated); the reader turns it, as it grows, into the answer's words (the `response` string,
-decoded) and its calls, each with an id derived from the job id and its index.
+decoded) and its calls, each with an id derived from the job id and its index; a call repeated
+word for word in one answer is read once.
 
 Importable without llama_cpp.
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.contract.schema import GenerateRequest, Message
-from backends.contract.tool_specs import NamedTool, Tool, answer_schema
+from backends.contract.tool_specs import NamedTool, Tool, ToolChoice, answer_schema, max_calls
 
 _HEAD = re.compile(r'\s*\{\s*"(tool_calls|response)"\s*:\s*(\[|")')
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -49,6 +50,7 @@ def lower(request: GenerateRequest) -> tuple[GenerateRequest, bool]:
                               "parallel_tool_calls": None}
     if schema is not None:
         update["format"] = schema
+        update["end_at_repeated_call"] = max_calls(request.tool_choice, request.parallel_tool_calls) > 1
     return request.model_copy(update=update), schema is not None
 
 
@@ -90,7 +92,7 @@ def render(request: GenerateRequest) -> tuple[list[Message], dict[str, Any] | No
     return out, answer_schema(request.tools, request.tool_choice, request.parallel_tool_calls)
 
 
-def instructions(tools: list[Tool], choice: object, parallel: bool | None) -> str:
+def instructions(tools: list[Tool], choice: ToolChoice | None, parallel: bool | None) -> str:
     """The system text that offers the tools and says how to answer."""
     named = choice.name if isinstance(choice, NamedTool) else None
     listed = []
@@ -99,7 +101,7 @@ def instructions(tools: list[Tool], choice: object, parallel: bool | None) -> st
             about = f": {t.description}" if t.description else ""
             listed.append(f"- {t.name}{about}\n  arguments (JSON schema): {json.dumps(t.parameters)}")
     call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<the arguments>}}]}'
-    how = "one or more calls" if parallel else "one call"
+    how = "one call" if max_calls(choice, parallel) == 1 else "one or more calls, each different"
     text = "You can call these tools:\n" + "\n".join(listed) + "\n\n"
     if named is not None:
         return text + f'Answer by calling {named}, with one JSON object: {call.replace("<tool name>", named)}'
@@ -139,6 +141,8 @@ class AnswerReader:
     kind: str | None = None  # "response" or "tool_calls", once the head is read
     content: str = ""  # the words so far
     calls: list[dict[str, str]] = field(default_factory=list)  # {id, name, arguments (JSON text)}
+    repeated: bool = False  # a call repeated an earlier one (and was dropped)
+    _seen: set[str] = field(default_factory=set)  # each call's name and arguments, keys sorted
     _at: int = 0  # next character of raw to read
     _depth: int = 0  # calls: nesting inside the array
     _in_string: bool = False
@@ -224,6 +228,14 @@ class AnswerReader:
             return
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "arguments" not in item:
             return
+        # a call the answer already holds, word for word (keys in any order), is dropped: small
+        # models repeat a call, and running it twice would do the same thing twice. Ids count
+        # the calls kept, so the stream and the result agree.
+        same = json.dumps([item["name"], item["arguments"]], sort_keys=True)
+        if same in self._seen:
+            self.repeated = True
+            return
+        self._seen.add(same)
         arguments = json.dumps(item["arguments"], ensure_ascii=False)
         try:
             arguments.encode("utf-8")

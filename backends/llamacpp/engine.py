@@ -39,7 +39,7 @@ from backends.llamacpp.embedding import EmbeddingContext
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel, load_weights
-from backends.llamacpp.sampling import check_format, grammar_takes
+from backends.llamacpp.sampling import check_format, check_logit_bias, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
 from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
@@ -120,6 +120,7 @@ class LlamaCppBackend:
             raise RuntimeError("no free slot")  # before tokenizing: the worker checks first
         tokens = self.model.prompt_tokens(request)
         sampling = request.sampling(self.settings.sampling)
+        check_logit_bias(self.model, sampling)
         if sampling.format is not None:
             check_format(self.model, sampling.format)  # a schema that cannot compile fails now
         self.scheduler.enqueue(job_id, tokens, sampling)
@@ -134,6 +135,7 @@ class LlamaCppBackend:
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")
         sampling = request.sampling(self.settings.sampling)
+        check_logit_bias(self.model, sampling)
         more = self.model.tokenize(delivered, special=False, add_special=False)
         if not more or len(more) >= sampling.max_tokens:
             return False

@@ -34,7 +34,7 @@ import numpy as np
 from llama_cpp.llama_grammar import JSON_GBNF
 
 from backends.base import JobRejected
-from backends.contract.schema import Sampling
+from backends.contract.schema import LOGIT_BIAS_BAN, Sampling
 from backends.contract.schema_limits import SchemaTooComplex
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.schema_grammar import GrammarTooLarge, check_gbnf, json_schema_to_gbnf
@@ -176,6 +176,23 @@ def grammar_takes(model: LoadedModel, fmt: GrammarFormat, tokens: list[int]) -> 
         ll.llama_sampler_free(grammar)
 
 
+def check_logit_bias(model: LoadedModel, s: Sampling) -> None:
+    """Fail a job at admission whose logit_bias names a token the model does not have."""
+    if s.logit_bias and s.logit_bias[-1][0] >= model.n_vocab:  # sorted by token id
+        raise JobRejected(f"logit_bias: token {s.logit_bias[-1][0]} is not in this model's vocabulary "
+                          f"({model.n_vocab:,} tokens)")
+
+
+def bias_arrays(s: Sampling) -> tuple[np.ndarray, np.ndarray] | None:
+    """A job's logit_bias as token ids and the float32 values added to their logits (-100: -inf,
+    a ban whatever the other logits are); None without one."""
+    if not s.logit_bias:
+        return None
+    ids = np.asarray([tok for tok, _ in s.logit_bias], dtype=np.intp)
+    values = np.asarray([-np.inf if b <= LOGIT_BIAS_BAN else b for _, b in s.logit_bias], dtype=np.float32)
+    return ids, values
+
+
 def grammar_allows(grammar: ll.llama_sampler_p, tok: int) -> bool:
     """The grammar's verdict on one token, without accepting it."""
     one = ll.llama_token_data(ll.llama_token(tok), 1.0, 0.0)
@@ -304,8 +321,13 @@ class SequenceSampler:
         self.eog_ids = np.asarray(model.eog_ids, dtype=np.intp) if s.bans_eog() else None
         self.eog_banned_for = math.inf if s.ignore_eos else s.min_tokens
         self.sampled = resumed  # a resumed job's delivered tokens count
+        # logit_bias is added to the row itself for the same reason: every path sees it (the
+        # greedy argmax, TopCandidates, chains, grammars, drafts, logprobs)
+        self.bias = bias_arrays(s)
 
     def sample(self, ctx: ll.llama_context_p, row: int) -> int:
+        if self.bias is not None:
+            self._logits(ctx, row)[self.bias[0]] += self.bias[1]
         if self.eog_ids is not None:
             self._ban_eog(ctx, row)
         if self.greedy_alone:

@@ -40,8 +40,9 @@ class ActiveJob:
 
     @classmethod
     def start(cls, job: WaitingJob, seq_id: int, reserved: int) -> ActiveJob:
-        return cls(job.job_id, seq_id, job.tokens, job.sampling, reserved, TextAssembler(job.sampling.stop),
-                   generated=job.resumed, resumed=job.resumed)
+        text = TextAssembler(job.sampling.stop, job.sampling.end_at_repeated_call)
+        return cls(job.job_id, seq_id, job.tokens, job.sampling, reserved, text, generated=job.resumed,
+                   resumed=job.resumed)
 
     @property
     def prompt_tokens(self) -> int:

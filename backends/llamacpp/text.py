@@ -2,20 +2,24 @@
 
 Tokens arrive as byte pieces; a multi-byte character can be split across two tokens, and a stop
 string can be split across many. `TextAssembler` turns pieces into deltas that are always valid
-text and never contain (a prefix of) a stop string that might still complete.
+text and never contain (a prefix of) a stop string that might still complete. A tool answer that
+ends at a repeated call (`Sampling.end_at_repeated_call`) stops once the repeat is whole.
 """
 
 from __future__ import annotations
 
 import codecs
 
+from backends.contract.tools import AnswerReader
+
 
 class TextAssembler:
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], end_at_repeated_call: bool = False) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = stop
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self.stopped = False
+        self._answer = AnswerReader("") if end_at_repeated_call else None
 
     def feed(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to emit."""
@@ -28,6 +32,13 @@ class TextAssembler:
         return text
 
     def _push(self, text: str) -> str:
+        out = self._emitted(text)
+        if self._answer is not None and out:
+            self._answer.feed(out)
+            self.stopped = self._answer.repeated  # the repeat is emitted: readers drop it
+        return out
+
+    def _emitted(self, text: str) -> str:
         if self.stopped:
             return ""
         buf = self._held + text

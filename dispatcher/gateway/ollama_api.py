@@ -25,7 +25,13 @@ from dispatcher.gateway.openai_api import check_limits, read_body, timed_out
 from dispatcher.gateway.openai_tools import tool_fields
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
-VERSION = "0.1.0"  # llama-fleet's version; Ollama clients only show it
+# The Ollama release whose API this gateway speaks, not llama-fleet's own version: clients gate
+# features on it (the ollama CLI, Open WebUI and others check a minimum before they use a field),
+# so it must be at least as new as the newest Ollama feature served here: `logprobs` and
+# `top_logprobs` on /api/generate and /api/chat, which Ollama added in 0.12.11 (the others served:
+# tool calls with `tool_name`, /api/embed's `dimensions`, /api/show's `capabilities`, are older).
+# Raise it with the next Ollama feature this gateway takes, never past what it serves.
+OLLAMA_API_VERSION = "0.12.11"
 OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
            "min_p": "min_p", "repeat_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
            "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop"}
@@ -72,7 +78,7 @@ async def ps(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
-    return JSONResponse({"version": VERSION})
+    return JSONResponse({"version": OLLAMA_API_VERSION})
 
 
 async def generate(request: Request) -> Response:

@@ -24,6 +24,7 @@ from dispatcher.gateway.core import (
     cancel_all,
     collect,
     follow,
+    ollama_route,
 )
 from dispatcher.gateway.json_body import read_json_object
 from dispatcher.gateway.openai_bodies import Reply, calls_tools, error_body, job_fields, per_choice
@@ -61,10 +62,13 @@ async def completions(request: Request) -> Response:
 
 
 async def read_body(request: Request) -> dict[str, Any]:
-    """The JSON object of a request, null fields dropped (null counts as absent)."""
+    """The JSON object of a request, null fields dropped (null counts as absent). Ollama's routes
+    read it whatever the Content-Type says, as Ollama does: its own documented `curl -d` examples
+    send application/x-www-form-urlencoded."""
     gw: Gateway = request.app.state.gateway
     body = await read_json_object(request, limit=gw.settings.gateway.max_body_bytes,
-                                  max_depth=gw.settings.gateway.max_json_depth)
+                                  max_depth=gw.settings.gateway.max_json_depth,
+                                  any_media_type=ollama_route(request.url.path))
     return {k: v for k, v in body.items() if v is not None}
 
 

@@ -26,7 +26,7 @@ from dispatcher.gateway.openai_tools import (
 EXTENSION_FIELDS = ("ignore_eos", "min_tokens")
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "seed", "max_tokens", "temperature",
                  "top_p", "presence_penalty", "frequency_penalty", "logprobs", "user", "response_format",
-                 "prompt_cache_key", *EXTENSION_FIELDS}
+                 "prompt_cache_key", "logit_bias", *EXTENSION_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
@@ -58,7 +58,8 @@ def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], 
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"'n' must be an integer from 1 to {MAX_CHOICES}", param="n",
                        code="invalid_value")
-    fields: dict[str, Any] = {k: body[k] for k in (*SAMPLING_FIELDS, *EXTENSION_FIELDS, "seed") if k in body}
+    fields: dict[str, Any] = {k: body[k] for k in (*SAMPLING_FIELDS, *EXTENSION_FIELDS, "seed", "logit_bias")
+                              if k in body}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens

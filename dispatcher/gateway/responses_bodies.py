@@ -15,7 +15,7 @@ from typing import Any
 
 from backends.contract.tools import AnswerReader
 from dispatcher.gateway.core import ApiError, JobUpdate, shown, unsupported
-from dispatcher.gateway.openai_bodies import error_body, sse_data
+from dispatcher.gateway.openai_bodies import sse_data
 from dispatcher.gateway.openai_tools import function, invalid, tool_fields
 
 FIELDS = {
@@ -172,7 +172,7 @@ class ResponseReply:
             "top_p": body.get("top_p"),
             "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"),
-            "parallel_tool_calls": bool(body.get("parallel_tool_calls", False)),
+            "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
             "text": body.get("text") or {"format": {"type": "text"}},
             "metadata": body.get("metadata") or {},
             "store": False,
@@ -209,13 +209,14 @@ class ResponseReply:
         return out
 
     def message(self, text: str, status: str) -> dict[str, Any]:
+        """The message item; `status`: in_progress (no part yet), completed or incomplete (cut)."""
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         return {
             "type": "message",
             "id": f"msg_{self.job_id}",
             "status": status,
             "role": "assistant",
-            "content": [part] if status == "completed" else [],
+            "content": [] if status == "in_progress" else [part],
         }
 
     def call(self, call: dict[str, str], status: str) -> dict[str, Any]:
@@ -229,10 +230,10 @@ class ResponseReply:
         }
 
     def output(self, result: dict[str, Any]) -> list[dict[str, Any]]:
-        if result.get("tool_calls"):
+        if result.get("tool_calls"):  # complete calls, even when the answer was cut after them
             return [self.call(c, "completed") for c in result["tool_calls"]]
         text = result.get("content") if "tool_calls" in result else result.get("text", "")
-        return [self.message(text or "", "completed")]
+        return [self.message(text or "", item_status(result))]
 
     def whole(self, final: JobUpdate) -> dict[str, Any]:
         if final.error is not None:
@@ -240,13 +241,21 @@ class ResponseReply:
         result = final.result or {}
         return self.response("completed", self.output(result), result)
 
+    def failed(self, error: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        """The Response of a job that failed mid-stream (the event `response.failed` carries)."""
+        out = self.response("failed", output, None)
+        out["error"] = {"code": "server_error", "message": f"generation failed: {error}"}
+        return out
+
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
         return sse_data({"type": kind, "sequence_number": self.seq - 1, **fields})
 
     async def events(self, updates: AsyncIterator[JobUpdate]) -> AsyncIterator[str]:
         """response.created, .in_progress, then each output item as it comes (a message: its
-        part and text deltas; a call: its arguments), then response.completed."""
+        part and text deltas; a call: its arguments), then how it ended, as OpenAI ends it:
+        response.completed, response.incomplete (cut by max_output_tokens: the message item is
+        `incomplete` too) or response.failed (the job failed)."""
         yield self.event("response.created", response=self.response("in_progress", [], None))
         yield self.event("response.in_progress", response=self.response("in_progress", [], None))
         reader = AnswerReader(self.job_id) if self.tools else None
@@ -254,8 +263,8 @@ class ResponseReply:
         done: list[dict[str, Any]] = []  # the finished output items
         async for u in updates:
             if u.error is not None:
-                body = error_body(ApiError(422, f"generation failed: {u.error}", code="job_failed"))["error"]
-                yield self.event("error", code=body["code"], message=body["message"], param=None)
+                cut = [self.message(text, "incomplete")] if message_open else []
+                yield self.event("response.failed", response=self.failed(u.error, [*done, *cut]))
                 return
             words, calls = reader.feed(u.delta) if reader is not None else (u.delta, [])
             if words and not message_open:
@@ -281,11 +290,13 @@ class ResponseReply:
                     message_open = True
                     for event in self._open_message(0):
                         yield event
+                status = item_status(u.result)
                 if message_open:
-                    for event in self._close_message(text, len(done)):
+                    for event in self._close_message(text, len(done), status):
                         yield event
-                    done.append(self.message(text, "completed"))
-                yield self.event("response.completed", response=self.response("completed", done, u.result))
+                    done.append(self.message(text, status))
+                ended = self.response("completed", done, u.result)
+                yield self.event(f"response.{ended['status']}", response=ended)
 
     def _open_message(self, index: int) -> list[str]:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -302,7 +313,7 @@ class ResponseReply:
             ),
         ]
 
-    def _close_message(self, text: str, index: int) -> list[str]:
+    def _close_message(self, text: str, index: int, status: str) -> list[str]:
         item_id = f"msg_{self.job_id}"
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         return [
@@ -317,7 +328,7 @@ class ResponseReply:
             self.event(
                 "response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part
             ),
-            self.event("response.output_item.done", output_index=index, item=self.message(text, "completed")),
+            self.event("response.output_item.done", output_index=index, item=self.message(text, status)),
         ]
 
     def _call_events(self, call: dict[str, str], index: int) -> list[str]:
@@ -338,3 +349,8 @@ class ResponseReply:
             ),
             self.event("response.output_item.done", output_index=index, item=self.call(call, "completed")),
         ]
+
+
+def item_status(result: dict[str, Any]) -> str:
+    """A finished message item's status: `incomplete` when max_output_tokens cut it (as OpenAI's)."""
+    return "incomplete" if result.get("finish_reason") == "length" else "completed"

@@ -257,7 +257,7 @@ def _stream_line(line: str, fmt: StreamFormat | None, record: Record) -> None:
         record.code = obj["error"].get("code")
     elif fmt == "responses":
         kind = obj.get("type")
-        if kind == "response.completed":
+        if kind in ("response.completed", "response.incomplete"):  # incomplete: cut at max_output_tokens
             record.final = True
         elif kind in ("error", "response.failed"):
             record.error_event = True

@@ -83,10 +83,12 @@ const WEATHER = {
   additionalProperties: false,
 };
 const ASK = "What is the weather in Paris? Use the tool.";
+// 128 tokens: an answer may hold several calls (parallel_tool_calls defaults to true, as OpenAI's),
+// and the small model writes a few before it repeats one, where the answer ends
 
 async function openaiTool() {
   const reply = await openai.chat.completions.create({
-    model: MODEL, messages: [{ role: "user", content: ASK }], max_tokens: 64, temperature: 0,
+    model: MODEL, messages: [{ role: "user", content: ASK }], max_tokens: 128, temperature: 0,
     tools: [{ type: "function", function: { name: "get_weather", description: "Weather in a city", parameters: WEATHER } }],
     tool_choice: "required",
   });
@@ -103,7 +105,7 @@ async function aiTool() {
   // back, the model answers; toolChoice "required" only on the first step
   const calls = [];
   const result = await generateText({
-    model: fleet(MODEL), prompt: ASK, maxOutputTokens: 64, temperature: 0, maxRetries: 0,
+    model: fleet(MODEL), prompt: ASK, maxOutputTokens: 128, temperature: 0, maxRetries: 0,
     tools: {
       get_weather: tool({
         description: "Weather in a city",
