@@ -34,7 +34,6 @@ RECOVERY_LIMIT_S = 15.0
 # The features a user turns on together: jobs of named tenants (their own queues, the fair
 # share), and claims with or without placement by held prefixes.
 MATRIX = [pytest.param(False, True, id="tenants-off-placement-on"),
-          pytest.param(True, False, id="tenants-on-placement-off"),
           pytest.param(True, True, id="tenants-on-placement-on")]
 TENANTS = [None, "team-a", "team-b"]
 

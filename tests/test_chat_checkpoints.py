@@ -14,8 +14,11 @@ from backends.llamacpp_settings import LlamaCppSettings
 N_BATCH = 64  # the windowed layers keep n_swa + n_batch cells: a short answer moves them on
 
 
-def run(engine: LlamaCppBackend, job_id: str, request: GenerateRequest) -> str:
+def run(engine: LlamaCppBackend, job_id: str, request: GenerateRequest,
+        beside: GenerateRequest | None = None) -> str:
     engine.admit(job_id, request)
+    if beside is not None:
+        engine.admit(job_id + "-beside", beside)
     text = ""
     while True:
         for event in engine.step(0.01):
@@ -47,7 +50,13 @@ def two_turns(checkpoints: int) -> tuple[str, dict[str, object], int]:
         edited = [*history, {"role": "assistant", "content": "Sure! " + answer},
                   {"role": "user", "content": "Thank you. Is the sky blue? Answer yes or no."}]
         before = engine.stats()
-        text = run(engine, "turn-2", GenerateRequest(messages=edited, max_tokens=24, temperature=0.0))
+        # a second job decodes beside the answer, so its rows meet the batched attention kernel:
+        # a lone decoder past 256 cells takes ggml's split-KV scan (by default the fleet decodes it
+        # alone, as llama-server does), whose sums over a restored window's other cells round
+        # differently enough to flip a near-tie; the neighbour row that hid this is batch
+        # invariance's promise now
+        beside = GenerateRequest(prompt="Say the alphabet.", max_tokens=40, ignore_eos=True, temperature=0.0)
+        text = run(engine, "turn-2", GenerateRequest(messages=edited, max_tokens=24, temperature=0.0), beside)
         after = engine.stats()
         reused = int(after["prompt_tokens_reused"]) - int(before["prompt_tokens_reused"])  # type: ignore[call-overload]
         return text, after, reused - n_prompt
