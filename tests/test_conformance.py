@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -365,3 +366,39 @@ def check_logit_bias(client: openai.OpenAI, vocab: Any, in_process: bool) -> Non
         with pytest.raises(openai.UnprocessableEntityError) as unknown:
             client.completions.create(**common, logit_bias={"999999999": 1})
         assert "vocabulary" in unknown.value.message
+
+
+# -- response_format beside tools ------------------------------------------------------------------
+
+JOKE = {"type": "object", "properties": {"setup": {"type": "string", "maxLength": 200},
+                                         "punchline": {"type": "string", "maxLength": 200}},
+        "required": ["setup", "punchline"], "additionalProperties": False}
+
+
+def test_response_format_beside_tools_shapes_the_answer_on_the_real_model(workers, gateways) -> None:
+    """OpenAI accepts response_format together with tools (openai-agents' output_type with tools
+    sends both): an answer that calls no tool follows the format, plain and streamed; a call is
+    still a valid call."""
+    workers.start("w1", backend__slots=2)
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    client = oai(gw)
+    talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Tell me a short joke."}]
+    shaped = {"type": "json_schema", "json_schema": {"name": "joke", "schema": JOKE}}
+    for messages in (talk, ASK):
+        answer = client.chat.completions.create(model="llm", messages=messages, tools=BOTH, max_tokens=160,
+                                                temperature=0, response_format=shaped)  # type: ignore[arg-type]
+        message = answer.choices[0].message
+        if message.tool_calls:
+            for call in message.tool_calls:
+                check_call(call)
+        else:
+            assert answer.choices[0].finish_reason == "stop", answer
+            jsonschema.validate(json.loads(message.content or ""), JOKE)
+    same: dict[str, Any] = {"model": "llm", "messages": talk, "tools": BOTH, "max_tokens": 160,
+                            "temperature": 0, "response_format": shaped}
+    chunks = client.chat.completions.create(**same, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    plain = client.chat.completions.create(**same)
+    assert streamed == (plain.choices[0].message.content or "")

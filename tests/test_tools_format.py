@@ -46,7 +46,6 @@ def request(**fields) -> GenerateRequest:
         ({"tools": [{**CITY, "name": "two words"}]}, "pattern"),
         ({"tools": [CITY] * 65}, "at most 64"),
         ({"tools": [{**CITY, "parameters": {"type": "string", "maxLength": 50000}}]}, "tools[0].parameters"),
-        ({"tools": [CITY], "format": "json"}, "cannot be combined"),
         ({"tools": [{"name": f"f{i}", "description": "d" * 4000} for i in range(20)]}, "characters together"),
     ],
 )
@@ -164,3 +163,23 @@ def test_a_cut_answer_keeps_what_was_complete() -> None:
     assert tools.read_answer("plain words from a backend that ignored the grammar", "j").content.startswith(
         "plain"
     )
+
+
+def test_a_structured_answer_beside_tools_follows_its_format() -> None:
+    """response_format with tools (OpenAI accepts it; openai-agents' output_type with tools sends
+    it): a call is a call, and an answer that calls nothing is {"response": <that JSON>}; its
+    JSON text streams out as the content."""
+    shape = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    r = request(tools=[CITY], format=shape)
+    lowered, constrained = tools.lower(r)
+    assert constrained and lowered.format == answer_schema(r.tools or [], None, None, shape)
+    words = lowered.format["oneOf"][1]["properties"]["response"]
+    assert words == {"$ref": "#/$defs/answer"} and lowered.format["$defs"]["answer"] == shape
+    assert "matching this JSON schema" in (lowered.messages or [])[0].content
+    reader, streamed = tools.AnswerReader("j"), ""
+    for ch in '{"response": {"city": "Oslo \\"}{\\" ok", "n": [1, {"x": 2}]}}':
+        streamed += reader.feed(ch)[0]
+    assert json.loads(streamed) == {"city": 'Oslo "}{" ok', "n": [1, {"x": 2}]}
+    assert tools.read_answer('{"response": {"city": "Oslo"}}', "j").content == '{"city": "Oslo"}'
+    assert answer_schema(r.tools or [], None, None, "json")["oneOf"][1]["properties"]["response"] == {
+        "type": "object"}

@@ -216,11 +216,9 @@ class GenerateRequest(BaseModel):
                 raise ValueError(f"tools[{i}].parameters ({tool.name}): {e}") from None
         if self.tool_choice == "none":
             return
-        if self.format is not None:
-            raise ValueError("format (a structured answer) cannot be combined with tools the model may call; "
-                             "send tool_choice 'none' or leave one out")
         try:
-            check_json_schema(answer_schema(self.tools, self.tool_choice, self.parallel_tool_calls))
+            check_json_schema(answer_schema(self.tools, self.tool_choice, self.parallel_tool_calls,
+                                            self.format))
         except ValueError as e:
             raise ValueError(f"tools: together the tools' parameters are too large for one answer: {e}") \
                 from None

@@ -80,9 +80,12 @@ def max_calls(choice: ToolChoice | None, parallel: bool | None) -> int:
     return 1 if parallel is False or isinstance(choice, NamedTool) else MAX_PARALLEL_CALLS
 
 
-def answer_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool | None) -> dict[str, Any]:
+def answer_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool | None,
+                  response: Literal["json"] | dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON schema of the answer (module docstring) for tool_choice auto (None), required or
-    a named tool, with at most `max_calls` calls. Each tool's
+    a named tool, with at most `max_calls` calls; `response`: the request's structured-output
+    format, which an answer that calls no tool follows (`{"response": <that JSON>}`, as OpenAI
+    applies response_format to the final answer of a chat with tools). Each tool's
     parameters sit under `$defs` (their own local `$ref`s rebased there), so pydantic-style
     schemas with `$defs` keep working."""
     offered = [t for t in tools if not isinstance(choice, NamedTool) or t.name == choice.name]
@@ -99,7 +102,13 @@ def answer_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool |
     calls = {"type": "object", "properties": {"tool_calls": listed}, "required": ["tool_calls"],
              "additionalProperties": False}
     if choice in (None, "auto"):
-        words = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+        said: dict[str, Any] = {"type": "string"}
+        if response == "json":
+            said = {"type": "object"}
+        elif isinstance(response, dict):
+            defs["answer"] = _rebased(response, "#/$defs/answer")
+            said = {"$ref": "#/$defs/answer"}
+        words = {"type": "object", "properties": {"response": said}, "required": ["response"],
                  "additionalProperties": False}
         return {"$defs": defs, "oneOf": [calls, words]}
     return {"$defs": defs, **calls}

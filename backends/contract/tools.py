@@ -24,12 +24,12 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from backends.contract.schema import GenerateRequest, Message
 from backends.contract.tool_specs import NamedTool, Tool, ToolChoice, answer_schema, max_calls
 
-_HEAD = re.compile(r'\s*\{\s*"(tool_calls|response)"\s*:\s*(\[|")')
+_HEAD = re.compile(r'\s*\{\s*"(tool_calls|response)"\s*:\s*(\[|"|\{)')
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
@@ -84,16 +84,18 @@ def render(request: GenerateRequest) -> tuple[list[Message], dict[str, Any] | No
     if not active:
         return out, None
     assert request.tools is not None
-    guide = instructions(request.tools, request.tool_choice, request.parallel_tool_calls)
+    guide = instructions(request.tools, request.tool_choice, request.parallel_tool_calls, request.format)
     if out and out[0].role == "system":
         out[0] = Message(role="system", content=f"{out[0].content}\n\n{guide}")
     else:
         out.insert(0, Message(role="system", content=guide))
-    return out, answer_schema(request.tools, request.tool_choice, request.parallel_tool_calls)
+    return out, answer_schema(request.tools, request.tool_choice, request.parallel_tool_calls, request.format)
 
 
-def instructions(tools: list[Tool], choice: ToolChoice | None, parallel: bool | None) -> str:
-    """The system text that offers the tools and says how to answer."""
+def instructions(tools: list[Tool], choice: ToolChoice | None, parallel: bool | None,
+                 response: Literal["json"] | dict[str, Any] | None = None) -> str:
+    """The system text that offers the tools and says how to answer (`response`: the format of
+    an answer that calls no tool)."""
     named = choice.name if isinstance(choice, NamedTool) else None
     listed = []
     for t in tools:
@@ -107,9 +109,13 @@ def instructions(tools: list[Tool], choice: ToolChoice | None, parallel: bool | 
         return text + f'Answer by calling {named}, with one JSON object: {call.replace("<tool name>", named)}'
     if choice == "required":
         return text + f"Answer by calling tools ({how}), with one JSON object: {call}"
+    answer = '{"response": "<your answer>"}'
+    if response is not None:
+        shape = "" if response == "json" else f" matching this JSON schema: {json.dumps(response)}"
+        answer = f'{{"response": <your answer as one JSON object{shape}>}}'
     return (text + "Answer with one JSON object, either\n"
             f"{call} to call tools ({how}; their results come back in the next message), or\n"
-            '{"response": "<your answer>"} to answer the user. Call a tool only for what the chat '
+            f"{answer} to answer the user. Call a tool only for what the chat "
             "does not tell yet; once the tool results you need are there, answer.")
 
 
@@ -138,7 +144,7 @@ class AnswerReader:
 
     job_id: str
     raw: str = ""
-    kind: str | None = None  # "response" or "tool_calls", once the head is read
+    kind: str | None = None  # "response", "structured" (a response_format answer) or "tool_calls"
     content: str = ""  # the words so far
     calls: list[dict[str, str]] = field(default_factory=list)  # {id, name, arguments (JSON text)}
     repeated: bool = False  # a call repeated an earlier one (and was dropped)
@@ -157,10 +163,12 @@ class AnswerReader:
             if head is None:
                 return "", []
             self.kind, self._at = head.group(1), head.end()
+            if self.kind == "response" and head.group(2) == "{":  # the answer's response_format
+                self.kind, self._at = "structured", head.start(2)
         if self._ended:
             return "", []
-        if self.kind == "response":
-            words = self._read_string()
+        if self.kind in ("response", "structured"):
+            words = self._read_string() if self.kind == "response" else self._read_value()
             self.content += words
             return words, []
         done = len(self.calls)
@@ -193,6 +201,30 @@ class AnswerReader:
             i += used
         self._at = i
         return "".join(out)
+
+    def _read_value(self) -> str:
+        """The structured answer's JSON text as it grows, up to the end of its object."""
+        raw, start = self.raw, self._at
+        i = start
+        while i < len(raw) and not self._ended:
+            c = raw[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                self._ended = self._depth == 0
+            i += 1
+        self._at = i
+        return raw[start:i]
 
     def _read_calls(self) -> None:
         raw, i = self.raw, self._at
