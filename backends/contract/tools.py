@@ -207,21 +207,9 @@ class AnswerReader:
         raw, start = self.raw, self._at
         i = start
         while i < len(raw) and not self._ended:
-            c = raw[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                self._ended = self._depth == 0
+            step = self._track(raw[i])
+            self._depth += step
+            self._ended = step < 0 and self._depth == 0
             i += 1
         self._at = i
         return raw[start:i]
@@ -229,21 +217,12 @@ class AnswerReader:
     def _read_calls(self) -> None:
         raw, i = self.raw, self._at
         while i < len(raw) and not self._ended:
-            c = raw[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
+            step = self._track(raw[i])
+            if step > 0:
                 if self._depth == 0:
                     self._item_start = i
                 self._depth += 1
-            elif c in "}]":
+            elif step < 0:
                 if self._depth == 0:  # the array's own end
                     self._ended = True
                 else:
@@ -252,6 +231,22 @@ class AnswerReader:
                         self._add_call(raw[self._item_start:i + 1])
             i += 1
         self._at = i
+
+    def _track(self, c: str) -> int:
+        """Follow one character of JSON text (strings and their escapes): 1 where a container
+        opens outside a string, -1 where one closes, else 0."""
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self._in_string = False
+            return 0
+        if c == '"':
+            self._in_string = True
+            return 0
+        return 1 if c in "{[" else -1 if c in "}]" else 0
 
     def _add_call(self, text: str) -> None:
         try:
