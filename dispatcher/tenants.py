@@ -17,8 +17,6 @@ from typing import Any
 from backends.contract import queue as queue_model
 from backends.contract.keys import (
     USAGE_TENANTS,
-    tenant_open_key,
-    tenant_queued_key,
     usage_key,
 )
 from backends.contract.replies import as_str
@@ -100,8 +98,7 @@ def admit_plan(tenant: str, job_ids: list[str], limits: Limits) -> Plan[None]:
 def release_plan(tenant: str, job_ids: list[str]) -> Plan[None]:
     """Give back reservations of jobs that were never enqueued."""
     if job_ids:
-        yield from gather([cmd("zrem", tenant_open_key(tenant), *job_ids),
-                           cmd("zrem", tenant_queued_key(tenant), *job_ids)])
+        yield from gather([cmd("zrem", key, *job_ids) for key in queue_model.places_keys(tenant)])
 
 
 Usage = dict[str, dict[str, int]]  # tenant -> field -> count

@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING
 
 from redis.client import Pipeline
 
+from backends.contract import queue as queue_model
 from backends.contract.keys import (
     USAGE_TENANTS,
     USAGE_TTL,
-    tenant_open_key,
-    tenant_queued_key,
     tenant_rate_prefix,
     usage_key,
 )
@@ -30,15 +29,15 @@ RATE_TTL = 120  # seconds a minute's counts are kept (the admission script reads
 
 class TenantUsage:
     def on_start(self, job: ClaimedJob, holder: Holder, pipe: Pipeline) -> None:
-        pipe.zrem(tenant_queued_key(tenant_of(job)), job.id)
+        pipe.zrem(queue_model.places_keys(tenant_of(job))[1], job.id)  # queued: it started
 
     def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
         pass  # still admitted; a job the reaper fails frees its place when its reservation expires
 
     def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
         tenant, now = tenant_of(job), time.time()
-        pipe.zrem(tenant_open_key(tenant), job.id)
-        pipe.zrem(tenant_queued_key(tenant), job.id)
+        for key in queue_model.places_keys(tenant):  # open and queued: it ended
+            pipe.zrem(key, job.id)
         counts: dict[str, int] = {"requests": 1}
         result = ending.result
         if result is None:

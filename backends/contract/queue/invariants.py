@@ -37,7 +37,6 @@ from backends.contract.queue import split_queue
 from backends.contract.replies import as_str
 
 ENDED = {"finished", "failed", "canceled", "stopped"}
-INVARIANTS = ("fair-listed", "one-place", "owner", "places", "wip")
 
 _INFLIGHT_PREFIX = inflight_key("")
 _TENANT_PREFIX, _OPEN_SUFFIX = tenant_open_key("\x00").split("\x00")
@@ -47,7 +46,7 @@ _JOB_PREFIX = job_key("")
 
 @dataclass(frozen=True)
 class Violation:
-    invariant: str  # one of INVARIANTS
+    invariant: str  # fair-listed, one-place, owner, places or wip (the module docstring)
     detail: str
 
     def __str__(self) -> str:
