@@ -41,6 +41,8 @@ class Done:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    # of prompt_tokens, those the engine did not prefill: their KV was there already (a cache)
+    cached_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict)
 
 

@@ -291,6 +291,13 @@ def _split_at_sep(tokens: list[int]) -> list[list[int]]:
     return out
 
 
+def cache_hits(timings: object) -> int:
+    """The prompt tokens llama-server found in its cache and did not prefill: its timings'
+    `cache_n`, on both endpoints (the chat endpoint's usage.prompt_tokens_details.cached_tokens
+    says the same)."""
+    return int(timings.get("cache_n") or 0) if isinstance(timings, dict) else 0
+
+
 class LogprobsCollector:
     """Per-token log-probabilities from llama-server's chunks, kept in OpenAI's chat shape
     ([{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]) for the result."""
@@ -331,6 +338,7 @@ class CompletionChunkReader:
                 finish,
                 prompt_tokens=int(chunk.get("tokens_evaluated") or 0),
                 completion_tokens=int(chunk.get("tokens_predicted") or 0),
+                cached_tokens=cache_hits(chunk.get("timings")),
                 extra={
                     "timings": chunk.get("timings", {}),
                     "stop_type": stop_type,
@@ -378,6 +386,7 @@ class ChatChunkReader:
             "length" if self.finish_reason == "length" else "stop",
             prompt_tokens=int(self.usage.get("prompt_tokens") or 0),
             completion_tokens=int(self.usage.get("completion_tokens") or 0),
+            cached_tokens=cache_hits(self.timings),
             extra={"timings": self.timings, "server_finish_reason": self.finish_reason,
                    **self.logprobs.extra()},
         )

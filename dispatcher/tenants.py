@@ -22,7 +22,7 @@ from backends.contract.keys import (
 from backends.contract.replies import as_str
 from dispatcher.plans import Eval, Plan, ask, cmd, gather
 
-USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "queue_ms", "failed")
+USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "queue_ms", "failed")
 LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued")
 
 

@@ -17,6 +17,7 @@ PROMPT_SHOWN = 160  # characters of a prompt kept in the history
 # counter fields (same names in the pool and the worker hashes)
 TOKENS = "tokens_generated"
 PROMPT_TOKENS = "prompt_tokens"
+CACHED_TOKENS = "cached_tokens"  # of the prompt tokens, those found in the KV cache (not prefilled)
 REAPED = "jobs_reaped"
 STARTS = "worker_starts"
 OUTCOMES = ("finished", "failed", "cancelled")

@@ -309,6 +309,7 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the engine found in its KV cache (not prefilled)
 
 
 class Timings(BaseModel):
@@ -363,8 +364,9 @@ class JobResult(dict[str, Any]):
 
 def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_tokens: int,
                completion_tokens: int, worker: str | None, backend: str | None, attempt: int,
-               queue_ms: float | None = None, ttft_ms: float | None = None, total_ms: float | None = None,
-               tokens_per_s: float | None = None, **extra: Any) -> JobResultModel:
+               cached_tokens: int = 0, queue_ms: float | None = None, ttft_ms: float | None = None,
+               total_ms: float | None = None, tokens_per_s: float | None = None,
+               **extra: Any) -> JobResultModel:
     """The one place a job's result is put together (times rounded to 0.1); `extra`: optional
     fields (e.g. `logprobs`)."""
     return JobResultModel(
@@ -372,7 +374,7 @@ def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_to
         text=text,
         finish_reason=finish_reason,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens),
+                    total_tokens=prompt_tokens + completion_tokens, cached_tokens=cached_tokens),
         worker=worker,
         backend=backend,
         attempt=attempt,

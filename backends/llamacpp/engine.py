@@ -163,7 +163,7 @@ class LlamaCppBackend:
             return
         job = self.scheduler.active.get(job_id)
         if job is not None and job.done is None:
-            job.done = Done(job_id, "cancelled", job.prompt_tokens, job.generated)
+            job.done = job.ended("cancelled")
             self.scheduler.release(job)  # its KV operations go with the next plan
             self.executor.close_sequence(job.seq_id)
             self._finished.append(job.done)

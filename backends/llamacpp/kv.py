@@ -260,7 +260,7 @@ class KvBookkeeper:
     def reuse_prefix(self, job: ActiveJob, running: Iterable[ActiveJob]) -> Reuse | None:
         """Reuse the KV of the longest shared prefix instead of prefilling it: in place from what
         this slot's last job left, or copied from a prefix entry, another slot's kept KV or a
-        running job. Sets job.n_past to the reused length."""
+        running job. Sets job.n_past (and job.reused) to the reused length."""
         kept = self.slot_kv.pop(job.seq_id, None)
         best = self._choose_source(job, kept, running)
         if best is None:
@@ -291,7 +291,7 @@ class KvBookkeeper:
             if restore:
                 self._queue(Restore(job.seq_id, n, source.seq_id))
         self.checkpoint_reuses += restore
-        job.n_past = n
+        job.n_past = job.reused = n
         self.reused_tokens += n
         if kind == "entry":
             self.prefixes.move_to_end(source.seq_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backends.base import Done
-from backends.contract.schema import Sampling
+from backends.contract.schema import FinishReason, Sampling
 from backends.llamacpp.speculation import NgramIndex
 from backends.llamacpp.text import TextAssembler
 
@@ -37,6 +37,7 @@ class ActiveJob:
     done: Done | None = None  # finished or cancelled: released at the end of the step
     ngrams: NgramIndex | None = None  # prompt + output, for drafts (speculation on)
     resumed: int = 0  # the last `resumed` of `tokens` are a dead attempt's output, prefilled again
+    reused: int = 0  # of `tokens`, the first ones whose KV was found, not prefilled (kv.reuse_prefix)
 
     @classmethod
     def start(cls, job: WaitingJob, seq_id: int, reserved: int) -> ActiveJob:
@@ -48,6 +49,12 @@ class ActiveJob:
     def prompt_tokens(self) -> int:
         """The request's own prompt (a resumed job's delivered text counts as its output)."""
         return len(self.tokens) - self.resumed
+
+    def ended(self, reason: FinishReason) -> Done:
+        """The job's Done: its usage, the prompt tokens it did not prefill counted as cached
+        (a resumed job's delivered text is output, not prompt, whether reused or not)."""
+        return Done(self.job_id, reason, self.prompt_tokens, self.generated,
+                    cached_tokens=min(self.reused, self.prompt_tokens))
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV this job's sequence holds, in position order."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backends.base import Done, Event, Token
+from backends.base import Event, Token
 from backends.contract.schema import FinishReason
 from backends.llamacpp.kv import KvOp
 from backends.llamacpp.state import ActiveJob
@@ -65,4 +65,4 @@ def finish(job: ActiveJob, reason: FinishReason, events: list[Event]) -> None:
     tail = "" if job.text.stopped else job.text.finish()
     if tail:
         events.append(Token(job.job_id, tail, n_tokens=0))
-    job.done = Done(job.job_id, reason, job.prompt_tokens, job.generated)
+    job.done = job.ended(reason)

@@ -145,7 +145,8 @@ def output_object(batch_id: str, key: str, line: record.LineState, model: str) -
     r = line.result or {}
     if line.state == "d":
         result = {"text": r.get("t", ""), "finish_reason": r.get("f"), "logprobs": r.get("lp"),
-                  "usage": {"prompt_tokens": r.get("p", 0), "completion_tokens": r.get("c", 0)}}
+                  "usage": {"prompt_tokens": r.get("p", 0), "completion_tokens": r.get("c", 0),
+                            "cached_tokens": r.get("k", 0)}}
         if "tc" in r:
             result.update(content=r.get("ct"), tool_calls=r["tc"])
         job_id = line_job_id(batch_id, key)

@@ -263,11 +263,14 @@ class Reply:
         return around[0] + json.dumps(text) + around[1]
 
     @staticmethod
-    def usage(results: list[dict[str, Any] | None]) -> dict[str, int]:
+    def usage(results: list[dict[str, Any] | None]) -> dict[str, Any]:
+        """The n choices' usage summed; cached: the prompt tokens the engines did not prefill."""
         used = [r.get("usage", {}) for r in results if r]
         prompt = sum(u.get("prompt_tokens", 0) for u in used)
         completion = sum(u.get("completion_tokens", 0) for u in used)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(u.get("cached_tokens", 0) for u in used)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def whole(self, finals: list[JobUpdate]) -> dict[str, Any]:
         failed = [u for u in finals if u.error is not None]

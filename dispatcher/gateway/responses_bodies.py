@@ -199,7 +199,7 @@ class ResponseReply:
             prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
             out["usage"] = {
                 "input_tokens": prompt,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
                 "output_tokens": completion,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt + completion,

@@ -31,6 +31,8 @@ P = "llama_fleet_"
 COUNTERS = {
     "tokens_generated": ("Tokens generated (completion tokens of ended jobs)", observe_schema.TOKENS),
     "prompt_tokens": ("Prompt tokens of ended jobs", observe_schema.PROMPT_TOKENS),
+    "cached_prompt_tokens": ("Prompt tokens of ended jobs found in the KV cache (not prefilled)",
+                             observe_schema.CACHED_TOKENS),
     "jobs_reaped": ("Jobs recovered from dead workers (requeued or failed for good)", observe_schema.REAPED),
     "worker_starts": ("Worker processes started (restarts included)", observe_schema.STARTS),
 }
@@ -40,6 +42,7 @@ TENANT_COUNTERS = [  # usage field, metric name, help
     ("requests", "requests", "Jobs of a tenant that ended"),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of a tenant's ended jobs"),
     ("completion_tokens", "completion_tokens", "Completion tokens of a tenant's ended jobs"),
+    ("cached_tokens", "cached_prompt_tokens", "Prompt tokens of a tenant's ended jobs found in the KV cache"),
     ("failed", "jobs_failed", "A tenant's jobs that failed"),
     ("queue_ms", "queue_wait_seconds", "Seconds a tenant's ended jobs waited in the queue"),
 ]

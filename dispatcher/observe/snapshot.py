@@ -158,5 +158,6 @@ def totals(ws: list[dict[str, Any]], qs: list[dict[str, Any]], counters: dict[st
         "failed_1h": sum(q["failed_1h"] for q in qs),
         "tokens_generated": counters.get(observe_schema.TOKENS, 0),
         "prompt_tokens": counters.get(observe_schema.PROMPT_TOKENS, 0),
+        "cached_tokens": counters.get(observe_schema.CACHED_TOKENS, 0),
         "jobs": {o: counters.get(observe_schema.jobs_field(o), 0) for o in observe_schema.OUTCOMES},
     }

@@ -116,8 +116,9 @@ def totals_text(snap: dict[str, Any]) -> Text:
     text.append(f"queued {tot['queued']} · running {tot['running']} · failed in the last hour "
                 f"{tot['failed_1h']}\n")
     text.append(f"since start: {num(tot['tokens_generated'])} tokens generated, "
-                f"{num(tot['prompt_tokens'])} prompt; jobs {jobs['finished']} finished, "
-                f"{jobs['failed']} failed, {jobs['cancelled']} cancelled", style="dim")
+                f"{num(tot['prompt_tokens'])} prompt ({num(tot['cached_tokens'])} cached); jobs "
+                f"{jobs['finished']} finished, {jobs['failed']} failed, {jobs['cancelled']} cancelled",
+                style="dim")
     return text
 
 
@@ -187,8 +188,9 @@ def job_view(record: dict[str, Any]) -> RenderableType:
                                 f"{num(t.get('tokens_per_s'), 1)} tok/s, total {_ms(t.get('total_ms'))}")
         usage = end.get("usage") or {}
         if usage:
-            info.add_row("tokens", f"{usage.get('prompt_tokens')} prompt, {usage.get('completion_tokens')} "
-                                   f"generated ({end.get('finish_reason')})")
+            info.add_row("tokens", f"{usage.get('prompt_tokens')} prompt ({usage.get('cached_tokens', 0)} "
+                                   f"cached), {usage.get('completion_tokens')} generated "
+                                   f"({end.get('finish_reason')})")
         if end.get("error"):
             info.add_row("error", Text(str(end["error"]), style="red"))
     at = _table("attempts", ("#", "right"), ("worker", "left"), ("backend", "left"), ("started", "left"),

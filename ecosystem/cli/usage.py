@@ -1,5 +1,5 @@
-"""`fleet usage`: what each tenant used (requests, tokens, queue wait, refusals by limit), read
-from the counters the workers and gateways keep in Redis (dispatcher/tenants.py)."""
+"""`fleet usage`: what each tenant used (requests, tokens, cached prompt tokens, queue wait, refusals
+by limit), read from the counters the workers and gateways keep in Redis (dispatcher/tenants.py)."""
 
 from __future__ import annotations
 
@@ -45,14 +45,15 @@ def usage(config: str | None, tenant: str | None, since: str, as_json: bool) -> 
         click.echo(json.dumps(counts, indent=1, sort_keys=True))
         return
     table = Table(title=f"usage, last {since}")
-    for col in ("tenant", "requests", "prompt tokens", "completion tokens", "mean queue ms", "failed",
-                "refused (limit)"):
+    for col in ("tenant", "requests", "prompt tokens", "cached", "completion tokens", "mean queue ms",
+                "failed", "refused (limit)"):
         table.add_column(col, justify="left" if col in ("tenant", "refused (limit)") else "right")
     for name, c in counts.items():
         refused = ", ".join(f"{c[f'rejected_{n}']} {n}" for n in LIMIT_NAMES if c.get(f"rejected_{n}"))
         done = c["requests"] - c["failed"]
-        table.add_row(name, f"{c['requests']:,}", f"{c['prompt_tokens']:,}", f"{c['completion_tokens']:,}",
-                      f"{c['queue_ms'] / done:.0f}" if done else "-", f"{c['failed']:,}", refused or "-")
+        table.add_row(name, f"{c['requests']:,}", f"{c['prompt_tokens']:,}", f"{c['cached_tokens']:,}",
+                      f"{c['completion_tokens']:,}", f"{c['queue_ms'] / done:.0f}" if done else "-",
+                      f"{c['failed']:,}", refused or "-")
     Console().print(table)
 
 

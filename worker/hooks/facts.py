@@ -125,6 +125,7 @@ def record_end(job: ClaimedJob, ending: Ending, pipe: Pipe, worker: str, backend
         observe_schema.jobs_field(outcome): 1,
         observe_schema.TOKENS: int(job.completion_tokens),
         observe_schema.PROMPT_TOKENS: int(usage.get("prompt_tokens") or 0),
+        observe_schema.CACHED_TOKENS: int(usage.get("cached_tokens") or 0),
     })
     timings = dict((result or {}).get("timings") or {})
     if ran_here:

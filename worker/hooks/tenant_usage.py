@@ -1,8 +1,9 @@
 """The tenants concern (a hook: worker/hooks/__init__.py): a job lets go of its tenant's admission places
-as it starts and ends, and its ending counts into the tenant's usage (requests, tokens, queue wait,
-failures: this hour's hash) and this minute's tokens (what `tokens_per_minute` admits against),
-all in the same MULTI as the job's own writes, so each is counted exactly once. Jobs naming no
-tenant count as the default tenant's. Keys: dispatcher/tenants.py, backends/contract/keys.py."""
+as it starts and ends, and its ending counts into the tenant's usage (requests, tokens, cached
+prompt tokens, queue wait, failures: this hour's hash) and this minute's tokens (what
+`tokens_per_minute` admits against), all in the same MULTI as the job's own writes, so each is
+counted exactly once. Jobs naming no tenant count as the default tenant's. Keys:
+dispatcher/tenants.py, backends/contract/keys.py."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class TenantUsage:
             used, timings = result.get("usage") or {}, result.get("timings") or {}
             counts["prompt_tokens"] = int(used.get("prompt_tokens") or 0)
             counts["completion_tokens"] = int(used.get("completion_tokens") or 0)
+            counts["cached_tokens"] = int(used.get("cached_tokens") or 0)
             counts["queue_ms"] = int(timings.get("queue_ms") or 0)
             rate = f"{tenant_rate_prefix(tenant)}:{int(now // 60)}"
             pipe.hincrby(rate, "tokens", counts["prompt_tokens"] + counts["completion_tokens"])

@@ -89,7 +89,7 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
             finish = "tool_calls"
     return job_result(
         job.id, text, finish, prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.completion_tokens, worker=worker,
+        completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens, worker=worker,
         backend=str(done.extra.get("backend", backend)), attempt=job.attempt, queue_ms=queue_ms,
         ttft_ms=ttft_ms, total_ms=(now - job.claimed_at) * 1000,
         tokens_per_s=done.completion_tokens / gen_s if gen_s > 0 else None, **extra,

@@ -11,7 +11,7 @@ d/f/x and counts it), and the batch ends when every enqueued line has.
 
 Results outlive the jobs (whose RQ results expire after result_ttl): the ending is copied here, in
 the worker's own final MULTI, as {"t": text, "f": finish, "p": prompt tokens, "c": completion
-tokens, "at": unix time[, "lp": logprobs]} or {"e": reason, "at": ...}.
+tokens, "at": unix time[, "k": cached prompt tokens, "lp": logprobs]} or {"e": reason, "at": ...}.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def compact_ending(result: dict[str, Any] | None, error: str | None, now: float)
         return "x", _dumps({"at": at}), prompt, completion
     out: dict[str, Any] = {"t": result.get("text", ""), "f": result.get("finish_reason"), "p": prompt,
                            "c": completion, "at": at}
+    if usage.get("cached_tokens"):
+        out["k"] = int(usage["cached_tokens"])
     if result.get("logprobs"):
         out["lp"] = result["logprobs"]
     if "tool_calls" in result:  # a tool answer: its words and calls

@@ -67,6 +67,7 @@ function renderTotals(s) {
   const cells = [["workers", t.workers], ["slots busy", `${t.busy}/${t.slots}`], ["tok/s", num(t.tok_s, 1)],
     ["prefill tok/s", num(t.tok_s_prefill)], ["queued", t.queued], ["running", t.running],
     ["failed 1h", t.failed_1h], ["tokens generated", num(t.tokens_generated)],
+    ["prompt tokens cached", `${num(t.cached_tokens)} / ${num(t.prompt_tokens)}`],
     ["jobs ok / failed", `${num(j.finished)} / ${num(j.failed)}`]];
   $("#totals").innerHTML = cells.map(([k, v]) => `<div><b>${esc(v)}</b><span>${esc(k)}</span></div>`).join("");
 }
@@ -105,7 +106,8 @@ function renderTenants(usage) {
     const refused = Object.entries(c).filter(([k, v]) => k.startsWith("rejected_") && v)
       .map(([k, v]) => `${num(v)} ${k.slice(9)}`).join(", ");
     return `<tr data-tenant="${esc(t)}"><td>${esc(t)}</td><td class="num">${num(c.requests)}</td>` +
-      `<td class="num">${num(c.prompt_tokens)}</td><td class="num">${num(c.completion_tokens)}</td>` +
+      `<td class="num">${num(c.prompt_tokens)}</td><td class="num">${num(c.cached_tokens)}</td>` +
+      `<td class="num">${num(c.completion_tokens)}</td>` +
       `<td class="num ${c.failed ? "failed" : ""}">${num(c.failed)}</td><td>${esc(refused || "-")}</td></tr>`;
   }).join("");
 }
@@ -132,7 +134,7 @@ function renderDetail(r) {
   if (r.end) {
     rows.push(["worker", `${end.worker} (${end.backend || "?"})`],
       ["timings", `queue ${ms(t.queue_ms)} · ttft ${ms(t.ttft_ms)} · ${num(t.tokens_per_s, 1)} tok/s · total ${ms(t.total_ms)}`]);
-    if (u.prompt_tokens !== undefined) rows.push(["tokens", `${u.prompt_tokens} prompt, ${u.completion_tokens} generated (${end.finish_reason})`]);
+    if (u.prompt_tokens !== undefined) rows.push(["tokens", `${u.prompt_tokens} prompt (${u.cached_tokens || 0} cached), ${u.completion_tokens} generated (${end.finish_reason})`]);
     if (end.error) rows.push(["error", end.error]);
   }
   for (const a of r.attempts || []) {
