@@ -24,6 +24,11 @@ class LlamaCppSettings(EngineSettings):
     n_ctx_per_seq: int = Field(4096, ge=64, description="max prompt + generated tokens of one job; with "
                                "per-slot KV streams also the KV cells of each slot and prefix entry")
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
+    max_stall_ms: float = Field(
+        200, ge=0, description="per-slot streams: while jobs stream, a step prefills only as many "
+        "prompt rows as this machine's timed steps say fit in this gap, so a long prompt never "
+        "freezes the other streams longer (at least 32 rows a step, and as long as the streams' own "
+        "call; 0: whole n_batch chunks)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
     checkpoints: int = Field(1, ge=0, le=8, description="with sliding-window layers kept to their window "

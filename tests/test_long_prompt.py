@@ -2,8 +2,9 @@
 
 Chunked prefill must keep the decoders moving: every engine step while the long prompt prefills
 gives each of the 8 streams its next token and carries at most one chunk (n_batch tokens) of the
-prompt, so a decoder waits at most one chunk between two tokens. Checked for both KV layouts:
-per-slot streams (the default) and the unified pool.
+prompt, so a decoder waits at most one chunk between two tokens; with per-slot streams (the
+default) a chunk is also cut to what the stall target (`max_stall_ms`) allows beside them. Checked
+for both KV layouts: per-slot streams and the unified pool.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import pytest
 from backends.base import Done, Token
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
+from backends.llamacpp.pacing import MIN_ROWS
 from backends.llamacpp.scheduler import StepPlan
 from backends.llamacpp_settings import LlamaCppSettings
 
 N_BATCH = 512
 DECODERS = 8
+MAX_STEPS = 4000 // MIN_ROWS  # a paced step moves the prompt on by MIN_ROWS rows at least
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["per-slot", "unified"])
@@ -43,8 +46,8 @@ def long_prompt(engine: LlamaCppBackend) -> str:
 def test_long_prompt_does_not_stall_decoders(engine: LlamaCppBackend) -> None:
     greedy = {"temperature": 0.0}
     for i in range(DECODERS):
-        engine.admit(f"d{i}", GenerateRequest(prompt=f"Story {i}: once upon a time", max_tokens=120,
-                                              **greedy))  # type: ignore[arg-type]
+        engine.admit(f"d{i}", GenerateRequest(prompt=f"Story {i}: once upon a time",
+                                              max_tokens=MAX_STEPS + 20, **greedy))  # type: ignore[arg-type]
     decoders = {f"d{i}" for i in range(DECODERS)}
     started: set[str] = set()
     while started != decoders:  # every stream is decoding before the long prompt comes
@@ -68,7 +71,7 @@ def test_long_prompt_does_not_stall_decoders(engine: LlamaCppBackend) -> None:
             events = engine.step()
             tokens_per_step.append(Counter(ev.job_id for ev in events if isinstance(ev, Token)))
             ended.update({ev.job_id: ev for ev in events if not isinstance(ev, Token)})
-            assert len(tokens_per_step) < 40, "the long prompt never got its first token"
+            assert len(tokens_per_step) < MAX_STEPS, "the long prompt never got its first token"
     finally:
         engine.scheduler.plan_step = plan_step  # type: ignore[method-assign]
 

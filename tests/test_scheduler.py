@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from backends.contract.schema import GenerateRequest, SamplingDefaults
 from backends.llamacpp.kv import KvBookkeeper, Remove
 from backends.llamacpp.scheduler import DecodeCall, Scheduler
 from backends.llamacpp.state import ActiveJob, Sampled
-from tests.engine_state import admit, engine, execute, prompt, rows_of
+from tests.engine_state import admit, engine, execute, prompt, rows_of, sampled_sevens
 
 
 def test_the_policy_modules_do_not_import_llama_cpp() -> None:
@@ -374,3 +375,78 @@ def test_a_rejected_job_and_a_failed_call_free_their_slots_at_once() -> None:
     out = s.call_failed(DecodeCall(decoders=[job]), 1)
     assert out.events == [Failed("j", "KV cache full; job not completed", retryable=True)]
     assert out.released == [job.seq_id] and out.kv_ops == [Remove(job.seq_id)] and not s.active
+
+
+def simulated_seconds(call: DecodeCall) -> float:
+    """A CPU's costs: a call 10 ms, a decoder's row 8 ms, a prompt row 0.8 ms plus 0.2 us per cell
+    it attends over (the shape pacing.py fits)."""
+    prompt_rows = sum(0.0008 + 2e-7 * (job.n_past + count / 2) for job, count in call.prompts
+                      for _ in range(count))
+    return 0.010 + 0.008 * len(call.decoders) + prompt_rows
+
+
+@pytest.mark.parametrize("target_ms", [150, 250])
+def test_a_long_prompt_beside_streams_takes_what_fits_the_stall_target(target_ms: int) -> None:
+    kv = KvBookkeeper(slots=8, prefix_cache=0, n_ctx=8 * 4096, n_batch=512, per_slot=True, invariant=False)
+    s = Scheduler(kv, n_batch=512, n_ctx_per_seq=4096, max_stall_ms=target_ms)
+    for i in range(4):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    while any(j.next_token is None for j in s.active.values()):
+        execute(s, s.plan_step())
+    longs = [admit(s, f"long{i}", prompt(3000, 50_000 * (i + 1)))[0] for i in range(2)]
+    gaps: list[float] = []  # from one decoders' call to the end of the next: a stream's wait
+    chunks: list[int] = []
+    waited = 0.0
+    while any(j.next_token is None for j in longs):
+        for call in s.plan_step().calls:
+            chunks += [count for job, count in call.prompts if job in longs]
+            waited += (seconds := simulated_seconds(call))
+            s.update(call, sampled_sevens(call), seconds)
+            if call.decoders:
+                gaps.append(waited)
+                waited = 0.0
+        s.end_step()
+    assert sum(chunks) == 6000
+    timed = gaps[3:]  # the first steps take 32 rows: they time the machine
+    assert max(timed) <= target_ms / 1000, max(timed)
+    # and a step uses most of what it may: the prefill is not starved
+    assert statistics.median(timed) >= 0.7 * target_ms / 1000, statistics.median(timed)
+
+
+def test_without_streams_a_long_prompt_takes_whole_chunks_and_zero_turns_pacing_off() -> None:
+    for target, alone in ((200, True), (0, False)):
+        kv = KvBookkeeper(slots=4, prefix_cache=0, n_ctx=4 * 4096, n_batch=512, per_slot=True,
+                          invariant=False)
+        s = Scheduler(kv, n_batch=512, n_ctx_per_seq=4096, max_stall_ms=target)
+        if not alone:
+            admit(s, "d", prompt(10), max_tokens=1000)
+            execute(s, s.plan_step())
+        (long,) = admit(s, "long", prompt(3000, 50_000))
+        chunks = []
+        while long.next_token is None:
+            plan = s.plan_step()
+            chunks += [count for c in plan.calls for job, count in c.prompts if job is long]
+            execute(s, plan, seconds=0.5)  # slow calls: pacing, were it on, would cut them
+        assert chunks == [512] * 5 + [440]
+
+
+def test_when_the_streams_own_call_fills_the_target_a_prompt_still_gets_as_long_a_share() -> None:
+    kv = KvBookkeeper(slots=20, prefix_cache=0, n_ctx=20 * 4096, n_batch=512, per_slot=True, invariant=False)
+    s = Scheduler(kv, n_batch=512, n_ctx_per_seq=4096, max_stall_ms=150)
+    for i in range(16):  # 16 decoders: a 138 ms call of their own, the target nearly gone
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
+    while any(j.next_token is None for j in s.active.values()):
+        execute(s, s.plan_step())
+    (long,) = admit(s, "long", prompt(3000, 50_000))
+    shares: list[float] = []
+    while long.next_token is None:
+        decoders = prefill = 0.0
+        for call in s.plan_step().calls:
+            seconds = simulated_seconds(call)
+            decoders += seconds if call.decoders else 0.0
+            prefill += seconds if call.prompts else 0.0
+            s.update(call, sampled_sevens(call), seconds)
+        s.end_step()
+        shares.append(prefill / decoders)
+    # past the first timed steps, the prompt's call takes about what the decoders' call takes
+    assert 0.7 <= statistics.median(shares[3:-1]) <= 1.0, shares

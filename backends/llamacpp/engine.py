@@ -104,7 +104,7 @@ class LlamaCppBackend:
                           ram_budget=ram_budget(settings))
         self.executor.stash_sizes = kv.stash_sizes  # the RAM budget weighs what was stored
         return kv, Scheduler(kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
-                             draft_max=settings.draft_max)
+                             draft_max=settings.draft_max, max_stall_ms=settings.max_stall_ms)
 
     # -- protocol -----------------------------------------------------------------------------
 

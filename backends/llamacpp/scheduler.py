@@ -41,6 +41,7 @@ from backends.base import Failed, JobRejected
 from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS, reusable_prefix
 from backends.llamacpp.kv import KvBookkeeper, KvOp, common_prefix
+from backends.llamacpp.pacing import MIN_ROWS, PrefillPace
 from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
 from backends.llamacpp.state import ActiveJob, Sampled, WaitingJob
 from backends.llamacpp.updates import CallUpdate, advance
@@ -51,6 +52,8 @@ CALL_ROWS = 11
 # a newcomer waits for a prefix another job is prefilling when it would reuse this many more
 # tokens by it (below, prefilling them beside it costs less than the wait's extra step)
 MIN_HELD_PREFIX = 64
+# a paced prompt chunk may take at least this much of the decoders' call time (scheduler._paced)
+PREFILL_SHARE = 1.0
 
 
 @dataclass(slots=True)
@@ -95,7 +98,8 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KvBookkeeper, *, n_batch: int, n_ctx_per_seq: int, draft_max: int = 0) -> None:
+    def __init__(self, kv: KvBookkeeper, *, n_batch: int, n_ctx_per_seq: int, draft_max: int = 0,
+                 max_stall_ms: float = 0.0) -> None:
         check_n_batch(n_batch, kv.n_streams)
         self.kv = kv
         self.slots = kv.slots
@@ -104,6 +108,8 @@ class Scheduler:
         self.n_ctx_per_seq = n_ctx_per_seq
         self.draft_max = draft_max
         self.costs = StepCosts()  # every decoders-only call's time goes in (update)
+        # every lone prompt chunk's time goes in (update): what a step beside decoders may take
+        self.pace = PrefillPace(max_stall_ms / 1000)
         self.waiting: list[WaitingJob] = []
         self.active: dict[str, ActiveJob] = {}  # admission order = prefill order
         self.deferred_admissions = 0
@@ -249,6 +255,8 @@ class Scheduler:
                     self.kv.drop_tail(job)
             if job.done is not None:
                 out.finished.append(job)
+        if call.prompts and not call.decoders and call.span is None and len(call.prompts) == 1:
+            self.pace.record(call.prompts[0][1], call.prompts[0][0].n_past, seconds)
         for job, count in call.prompts:
             job.n_past += count
             job.chunks += 1
@@ -332,7 +340,11 @@ class Scheduler:
         # without bound. A prompt of several chunks prefills beside the decoders, to its end.
         chunks = [(job, self._chunk(job)) for job in alone]
         ending = [(job, n) for job, n in chunks if not job.chunks and job.n_past + n == len(job.tokens)]
-        newcomers_only = bool((short or ending) and decoding) and (
+        # With a stall target, a long prompt prefilling beside the streams already takes what
+        # their wait allows: no newcomers' step on top of it (invariance: chunks end at n_batch)
+        paced = bool(decoding) and self.pace.target > 0 and not self.kv.invariant
+        midway = paced and any(job.chunks for job in prefilling)
+        newcomers_only = bool((short or ending) and decoding and not midway) and (
             self._skips == 0 or self._skipped_seconds < self._decoders_seconds)
         self._skips = self._skips + 1 if newcomers_only else 0
         if newcomers_only:
@@ -340,8 +352,12 @@ class Scheduler:
         calls: list[DecodeCall] = []
         if decoding:
             calls.append(self._decoders_call(decoding))
+        shorts = self._short_calls(short)
+        if paced and not newcomers_only:
+            spent = sum(self.pace.seconds(c.n_rows(), max(j.n_past for j in c.members())) for c in shorts)
+            chunks = self._paced(chunks, spent, floor=0 if shorts else MIN_ROWS)
         budget = self.n_batch - len(decoding)
-        for call in self._short_calls(short):
+        for call in shorts:
             calls.append(call)
             budget -= call.n_rows()
         for job, count in chunks:
@@ -350,6 +366,27 @@ class Scheduler:
             calls.append(DecodeCall(prompts=[(job, count)]))
             budget -= count
         return calls
+
+    def _paced(self, chunks: list[tuple[ActiveJob, int]], spent: float,
+               floor: int) -> list[tuple[ActiveJob, int]]:
+        """The prompt chunks that fit beside the decoders within the stall target (pacing.py),
+        the first one cut to fit (at least `floor` rows), the rest left for later steps. The
+        streams have waited since their last call: that call, any newcomers' steps since, and
+        this step's short prompts (`spent`)."""
+        waited = self._decoders_seconds + self._skipped_seconds + spent
+        # where the decoders' own call nearly fills the target (many long streams, a loaded
+        # machine), the prompt still gets as much of a step as they do: its TTFT stays bounded
+        left = max(self.pace.target - waited, self._decoders_seconds * PREFILL_SHARE - spent)
+        paced: list[tuple[ActiveJob, int]] = []
+        for job, count in chunks:
+            rows = self.pace.rows(left, job.n_past, count, floor=0 if paced else floor)
+            if not rows:
+                break
+            paced.append((job, rows))
+            left -= self.pace.seconds(rows, job.n_past)
+            if rows < count:
+                break
+        return paced
 
     def _chunk(self, job: ActiveJob) -> int:
         """A prompt's next chunk when it runs alone: chunks end at multiples of n_batch, as when

@@ -49,6 +49,7 @@ from ecosystem.local.bench_load import (
 )
 from ecosystem.local.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
 from ecosystem.local.bench_setup import machine_meta, start_fleet_workers, workdir
+from ecosystem.local.bench_stalls import StallsConfig, run_stalls
 from ecosystem.local.bench_workloads import (
     WORKLOADS,
     BenchRequest,
@@ -70,6 +71,8 @@ from ecosystem.local.processes import (
 
 CHAT = "chat"  # multi-turn conversations over HTTP: ecosystem/local/bench_chat.py
 CHAT_USERS = 4  # --users unless given
+STALLS = "stalls"  # running streams while long prompts prefill: ecosystem/local/bench_stalls.py
+ALONE = (CHAT, STALLS)  # workloads with their own systems and table
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -290,12 +293,13 @@ def _user_counts(_ctx: click.Context, _param: click.Parameter, value: str) -> li
 
 def _workloads(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
-    unknown = [n for n in names if n not in (*WORKLOADS, CHAT)]
+    unknown = [n for n in names if n not in (*WORKLOADS, *ALONE)]
     if unknown or not names:
         raise click.BadParameter(f"unknown workload {', '.join(unknown) or repr(value)}; choose from "
-                                 f"{', '.join(WORKLOADS)} (a comma list runs each), or {CHAT}")
-    if CHAT in names and len(names) > 1:
-        raise click.BadParameter(f"{CHAT} runs alone (it has its own systems and table)")
+                                 f"{', '.join(WORKLOADS)} (a comma list runs each), {CHAT} or {STALLS}")
+    alone = [n for n in names if n in ALONE]
+    if alone and len(names) > 1:
+        raise click.BadParameter(f"{alone[0]} runs alone (it has its own systems and table)")
     return names
 
 
@@ -322,7 +326,8 @@ def _warn_if_busy(console: Console) -> None:
               help=f"closed-loop user counts, one level each ({CHAT}: one count, default {CHAT_USERS})")
 @click.option("--workload", "workloads", default="short", callback=_workloads, show_default=True,
               help=f"{', '.join(WORKLOADS)}, or a comma list (docs/bench.md says what each sends); "
-                   f"or {CHAT}: multi-turn conversations over HTTP (--turns, --history)")
+                   f"or {CHAT}: multi-turn conversations over HTTP (--turns, --history); or {STALLS}: "
+                   "the longest gap of running streams while two 3,000-token prompts prefill")
 @click.option("--seed", type=int, default=0, show_default=True, help="the workloads' requests come from it")
 @click.option("--requests-per-user", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(1, 4096), default=None,
@@ -377,6 +382,20 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
         raise click.BadParameter(f"n_ctx_per_seq={per_seq!r} is not a token count", param_hint="--fleet-set")
     threads = threads or len(os.sched_getaffinity(0))
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if workloads == (STALLS,):
+        _refuse({"requests_per_user": "--requests-per-user", "prompts_file": "--prompts",
+                 "fleet_backend": "--fleet-backend", "via": "--via", "turns": "--turns",
+                 "history": "--history", "slots": "--slots", "workers": "--workers"},
+                f"does not apply to --workload {STALLS}")
+        if len(users) > 1:
+            raise click.BadParameter(f"--workload {STALLS} takes one user count", param_hint="--users")
+        stalls = StallsConfig(users=users[0] if _given("users") else CHAT_USERS,
+                              stream_tokens=max_tokens or StallsConfig.stream_tokens, rounds=rounds,
+                              threads=threads, seed=seed, fleet_settings=fleet_settings)
+        _warn_if_busy(console)
+        run_stalls(stalls, console, out or Path("bench-results") / f"fleet-bench-stalls-{stamp}.json",
+                   keep_logs)
+        return
     if workloads == (CHAT,):
         _refuse({"requests_per_user": "--requests-per-user", "prompts_file": "--prompts",
                  "fleet_backend": "--fleet-backend", "via": "--via"},

@@ -113,9 +113,7 @@ class CompletionsTarget:
 
     @classmethod
     def llama_server(cls, url: str, users: int, *, seed: int) -> CompletionsTarget:
-        """With the fields the native path sends beyond OpenAI's, from the same source."""
-        native = common_fields(greedy("the fields do not depend on it", 1).sampling(SamplingDefaults()))
-        return cls(url, users, seed=seed, extra={k: native[k] for k in LLAMA_SERVER_FIELDS})
+        return cls(url, users, seed=seed, extra=llama_server_extra())
 
     def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         req = greedy(prompt, max_tokens)
@@ -131,6 +129,12 @@ class CompletionsTarget:
 
     def close(self) -> None:
         self.client.close()
+
+
+def llama_server_extra() -> dict[str, Any]:
+    """The fields the native path sends llama-server beyond OpenAI's, from the same source."""
+    native = common_fields(greedy("the fields do not depend on it", 1).sampling(SamplingDefaults()))
+    return {k: native[k] for k in LLAMA_SERVER_FIELDS}
 
 
 def native_chunk(chunk: dict[str, Any]) -> tuple[bool, int | None]:

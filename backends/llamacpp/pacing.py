@@ -1,0 +1,86 @@
+"""How much of a long prompt one step may prefill while other jobs stream: stall-free batching.
+
+A step runs the decoders' call and then the prompt chunks beside it, so every running stream's
+next token waits for the whole step. A full n_batch chunk of a long prompt (a pasted document)
+takes over a second on a small CPU, and the text of every other user freezes that long. As in
+Sarathi-Serve, a step's prefill share is sized so the step ends within a target gap
+(`max_stall_ms`), from the measured cost of this machine's prompt rows; with no decoder waiting, a
+prompt takes whole chunks.
+
+The cost of a prompt row grows with the cells it attends over, so the model is per row and per
+cell of context: seconds = CALL + rows * (ROW + CELL * (n_past + rows / 2)), its three terms
+fitted to the last prompt-only calls (least squares, in closed form over their running sums, kept
+for the last TIMINGS_KEPT calls). Before enough calls are timed, a step takes MIN_ROWS rows: that
+times the machine, and the fit takes over.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+MIN_ROWS = 32  # a step always moves a prompt on by this many rows (progress, whatever the target)
+ROW_QUANTUM = 16  # chunks are cut to whole multiples of this (matmul tiles; fewer odd shapes)
+TIMINGS_KEPT = 48  # prompt-only calls the fit looks at
+TIMINGS_TRUSTED = 3  # calls timed before the fit sizes chunks
+SAFETY = 0.85  # of the time left: the fit is a forecast, and the stream's write follows the step
+
+
+class PrefillPace:
+    """The prompt rows that fit a step beside the decoders, from timed prompt-only calls."""
+
+    def __init__(self, target_seconds: float) -> None:
+        self.target = target_seconds
+        self._calls: deque[tuple[int, float, float]] = deque(maxlen=TIMINGS_KEPT)
+        self._coef: tuple[float, float, float] | None = None
+
+    def record(self, rows: int, n_past: int, seconds: float) -> None:
+        """A prompt-only call of `rows` rows starting at position n_past took `seconds`."""
+        if rows <= 0 or seconds <= 0:
+            return
+        self._calls.append((rows, n_past + rows / 2, seconds))
+        self._coef = None
+
+    def seconds(self, rows: int, n_past: int) -> float:
+        """Forecast of a prompt-only call's time (0 while untimed)."""
+        coef = self._fit()
+        if coef is None:
+            return 0.0
+        call, row, cell = coef
+        return call + rows * (row + cell * (n_past + rows / 2))
+
+    def rows(self, left_seconds: float, n_past: int, wanted: int, floor: int = MIN_ROWS) -> int:
+        """Rows of a prompt at n_past (of `wanted` still to prefill) that fit `left_seconds`; at
+        least `floor`, at most `wanted`."""
+        if self.target <= 0:
+            return wanted
+        coef = self._fit()
+        if coef is None:
+            return min(wanted, floor)
+        budget = left_seconds * SAFETY
+        lo, hi = 0, wanted  # the largest row count whose forecast fits: the cost grows with rows
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.seconds(mid, n_past) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo >= wanted:
+            return wanted
+        return min(wanted, max(floor, lo // ROW_QUANTUM * ROW_QUANTUM))
+
+    def _fit(self) -> tuple[float, float, float] | None:
+        if self._coef is not None or len(self._calls) < TIMINGS_TRUSTED:
+            return self._coef
+        data = np.array(self._calls, dtype=np.float64)
+        rows, mid, seconds = data[:, 0], data[:, 1], data[:, 2]
+        design = np.stack([np.ones_like(rows), rows, rows * mid], axis=1)
+        coef, *_ = np.linalg.lstsq(design, seconds, rcond=None)
+        call, row, cell = (float(c) for c in coef)
+        if row <= 0 or cell < 0 or call < 0:
+            # too few shapes to tell the terms apart: per row, all of it (an over-estimate
+            # with a call's overhead in it, which errs towards shorter stalls)
+            call, row, cell = 0.0, float(np.sum(seconds) / np.sum(rows)), 0.0
+        self._coef = (call, row, cell)
+        return self._coef
