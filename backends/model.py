@@ -1,7 +1,11 @@
-"""Where models live: the embedded default (gemma-3-270m Q4_K_M from PyPI) and the cache dir."""
+"""Where models live: the embedded default (gemma-3-270m Q4_K_M from PyPI) and the cache dir; a
+model file's sha256, computed once."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -31,3 +35,50 @@ def default_model_path() -> Path:
     gemma.assemble(target)
     marker.touch()
     return target
+
+
+DIGEST_BLOCK = 1 << 20
+
+
+def _digest_record(path: Path) -> tuple[Path, dict[str, object]]:
+    """Where a file's digest is cached, and what identifies the file it was computed on."""
+    real = path.resolve()
+    stat = real.stat()
+    name = hashlib.sha256(str(real).encode()).hexdigest()[:32]
+    return cache_dir() / "digests" / f"{name}.json", {"path": str(real), "size": stat.st_size,
+                                                       "mtime_ns": stat.st_mtime_ns}
+
+
+def cached_digest(path: Path) -> str | None:
+    """The file's sha256 (hex) as computed before, while the file has the same path, size and
+    time; None when it was never computed or the file changed since."""
+    try:
+        where, identity = _digest_record(path)
+        record = json.loads(where.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or {k: record.get(k) for k in identity} != identity:
+        return None
+    digest = record.get("sha256")
+    return digest if isinstance(digest, str) and len(digest) == 64 else None
+
+
+def file_digest(path: Path) -> str:
+    """The file's sha256 (hex), as Ollama names a model's blob: read once, then cached under the
+    cache dir (`digests/`) for as long as the file keeps its path, size and time (a 4 GB file
+    takes some seconds to read). A cache dir that cannot be written only costs the next read."""
+    if (known := cached_digest(path)) is not None:
+        return known
+    where, identity = _digest_record(path)
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(DIGEST_BLOCK):
+            digest.update(block)
+    hexdigest = digest.hexdigest()
+    if _digest_record(path)[1] == identity:  # not changed while it was read
+        with contextlib.suppress(OSError):
+            where.parent.mkdir(parents=True, exist_ok=True)
+            partial = where.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps({**identity, "sha256": hexdigest}))
+            partial.replace(where)
+    return hexdigest

@@ -5,7 +5,10 @@ which has the model open, describes it.
 
 The card holds Ollama's `/api/show` fields as far as the model tells them: `model_info` (the
 GGUF's scalar metadata, typed), `details`, `template`, `parameters`, `capabilities`,
-`modified_at`. No llama_cpp here: an engine hands over its metadata as text.
+`modified_at`; and what Ollama's listings (`/api/tags`, `/api/ps`) show: `name` (the model's
+Ollama-style name, `ollama_name`), `size` (the file's bytes), `digest` (the file's sha256, which
+the worker adds once it has it: backends/model.py `file_digest`) and `context_length` (the worker's
+tokens per job). No llama_cpp here: an engine hands over its metadata as text.
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ def gguf_card(metadata: dict[str, str], *, path: Path, n_params: int, template: 
     parameters = ollama_parameters(defaults)
     template = (template or "")[:MAX_TEXT]
     try:
-        modified = datetime.fromtimestamp(path.stat().st_mtime, UTC)
+        stat = path.stat()
+        modified, size = datetime.fromtimestamp(stat.st_mtime, UTC), stat.st_size
     except OSError:
-        modified = datetime.now(UTC)
+        modified, size = datetime.now(UTC), 0
     return {
+        "name": ollama_name(info),
+        "size": size,
         "modelfile": modelfile(path.name, template, parameters),
         "parameters": parameters,
         "template": template,
@@ -72,7 +78,34 @@ def ollama_card(show: dict[str, Any]) -> dict[str, Any]:
     info = show.get("model_info")
     card["model_info"] = {k: v for k, v in (info if isinstance(info, dict) else {}).items()
                           if _small(v)}
+    card["name"] = ollama_name(card["model_info"])
     return card
+
+
+def ollama_name(info: dict[str, Any]) -> str:
+    """The name Ollama's library would give the model, from its metadata: `<base>:<size>`, the
+    base from `general.basename` (else `general.architecture`) in lower case with the dash before
+    a version number dropped (gemma-3 -> gemma3, Llama-3.2 -> llama3.2), the tag from
+    `general.size_label` (else the parameter count): the embedded gemma-3-270m is `gemma3:270m`.
+    "" when the metadata names no model."""
+    base = str(info.get("general.basename") or info.get("general.architecture") or "").strip().lower()
+    base = re.sub(r"[\s_]+", "-", base)
+    base = re.sub(r"(?<=[a-z])-(?=\d)", "", base)
+    base = re.sub(r"[^a-z0-9._-]", "", base).strip("-._")[:64]
+    if not base:
+        return ""
+    tag = re.sub(r"[^a-z0-9._-]", "", str(info.get("general.size_label") or "").lower()).strip("-._")
+    count = info.get("general.parameter_count")
+    if not tag and isinstance(count, int) and not isinstance(count, bool) and count > 0:
+        tag = size_tag(count)
+    return f"{base}:{tag[:32] or 'latest'}"
+
+
+def size_tag(n_params: int) -> str:
+    """A parameter count as Ollama's tags write it: 268m, 1.1b, 7b."""
+    if n_params >= 1_000_000_000:
+        return f"{n_params / 1e9:.1f}".removesuffix(".0") + "b"
+    return f"{max(1, round(n_params / 1e6))}m"
 
 
 def _small(value: object) -> bool:

@@ -86,8 +86,9 @@ def test_openai_completions_sync_async_stream_n_stop_usage(workers, gateways) ->
     streamed, indices = asyncio.run(async_client())
     assert streamed == text and indices == [0, 1]
 
-    models = client.models.list()
-    assert [m.id for m in models.data] == ["llm"] and client.models.retrieve("llm").id == "llm"
+    models = client.models.list()  # the pool's name and its model's (docs/gateway.md, "Models and pools")
+    assert [m.id for m in models.data] == ["gemma3:270m", "llm"] and client.models.retrieve("llm").id == "llm"
+    assert client.models.retrieve("gemma3:270m").id == "gemma3:270m"
 
 
 def test_openai_chat_stream_and_not_json_schema_and_logprobs_on_the_default_engine(workers, gateways) -> None:
@@ -139,8 +140,9 @@ def test_ollama_client_generate_stream_and_not_tags_ps_version(workers, gateways
     assert parts[-1].done and not any(p.done for p in parts[:-1]) and parts[-1].eval_count == 10
     # an empty prompt only "loads the model", as with Ollama
     assert client.generate(model="llm", prompt="").done_reason == "load"
-    assert [m.model for m in client.list().models] == ["llm"]
-    assert [m.model for m in client.ps().models] == ["llm"]
+    # listed under the model's name from its GGUF; "llm" stays an alias (tests/test_ollama_models.py)
+    assert [m.model for m in client.list().models] == ["gemma3:270m"]
+    assert [m.model for m in client.ps().models] == ["gemma3:270m"]
     assert httpx.get(f"{gw.url}/api/version").json()["version"]
     with pytest.raises(ollama.ResponseError) as missing:
         client.generate(model="nope", prompt=PROMPT)

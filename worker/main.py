@@ -7,6 +7,8 @@ import contextlib
 import logging
 import os
 import socket
+import threading
+from pathlib import Path
 
 from redis import Redis
 from redis.exceptions import ResponseError
@@ -17,6 +19,9 @@ from backends.base import Described
 from backends.contract.connect import server_version
 from backends.contract.keys import RQ_WORKERS_SET, queue_names, worker_key
 from backends.contract.retry import OUTAGE_ERRORS
+from backends.contract.settings import EngineSettings
+from backends.llamacpp_settings import LlamaCppSettings
+from backends.model import cached_digest, default_model_path, file_digest
 from backends.registry import engine_threads, make_backend
 from worker.assembly import job_hooks
 from worker.liveness.heartbeat import Heartbeat, clear_status, static_status
@@ -67,11 +72,15 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
 
     fw = FleetWorker(settings, backend, redis, name, link, hooks=hooks)
     fw.install_signal_handlers()
+    card = model_card(backend, settings.backend)
     static = static_status(name, settings, backend.name, backend.slots,
-                           {"threads": threads, **report.to_dict()})
-    hb = Heartbeat(fw, rq_worker, reaper, static, model_card(backend))
+                           {"threads": threads, **report.to_dict()},
+                           model=str((card or {}).get("name") or ""))
+    hb = Heartbeat(fw, rq_worker, reaper, static, card)
     hb.beat()  # visible before the first job
     hb.start()
+    if card is not None and not card.get("digest"):
+        learn_digest(hb, card, settings.backend)
     fw.claimer.require_live = True  # from now on a claim needs the status key the heartbeat keeps
     summary = None
     try:
@@ -92,17 +101,51 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     return summary
 
 
-def model_card(backend: object) -> dict[str, object] | None:
-    """The engine's model card for Ollama's /api/show, when it can describe its model (a card
-    that fails to build is only logged: it is no reason to stop serving)."""
-    engine = getattr(backend, "inner", backend)  # backend.overlap wraps the engine
-    if not isinstance(engine, Described):
+def model_card(backend: object, engine: EngineSettings) -> dict[str, object] | None:
+    """The engine's model card for Ollama's /api/show, /api/tags and /api/ps, when it can describe
+    its model (a card that fails to build is only logged: it is no reason to stop serving), with
+    what the worker's settings add: the tokens one job may hold, the file's digest if known."""
+    described = getattr(backend, "inner", backend)  # backend.overlap wraps the engine
+    if not isinstance(described, Described):
         return None
     try:
-        return engine.model_card()
+        card = dict(described.model_card())
     except Exception:
         log.exception("the engine could not describe its model; /api/show gets no details")
         return None
+    if isinstance(engine, LlamaCppSettings):
+        card["context_length"] = engine.n_ctx_per_seq
+    path = model_file(engine)
+    if path is not None and not card.get("digest"):
+        card["digest"] = cached_digest(path) or ""
+    return card
+
+
+def model_file(engine: EngineSettings) -> Path | None:
+    """The GGUF file the in-process engine runs (None for the HTTP engines)."""
+    if not isinstance(engine, LlamaCppSettings):
+        return None
+    try:
+        return engine.model_path or default_model_path()  # the engine has loaded it: no assembly here
+    except OSError:
+        return None
+
+
+def learn_digest(hb: Heartbeat, card: dict[str, object], engine: EngineSettings) -> None:
+    """Read the model file's sha256 on a thread (a large file takes seconds; the worker serves
+    meanwhile) and publish the card with it; cached, so only a worker's first start on a file
+    reads it."""
+    path = model_file(engine)
+    if path is None:
+        return
+
+    def digest() -> None:
+        try:
+            hb.publish_card({**card, "digest": file_digest(path)})
+        except OSError as e:
+            log.warning("cannot read the model file's digest (%s): listings show none", e)
+
+    threading.Thread(target=digest, name="fleet-model-digest", daemon=True).start()
 
 
 def _address(redis: Redis) -> str:

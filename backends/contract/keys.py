@@ -129,6 +129,11 @@ def model_card_key(name: str) -> str:
     return f"fleet:model:{name}"
 
 
+# hash pool -> unix time: pools an operator unloaded through Ollama's API (keep_alive 0), which the
+# gateway's /api/ps leaves out until the pool's next request (the gateway deletes the field then)
+UNLOADED_KEY = "fleet:unloaded"
+
+
 def inflight_key(name: str) -> str:
     """Job ids a worker holds; claimed by atomic move so the reaper sees them if it dies."""
     return f"fleet:inflight:{name}"

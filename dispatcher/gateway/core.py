@@ -13,12 +13,21 @@ import hmac
 import json
 import logging
 import re
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from backends.contract.gateway_settings import GatewaySettings, TenantSettings
-from backends.contract.keys import WORKERS_SET, queue_key, queue_names, tenant_queue_name, worker_key
+from backends.contract.keys import (
+    UNLOADED_KEY,
+    WORKERS_SET,
+    queue_key,
+    queue_names,
+    tenant_queue_name,
+    worker_key,
+)
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT, PRIORITIES
@@ -134,6 +143,19 @@ class Caller:
 OPEN = Caller(DEFAULT_TENANT)  # no keys configured: everyone is the default tenant
 
 
+@dataclass(frozen=True)
+class Served:
+    """One model the gateway serves: the pool that runs it and the names a request may use; the
+    first is the one Ollama's listings show (docs/gateway.md, "Models and pools")."""
+
+    pool: str
+    names: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
 class Gateway:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
@@ -141,7 +163,10 @@ class Gateway:
                                 job_timeout=settings.job_timeout, queue_ttl=settings.queue_ttl,
                                 retry_for=5.0)
         self._fleets: dict[str, AsyncFleet] = {settings.pool: self.fleet}
-        self.models = settings.model_pools()
+        self.models = settings.model_pools()  # the configured names: name -> pool
+        # pool -> its model's Ollama-style name, as its live workers last said (kept when they go)
+        self.model_names: dict[str, str] = {}
+        self.cards: dict[str, dict[str, Any]] = {}  # pool -> the last model card read of its workers
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
         self.pool_members: dict[str, list[str]] = {}  # pool -> the names of those workers
         self.redis_up = False
@@ -182,7 +207,7 @@ class Gateway:
             names = sorted(as_str(n) or "" for n in await redis.smembers(WORKERS_SET))
             async with redis.pipeline(transaction=False) as pipe:
                 for name in names:
-                    pipe.hmget(worker_key(name), ["pool", "state"])
+                    pipe.hmget(worker_key(name), ["pool", "state", "model"])
                 replies = await pipe.execute()
         except OUTAGE_ERRORS as e:
             if self.redis_up:
@@ -192,13 +217,18 @@ class Gateway:
             return
         counts: dict[str, int] = {}
         members: dict[str, list[str]] = {}
-        for name, (pool_raw, state_raw) in zip(names, replies, strict=True):
+        model_names: dict[str, str] = {}
+        for name, (pool_raw, state_raw, model_raw) in zip(names, replies, strict=True):
             if pool_raw is None:
                 continue  # its hash expired: dead (the reaper collects it)
             pool, state = json.loads(pool_raw), json.loads(state_raw or '""')
             if state not in NOT_SERVING:
                 counts[pool] = counts.get(pool, 0) + 1
                 members.setdefault(pool, []).append(name)
+                model = json.loads(model_raw or '""')
+                if isinstance(model, str) and model and pool not in model_names:
+                    model_names[pool] = model
+        self.model_names = {**self.model_names, **model_names}
         self.live_workers = counts
         self.pool_members = members
         self.redis_up = True
@@ -227,14 +257,50 @@ class Gateway:
     def tenant(self, caller: Caller) -> TenantSettings | None:
         return self.settings.gateway.tenants.get(caller.tenant)
 
-    def models_for(self, caller: Caller) -> dict[str, str]:
-        """The models `caller` may use (name -> pool): its tenant's `models`, else every one. A
-        model the tenant may not use does not exist for it, in listings as in requests."""
+    def catalogue(self) -> list[Served]:
+        """Every model served, one entry per configured name. A pool served under its own name
+        (the default: no `gateway.models`) is listed under its model's Ollama-style name once its
+        workers told it (gemma3:270m), the pool's name staying an alias; a name the operator gave
+        in `gateway.models` stays the name. A derived name that two pools share, or that is
+        configured already, is not used."""
+        derived = {pool: name for pool, name in self.model_names.items() if pool in self.models.values()}
+        shared = Counter(derived.values())
+        out = []
+        for name, pool in self.models.items():
+            alias = derived.get(pool, "")
+            usable = name == pool and alias and shared[alias] == 1 and alias not in self.models
+            out.append(Served(pool, (alias, name) if usable else (name,)))
+        return out
+
+    def served_for(self, caller: Caller) -> list[Served]:
+        """The models `caller` may use: those its tenant's `models` name (by either name), else
+        every one. A model the tenant may not use does not exist for it, in listings as in requests."""
         tenant = self.tenant(caller)
+        models = self.catalogue()
         if tenant is None or tenant.models is None:
-            return self.models
+            return models
         allowed = set(tenant.models)
-        return {name: pool for name, pool in self.models.items() if name in allowed}
+        return [m for m in models if allowed.intersection(m.names)]
+
+    def models_for(self, caller: Caller) -> dict[str, str]:
+        """Every name `caller` may use -> its pool."""
+        return {name: m.pool for m in self.served_for(caller) for name in m.names}
+
+    def may_unload(self, caller: Caller) -> bool:
+        """Whether `caller` may unload a model (Ollama's keep_alive 0): an operator (an admin key;
+        the flat api_keys while neither tenants nor admin keys are configured), or anyone on a
+        gateway without keys. A tenant shares the models with others, so it may not."""
+        return caller.operator or not self._keys
+
+    async def set_unloaded(self, pool: str, unloaded: bool) -> None:
+        """Mark the pool's model unloaded (Ollama's /api/ps leaves it out) or loaded again."""
+        try:
+            if unloaded:
+                await self.fleet.redis.hset(UNLOADED_KEY, pool, str(round(time.time(), 3)))
+            else:
+                await self.fleet.redis.hdel(UNLOADED_KEY, pool)
+        except OUTAGE_ERRORS:
+            raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
 
     def pool_for(self, model: object, caller: Caller = OPEN) -> str:
         if not isinstance(model, str) or not model:
@@ -242,6 +308,9 @@ class Gateway:
                            param="model", code="missing_model")
         served = self.models_for(caller)
         pool = served.get(model)
+        untagged = model.removesuffix(":latest")
+        if pool is None and untagged != model and ":" not in untagged:
+            pool = served.get(untagged)  # Ollama's rule: a name without a tag is <name>:latest
         if pool is None:
             raise ApiError(404, f"The model '{shown(model)}' does not exist (this gateway serves: "
                            f"{', '.join(sorted(served))})", param="model", code="model_not_found")
@@ -266,7 +335,7 @@ class Gateway:
                 raise ApiError(503, f"no live worker serves pool '{pool}'", code="no_workers")
         fleet = self.fleet_for(pool)
         try:
-            depth = await self.queue_depth(pool, priority, caller.tenant)
+            depth = await self.queue_depth(pool, priority, caller.tenant, in_use=True)
         except OUTAGE_ERRORS:
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
         limit = self.settings.gateway.max_queue
@@ -314,15 +383,21 @@ class Gateway:
             with contextlib.suppress(*OUTAGE_ERRORS):  # else they expire with their reservation
                 await run_async(self.fleet.redis, release_plan(name, ids[len(jobs):]))
 
-    async def queue_depth(self, pool: str, priority: str = PRIORITIES[-1], tenant: str | None = None) -> int:
+    async def queue_depth(self, pool: str, priority: str = PRIORITIES[-1], tenant: str | None = None, *,
+                          in_use: bool = False) -> int:
         """Jobs waiting that a job at `priority` competes with: its own queue and the higher ones
         (claimed first); for a tenant, its own queues (the claim shares each priority between the
         tenants with work, so others' backlogs never stand in front of it). Lower ones (a batch's
-        lines) never delay it, so they do not count."""
+        lines) never delay it, so they do not count. `in_use` (a request for the pool): the same round
+        trip marks the pool's model loaded again, should an operator have unloaded it (Ollama's
+        /api/ps lists it again)."""
         async with self.fleet.redis.pipeline(transaction=False) as pipe:
             for name in queue_names(pool)[:PRIORITIES.index(priority) + 1]:
                 pipe.llen(queue_key(tenant_queue_name(name, tenant)))
-            return sum(int(n) for n in await pipe.execute())
+            if in_use:
+                pipe.hdel(UNLOADED_KEY, pool)
+            replies = await pipe.execute()
+            return sum(int(n) for n in replies[:len(replies) - in_use])
 
 
 

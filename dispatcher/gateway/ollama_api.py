@@ -1,6 +1,11 @@
 """Ollama's API over the fleet: POST /api/generate, POST /api/chat, GET /api/tags, /api/ps,
 /api/version, with Ollama's field names.
 
+The listings describe each model from its pool's model card (dispatcher/gateway/ollama_show.py):
+name, file size and sha256, details, the file's time; /api/ps the workers' RAM and their tokens
+per job. An empty prompt (or no messages) loads the model; with `keep_alive` 0 it unloads it,
+which only an operator may do (docs/gateway.md, "Load and unload").
+
 Streams are NDJSON (the default; `"stream": false` gives one object); the final object has
 `done: true`, `done_reason` and the counts and durations (nanoseconds) Ollama reports. Errors are
 {"error": "..."}: with a status before the stream starts, as a line once it has. `options` that
@@ -11,16 +16,29 @@ fleet's workers decide that; sampling options this gateway cannot honour are a 4
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from backends.contract.keys import UNLOADED_KEY, worker_key
 from backends.contract.tools import AnswerReader
-from dispatcher.gateway.core import ApiError, Gateway, JobUpdate, cancel_all, collect, follow, unsupported
+from dispatcher.gateway.core import (
+    ApiError,
+    Gateway,
+    JobUpdate,
+    Served,
+    cancel_all,
+    collect,
+    follow,
+    shown,
+    unsupported,
+)
+from dispatcher.gateway.ollama_show import UNKNOWN_DETAILS, listed_cards
 from dispatcher.gateway.openai_api import check_limits, read_body, timed_out
 from dispatcher.gateway.openai_tools import tool_fields
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
@@ -56,25 +74,70 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _model_entry(name: str) -> dict[str, Any]:
-    return {"name": name, "model": name, "modified_at": "1970-01-01T00:00:00Z", "size": 0, "digest": "",
-            "details": {"parent_model": "", "format": "gguf", "family": "", "families": None,
-                        "parameter_size": "", "quantization_level": ""}}
+EPOCH = "1970-01-01T00:00:00Z"
+# Ollama's expires_at of a model kept loaded for good (keep_alive < 0: now + the longest Go
+# duration, ~292 years; `ollama ps` shows "Forever"): a worker holds its model until it stops
+FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)
+
+
+def _model_entry(name: str, card: dict[str, Any]) -> dict[str, Any]:
+    """A model of /api/tags from its pool's card (the fields stay, empty, without one)."""
+    return {"name": name, "model": name, "modified_at": str(card.get("modified_at") or EPOCH),
+            "size": _count(card.get("size")), "digest": str(card.get("digest") or ""),
+            "details": {**UNKNOWN_DETAILS, **(card.get("details") or {})}}
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _listed(gw: Gateway, request: Request) -> list[Served]:
+    return sorted(gw.served_for(request.state.caller), key=lambda m: m.name)
 
 
 async def tags(request: Request) -> Response:
+    """The caller's models, one entry each under the name its listings use (Ollama: the models it
+    has, loaded or not)."""
     gw: Gateway = request.app.state.gateway
-    served = gw.models_for(request.state.caller)
-    return JSONResponse({"models": [_model_entry(m) for m in sorted(served)]})
+    models = _listed(gw, request)
+    cards = await listed_cards(gw, [m.pool for m in models])
+    return JSONResponse({"models": [_model_entry(m.name, cards[m.pool]) for m in models]})
 
 
 async def ps(request: Request) -> Response:
-    """The caller's models with at least one live worker (Ollama: models loaded in memory)."""
+    """The caller's models with at least one live worker that no operator unloaded since their
+    last request (Ollama: the models loaded in memory). `size` is the RAM the pool's live workers
+    hold (their RSS, summed), `context_length` the tokens one request may hold there."""
     gw: Gateway = request.app.state.gateway
-    served = gw.models_for(request.state.caller)
-    running = [m for m, pool in sorted(served.items()) if gw.live_workers.get(pool)]
-    return JSONResponse({"models": [{**_model_entry(m), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}
-                                    for m in running]})
+    running = [m for m in _listed(gw, request) if gw.live_workers.get(m.pool)]
+    pools = list(dict.fromkeys(m.pool for m in running))
+    if not pools:
+        return JSONResponse({"models": []})
+    members = {pool: list(gw.pool_members.get(pool, [])) for pool in pools}
+    async with gw.fleet.redis.pipeline(transaction=False) as pipe:
+        pipe.hmget(UNLOADED_KEY, pools)
+        for pool in pools:
+            for name in members[pool]:
+                pipe.hget(worker_key(name), "rss_mb")
+        replies = await pipe.execute()
+    unloaded = {pool for pool, mark in zip(pools, replies[0], strict=True) if mark is not None}
+    rss = iter(replies[1:])
+    ram = {pool: sum(_mib(next(rss)) for _ in members[pool]) for pool in pools}
+    cards = await listed_cards(gw, pools)
+    expires = (datetime.now(UTC) + FOREVER).isoformat().replace("+00:00", "Z")
+    return JSONResponse({"models": [
+        {**_model_entry(m.name, cards[m.pool]), "size": ram[m.pool], "expires_at": expires, "size_vram": 0,
+         "context_length": _count(cards[m.pool].get("context_length"))}
+        for m in running if m.pool not in unloaded]})
+
+
+def _mib(raw: object) -> int:
+    """A status hash's `rss_mb` (JSON) in bytes."""
+    try:
+        value = json.loads(raw) if isinstance(raw, str | bytes) else 0
+    except ValueError:
+        return 0
+    return int(value * 2**20) if isinstance(value, int | float) and value > 0 else 0
 
 
 async def version(request: Request) -> Response:
@@ -87,6 +150,27 @@ async def generate(request: Request) -> Response:
 
 async def chat(request: Request) -> Response:
     return await _run(request, chat=True)
+
+
+GO_PART = r"(\d+(?:\.\d*)?|\.\d+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h)"  # a Go duration's number and unit
+GO_DURATION = re.compile(f"(?:{GO_PART})+")
+
+
+def zero_duration(keep_alive: object) -> bool:
+    """Whether `keep_alive` is zero, as Ollama reads it (a number of seconds, or a Go duration
+    such as "0", "0s", "0m"): the request then unloads the model."""
+    if isinstance(keep_alive, bool):
+        return False
+    if isinstance(keep_alive, int | float):
+        return keep_alive == 0
+    if not isinstance(keep_alive, str):
+        return False
+    text = keep_alive.strip().lstrip("+-")
+    try:
+        return float(text) == 0  # "0", "0.0": seconds
+    except ValueError:
+        pass
+    return bool(GO_DURATION.fullmatch(text)) and all(float(n) == 0 for n in re.findall(GO_PART, text))
 
 
 def job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
@@ -201,8 +285,14 @@ async def _run(request: Request, chat: bool) -> Response:
     pool = gw.pool_for(model, caller)
     fields = job_fields(body, chat)
     reply = OllamaReply(str(model), chat, started, tools=bool(fields and fields.get("tools")))
-    if fields is None:  # Ollama loads the model and answers at once
-        return JSONResponse(reply.final(None, "", done_reason="load"))
+    if fields is None:  # Ollama loads the model, or with keep_alive 0 unloads it, and answers at once
+        unload = zero_duration(body.get("keep_alive"))
+        if unload and not gw.may_unload(caller):
+            raise ApiError(403, f"model '{shown(model)}' is shared by this fleet's callers: unloading it "
+                           "(keep_alive 0) needs an operator's key (gateway.admin_keys)",
+                           code="admin_key_required")
+        await gw.set_unloaded(pool, unload)
+        return JSONResponse(reply.final(None, "", done_reason="unload" if unload else "load"))
     check_limits(gw, [fields], 1, tokens_field="options.num_predict")
     jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"), caller)
     headers = {"X-Fleet-Job-Id": jobs[0].id}

@@ -4,7 +4,8 @@ The gateway may run where the model file is not (a producer-only host), so the a
 the model card a live worker of the model's pool publishes with its heartbeat
 (backends/model_card.py, key `fleet:model:<worker>`, the status hash's TTL). With no live worker,
 or an engine that cannot describe its model, the fields hold what the gateway knows: the name,
-the format, "completion".
+the format, "completion". Ollama's listings (/api/tags, /api/ps) read the same cards, one per pool
+(`listed_cards`), remembering the last one seen of each pool.
 """
 
 from __future__ import annotations
@@ -50,10 +51,30 @@ async def published_card(gw: Gateway, pool: str) -> dict[str, Any]:
             raw = await gw.fleet.redis.get(model_card_key(name))
             if raw:
                 card = json.loads(raw)
-                return card if isinstance(card, dict) else {}
+                if isinstance(card, dict):
+                    gw.cards[pool] = card
+                    return card
+                return {}
     except OUTAGE_ERRORS:
         raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
     return {}
+
+
+async def listed_cards(gw: Gateway, pools: list[str]) -> dict[str, dict[str, Any]]:
+    """Each pool's card for Ollama's listings, in one round trip: a live worker's, else the last
+    one this gateway saw (a listing names the fleet's models whether a worker runs them now or
+    not, as Ollama lists the models it has), else {}."""
+    asked = [(pool, gw.pool_members[pool][0]) for pool in dict.fromkeys(pools) if gw.pool_members.get(pool)]
+    if asked:
+        async with gw.fleet.redis.pipeline(transaction=False) as pipe:
+            for _, worker in asked:
+                pipe.get(model_card_key(worker))
+            replies = await pipe.execute()
+        for (pool, _), raw in zip(asked, replies, strict=True):
+            card = json.loads(raw) if raw else None
+            if isinstance(card, dict):
+                gw.cards[pool] = card
+    return {pool: gw.cards.get(pool, {}) for pool in pools}
 
 
 def answer(card: dict[str, Any]) -> dict[str, Any]:

@@ -67,6 +67,10 @@ class Heartbeat(threading.Thread):
         super().start()
         self.reaping.start()
 
+    def publish_card(self, model_card: dict[str, Any]) -> None:
+        """A new model card (one that learnt its file's digest), written from the next beat on."""
+        self.card = json.dumps(model_card, separators=(",", ":"))
+
     def halt(self) -> None:
         self._halt.set()
         self.fw.jobs_ended.set()  # cut the wait short
@@ -177,12 +181,15 @@ def redact(value: Any) -> Any:
 
 
 def static_status(name: str, settings: Any, backend_name: str, slots: int,
-                  pin: dict[str, Any]) -> dict[str, Any]:
+                  pin: dict[str, Any], model: str = "") -> dict[str, Any]:
+    """What the status hash says for the worker's life; `model`: its model's Ollama-style name
+    (the card's `name`: the gateway lists the pool's model under it)."""
     return {
         "name": name,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "pool": settings.pool,
+        "model": model,
         "backend": backend_name,
         "slots": slots,
         "started_at": round(time.time(), 3),
