@@ -387,7 +387,7 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
                  "fleet_backend": "--fleet-backend", "via": "--via", "turns": "--turns",
                  "history": "--history", "slots": "--slots", "workers": "--workers"},
                 f"does not apply to --workload {STALLS}")
-        if len(users) > 1:
+        if _given("users") and len(users) > 1:
             raise click.BadParameter(f"--workload {STALLS} takes one user count", param_hint="--users")
         stalls = StallsConfig(users=users[0] if _given("users") else CHAT_USERS,
                               stream_tokens=max_tokens or StallsConfig.stream_tokens, rounds=rounds,
@@ -400,7 +400,7 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
         _refuse({"requests_per_user": "--requests-per-user", "prompts_file": "--prompts",
                  "fleet_backend": "--fleet-backend", "via": "--via"},
                 f"does not apply to --workload {CHAT} (always over HTTP)")
-        if len(users) > 1:
+        if _given("users") and len(users) > 1:
             raise click.BadParameter(f"--workload {CHAT} takes one user count", param_hint="--users")
         chat = ChatConfig(users[0] if _given("users") else CHAT_USERS, turns, max_tokens or CHAT_MAX_TOKENS,
                           HISTORIES if history == "both" else (history,), workers, threads, rounds,
