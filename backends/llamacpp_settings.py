@@ -25,7 +25,7 @@ class LlamaCppSettings(EngineSettings):
                                "per-slot KV streams also the KV cells of each slot and prefix entry")
     n_batch: int = Field(512, ge=16, description="token budget of one decode step (chunked prefill)")
     max_stall_ms: float = Field(
-        200, ge=0, description="per-slot streams: while jobs stream, a step prefills only as many "
+        250, ge=0, description="per-slot streams: while jobs stream, a step prefills only as many "
         "prompt rows as this machine's timed steps say fit in this gap, so a long prompt never "
         "freezes the other streams longer (at least 32 rows a step, and as long as the streams' own "
         "call; 0: whole n_batch chunks)")

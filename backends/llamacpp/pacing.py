@@ -24,7 +24,7 @@ MIN_ROWS = 32  # a step always moves a prompt on by this many rows (progress, wh
 ROW_QUANTUM = 16  # chunks are cut to whole multiples of this (matmul tiles; fewer odd shapes)
 TIMINGS_KEPT = 48  # prompt-only calls the fit looks at
 TIMINGS_TRUSTED = 3  # calls timed before the fit sizes chunks
-SAFETY = 0.85  # of the time left: the fit is a forecast, and the stream's write follows the step
+SAFETY = 0.9  # of the time left: the fit is a forecast, and the stream's write follows the step
 
 
 class PrefillPace:

@@ -378,8 +378,9 @@ class Scheduler:
         # machine), the prompt still gets as much of a step as they do: its TTFT stays bounded
         left = max(self.pace.target - waited, self._decoders_seconds * PREFILL_SHARE - spent)
         paced: list[tuple[ActiveJob, int]] = []
-        for job, count in chunks:
-            rows = self.pace.rows(left, job.n_past, count, floor=0 if paced else floor)
+        for job, _ in chunks:  # (not cut at n_batch multiples: only invariance needs that)
+            count = len(job.tokens) - job.n_past
+            rows = self.pace.rows(left, job.n_past, min(count, self.n_batch), floor=0 if paced else floor)
             if not rows:
                 break
             paced.append((job, rows))
