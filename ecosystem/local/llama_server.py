@@ -1,9 +1,11 @@
 """A local `llama-server` process on the real model, for `fleet bench` and the tests.
 
-The binary is llama.cpp's server built from the llama.cpp vendored in the pinned llama-cpp-python
-(scripts/build-llama-server, run by scripts/setup, caches it by version in the cache dir), so the
-server and the in-process backend run the same llama.cpp. $FLEET_LLAMA_SERVER names another
-binary; a `llama-server` on PATH is the last resort.
+The binary is llama.cpp's server built from the llama.cpp vendored in the pinned llama-cpp-python,
+in the same CMake tree as the shared libraries the in-process backend loads and linked against
+them (scripts/build-llama-server, cached by version in the cache dir), so the server and the
+in-process backend run the same llama.cpp. scripts/setup builds it for the tests; after
+`scripts/setup --demo` (which does not) the first caller here builds it. $FLEET_LLAMA_SERVER names
+another binary; a `llama-server` on PATH is the last resort, when there is no build script.
 
     with start_llama_server(log_dir, parallel=4, ctx=4096, threads=2) as srv:  # waits for /health
         httpx.post(f"{srv.url}/completion", json={...})
@@ -28,20 +30,41 @@ from backends.model import cache_dir, default_model_path
 from ecosystem.local.processes import free_port
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the pin in pyproject.toml; scripts/build-llama-server's default
+BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build-llama-server"
 
 
 def llama_server_binary() -> Path:
-    """$FLEET_LLAMA_SERVER, else the build cached in the cache dir, else `llama-server` on PATH."""
+    """$FLEET_LLAMA_SERVER, else the build cached in the cache dir (built now when missing and this
+    is a checkout with scripts/build-llama-server: minutes, once), else `llama-server` on PATH."""
     if env := os.environ.get("FLEET_LLAMA_SERVER"):
         return Path(env)
     version = os.environ.get("LLAMA_CPP_PYTHON_VERSION", LLAMA_CPP_PYTHON_VERSION)
-    cached = cache_dir() / f"llama-server-{version}" / "bin" / "llama-server"
+    cached = cache_dir() / f"llama.cpp-{version}" / "bin" / "llama-server"
     if os.access(cached, os.X_OK):
         return cached
+    if os.access(BUILD_SCRIPT, os.X_OK):
+        return build_llama_server(version)
     if found := shutil.which("llama-server"):
         return Path(found)
     raise RuntimeError(f"no llama-server at {cached} nor on PATH: run scripts/build-llama-server "
                        "(scripts/setup does), or set FLEET_LLAMA_SERVER")
+
+
+def build_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """Run scripts/build-llama-server (its progress on stderr) and return the binary it built.
+    Concurrent callers wait for one build (the script holds a lock per version)."""
+    print(f"llama-server {version} is not built yet: building it now with {BUILD_SCRIPT} "
+          "(once, a few minutes on 2 cores; its progress follows on stderr)", file=sys.stderr, flush=True)
+    env = {**os.environ, "FLEET_CACHE_DIR": str(cache_dir()), "LLAMA_CPP_PYTHON_VERSION": version}
+    env.setdefault("PYTHON", sys.executable)
+    done = subprocess.run([str(BUILD_SCRIPT)], env=env, stdout=subprocess.PIPE, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    binary = Path(lines[-1]) if lines else None
+    if done.returncode != 0 or binary is None or not os.access(binary, os.X_OK):
+        raise RuntimeError(f"{BUILD_SCRIPT} failed (exit {done.returncode}; what went wrong is above "
+                           "on stderr): llama-server is needed here, or set FLEET_LLAMA_SERVER")
+    print(f"llama-server built: {binary}", file=sys.stderr, flush=True)
+    return binary
 
 
 @dataclass
