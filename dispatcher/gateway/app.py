@@ -1,4 +1,4 @@
-"""The ASGI app of `fleet serve`: OpenAI's and Ollama's HTTP APIs over one AsyncFleet.
+"""The ASGI app of `fleet serve`: OpenAI's, Anthropic's and Ollama's HTTP APIs over one AsyncFleet.
 
     app = create_app(load_serve_settings())      # or: uvicorn --factory dispatcher.gateway.app:app_from_env
 
@@ -6,7 +6,8 @@ Every route reaches Redis through that AsyncFleet's one async client and its bou
 pool: jobs and their streams, batches and files (batch_api.py), /metrics and /dashboard.
 
 GET /health is open (Redis reachable and at least one live worker); every other route needs a
-bearer key when `gateway.api_keys` is set. Keys are compared in constant time and never logged.
+key when `gateway.api_keys` is set, as `Authorization: Bearer <key>` or `x-api-key: <key>` (the
+anthropic SDKs' header). Keys are compared in constant time and never logged.
 
 Every response carries an `x-request-id` (`RequestId`, outermost: errors, streams, the
 dashboard and Starlette's own 500s too): the client's own when it sent a sane one, else a new
@@ -40,7 +41,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backends.contract.gateway_settings import GatewaySettings
 from backends.contract.retry import OUTAGE_ERRORS
-from dispatcher.gateway import batch_api, embeddings_api, ollama_api, ollama_show, openai_api, responses_api
+from dispatcher.gateway import (
+    anthropic_api,
+    batch_api,
+    embeddings_api,
+    ollama_api,
+    ollama_show,
+    openai_api,
+    responses_api,
+)
+from dispatcher.gateway.anthropic_bodies import anthropic_route
 from dispatcher.gateway.core import ApiError, Gateway, caller_keys, ollama_route, shown
 from dispatcher.gateway.responses import AsciiJSONResponse
 from dispatcher.gateway.settings import ServeSettings, load_serve_settings
@@ -55,9 +65,10 @@ def guarded(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def check(request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
-        caller = gw.identify(request.headers.get("authorization"))
+        caller = gw.identify(request.headers.get("authorization"), request.headers.get("x-api-key"))
         if caller is None:
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' or "
+                           "'x-api-key: <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         request.state.caller = caller
         return await handler(request)
@@ -67,7 +78,12 @@ def guarded(handler: Handler) -> Handler:
 
 def error_response(path: str, exc: ApiError) -> Response:
     """An ApiError in the shape of the API that was called, in ASCII JSON (it may echo any text)."""
-    body = ollama_api.error_body(exc) if ollama_route(path) else openai_api.error_body(exc)
+    if ollama_route(path):
+        body = ollama_api.error_body(exc)
+    elif anthropic_route(path):
+        body = anthropic_api.error_body(exc)
+    else:
+        body = openai_api.error_body(exc)
     return AsciiJSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
@@ -335,6 +351,8 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/v1/chat/completions", guarded(openai_api.chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(openai_api.completions), methods=["POST"]),
         Route("/v1/responses", guarded(responses_api.create_response), methods=["POST"]),
+        Route("/v1/messages", guarded(anthropic_api.create_message), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(anthropic_api.count_tokens), methods=["POST"]),
         Route("/v1/embeddings", guarded(embeddings_api.openai_embeddings), methods=["POST"]),
         Route("/api/generate", guarded(ollama_api.generate), methods=["POST"]),
         Route("/api/chat", guarded(ollama_api.chat), methods=["POST"]),

@@ -240,19 +240,23 @@ class Gateway:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def identify(self, authorization: str | None) -> Caller | None:
+    def identify(self, authorization: str | None, api_key: str | None = None) -> Caller | None:
         """No keys configured: open (the default tenant). Else the caller whose key `Bearer <key>`
-        is, compared in constant time (every key is compared, so timing tells nothing about which
+        (`authorization`) is, else whose key `api_key` (the `x-api-key` header, Anthropic's) is,
+        compared in constant time (both against every key, so timing tells nothing about which
         matched); None for no valid key."""
         if not self._keys:
             return OPEN
         scheme, _, given = (authorization or "").partition(" ")
-        token = given.strip().encode() if scheme.lower() == "bearer" else b""
-        found = None
+        bearer = given.strip().encode() if scheme.lower() == "bearer" else b""
+        header = (api_key or "").strip().encode()
+        by_bearer = by_header = None
         for key, caller in self._keys:
-            if hmac.compare_digest(token, key):
-                found = caller
-        return found
+            if hmac.compare_digest(bearer, key):
+                by_bearer = caller
+            if hmac.compare_digest(header, key):
+                by_header = caller
+        return by_bearer or by_header
 
     def tenant(self, caller: Caller) -> TenantSettings | None:
         return self.settings.gateway.tenants.get(caller.tenant)
