@@ -27,8 +27,13 @@ class LlamaCppSettings(EngineSettings):
     max_stall_ms: float = Field(
         250, ge=0, description="per-slot streams: while jobs stream, a step prefills only as many "
         "prompt rows as this machine's timed steps say fit in this gap, so a long prompt never "
-        "freezes the other streams longer (at least 32 rows a step, and as long as the streams' own "
-        "call; 0: whole n_batch chunks)")
+        "freezes the other streams longer (at least 32 rows a step, and max_prefill_slowdown's "
+        "share; 0: whole n_batch chunks)")
+    max_prefill_slowdown: float = Field(
+        0.1, gt=0, le=1, description="pacing (max_stall_ms) never makes a long prompt's prefill "
+        "slower than this fraction: each paced step gives the prompt at least (1/x - 1) times what "
+        "the step costs besides it, and where the streams' own step is long, the gap grows instead "
+        "(1: the stall target alone)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
     checkpoints: int = Field(1, ge=0, le=8, description="with sliding-window layers kept to their window "

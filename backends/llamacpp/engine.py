@@ -104,7 +104,8 @@ class LlamaCppBackend:
                           ram_budget=ram_budget(settings))
         self.executor.stash_sizes = kv.stash_sizes  # the RAM budget weighs what was stored
         return kv, Scheduler(kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
-                             draft_max=settings.draft_max, max_stall_ms=settings.max_stall_ms)
+                             draft_max=settings.draft_max, max_stall_ms=settings.max_stall_ms,
+                             max_prefill_slowdown=settings.max_prefill_slowdown)
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -255,6 +256,7 @@ class LlamaCppBackend:
                 self._finished.append(Failed(job.job_id, why))
 
     def _decode_step(self, events: list[Event]) -> None:
+        self.scheduler.step_started(time.perf_counter())
         plan = self.scheduler.plan_step()
         self.executor.prepare(plan)
         for call in plan.calls:

@@ -5,7 +5,9 @@ next token waits for the whole step. A full n_batch chunk of a long prompt (a pa
 takes over a second on a small CPU, and the text of every other user freezes that long. As in
 Sarathi-Serve, a step's prefill share is sized so the step ends within a target gap
 (`max_stall_ms`), from the measured cost of this machine's prompt rows; with no decoder waiting, a
-prompt takes whole chunks.
+prompt takes whole chunks. Each extra step costs the prompt's TTFT the streams' call and the step's
+overhead, so the prompt keeps at least a share of each step that bounds its slowdown
+(`max_prefill_slowdown`): where the streams' own step is long, the gap grows instead.
 
 The cost of a prompt row grows with the cells it attends over, so the model is per row and per
 cell of context: seconds = CALL + rows * (ROW + CELL * (n_past + rows / 2)), its three terms
@@ -17,8 +19,17 @@ times the machine, and the fit takes over.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
+
+
+class Prefilling(Protocol):
+    n_past: int  # the prompt's rows already in KV
+
+
+Job = TypeVar("Job", bound=Prefilling)
 
 MIN_ROWS = 32  # a step always moves a prompt on by this many rows (progress, whatever the target)
 ROW_QUANTUM = 16  # chunks are cut to whole multiples of this (matmul tiles; fewer odd shapes)
@@ -30,10 +41,49 @@ SAFETY = 0.9  # of the time left: the fit is a forecast, and the stream's write 
 class PrefillPace:
     """The prompt rows that fit a step beside the decoders, from timed prompt-only calls."""
 
-    def __init__(self, target_seconds: float) -> None:
+    def __init__(self, target_seconds: float, max_slowdown: float = 1.0) -> None:
         self.target = target_seconds
+        # each paced step gives the prompt at least `share` times what the step costs besides it,
+        # so its prefill takes at most (1 + max_slowdown) times as long
+        self.share = 1 / max_slowdown - 1 if max_slowdown > 0 else 0.0
         self._calls: deque[tuple[int, float, float]] = deque(maxlen=TIMINGS_KEPT)
         self._coef: tuple[float, float, float] | None = None
+        # wall time of a step beyond its llama_decode calls (sampling, the worker's writes)
+        self._step_started: float | None = None
+        self._step_decode_seconds = 0.0
+        self.overhead = 0.0
+
+    def step_started(self, now: float) -> None:
+        """A step starts at wall time `now`: what the last one cost beyond its calls (a step
+        longer than twice the target had waited for work: not counted)."""
+        if self._step_started is not None and now - self._step_started <= 2 * self.target:
+            extra = max(0.0, now - self._step_started - self._step_decode_seconds)
+            self.overhead += 0.2 * (extra - self.overhead)
+        self._step_started, self._step_decode_seconds = now, 0.0
+
+    def decoded(self, seconds: float) -> None:
+        """A call of this step took `seconds`."""
+        self._step_decode_seconds += seconds
+
+    def cut(self, wanted: Sequence[tuple[Job, int]], decoders: float, waited: float,
+            floor: int) -> list[tuple[Job, int]]:
+        """Of each prompt's `wanted` rows (job, rows), in order, what fits this step beside the
+        decoders' call (`decoders` seconds) after `waited` seconds already spent: the first cut to
+        fit (at least `floor` rows), the rest left for later steps. Where the streams' own step
+        nearly fills the target, the prompts still get their share of it."""
+        step = decoders + self.overhead  # what each paced step adds to a prompt's TTFT
+        stall, share = self.target - step - waited, step * self.share - waited
+        left, margin = (stall, SAFETY) if stall >= share else (share, 1.0)  # (a share is no forecast)
+        cut: list[tuple[Job, int]] = []
+        for job, count in wanted:
+            rows = self.rows(left * margin, job.n_past, count, floor=0 if cut else floor)
+            if not rows:
+                break
+            cut.append((job, rows))
+            left -= self.seconds(rows, job.n_past)
+            if rows < count:
+                break
+        return cut
 
     def record(self, rows: int, n_past: int, seconds: float) -> None:
         """A prompt-only call of `rows` rows starting at position n_past took `seconds`."""
@@ -51,14 +101,14 @@ class PrefillPace:
         return call + rows * (row + cell * (n_past + rows / 2))
 
     def rows(self, left_seconds: float, n_past: int, wanted: int, floor: int = MIN_ROWS) -> int:
-        """Rows of a prompt at n_past (of `wanted` still to prefill) that fit `left_seconds`; at
-        least `floor`, at most `wanted`."""
+        """Rows of a prompt at n_past (of `wanted` still to prefill) whose forecast fits
+        `left_seconds`; at least `floor`, at most `wanted`."""
         if self.target <= 0:
             return wanted
         coef = self._fit()
         if coef is None:
             return min(wanted, floor)
-        budget = left_seconds * SAFETY
+        budget = left_seconds
         lo, hi = 0, wanted  # the largest row count whose forecast fits: the cost grows with rows
         while lo < hi:
             mid = (lo + hi + 1) // 2

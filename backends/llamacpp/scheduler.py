@@ -52,8 +52,6 @@ CALL_ROWS = 11
 # a newcomer waits for a prefix another job is prefilling when it would reuse this many more
 # tokens by it (below, prefilling them beside it costs less than the wait's extra step)
 MIN_HELD_PREFIX = 64
-# a paced prompt chunk may take at least this much of the decoders' call time (scheduler._paced)
-PREFILL_SHARE = 1.0
 
 
 @dataclass(slots=True)
@@ -99,7 +97,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, kv: KvBookkeeper, *, n_batch: int, n_ctx_per_seq: int, draft_max: int = 0,
-                 max_stall_ms: float = 0.0) -> None:
+                 max_stall_ms: float = 0.0, max_prefill_slowdown: float = 1.0) -> None:
         check_n_batch(n_batch, kv.n_streams)
         self.kv = kv
         self.slots = kv.slots
@@ -109,7 +107,7 @@ class Scheduler:
         self.draft_max = draft_max
         self.costs = StepCosts()  # every decoders-only call's time goes in (update)
         # every lone prompt chunk's time goes in (update): what a step beside decoders may take
-        self.pace = PrefillPace(max_stall_ms / 1000)
+        self.pace = PrefillPace(max_stall_ms / 1000, max_prefill_slowdown)
         self.waiting: list[WaitingJob] = []
         self.active: dict[str, ActiveJob] = {}  # admission order = prefill order
         self.deferred_admissions = 0
@@ -223,12 +221,16 @@ class Scheduler:
             return StepPlan(self._invariant_calls(decoding, prefilling), self.kv.take_ops())
         return StepPlan([self._pooled_call(decoding, prefilling)], self.kv.take_ops())
 
+    def step_started(self, now: float) -> None:
+        self.pace.step_started(now)
+
     def update(self, call: DecodeCall, sampled: Sampled, seconds: float = 0.0) -> CallUpdate:
         """Move the call's jobs on by what it sampled (`seconds`: its decode time): prompt
         progress, draft acceptance and the finish rules of updates.py."""
         out = CallUpdate()
         events = out.events
         rows, whole, n_ctx = sampled.rows, sampled.grammar_complete, self.n_ctx_per_seq
+        self.pace.decoded(seconds)
         if call.decoders and not call.prompts:  # what the draft budget weighs (speculation.py)
             self.costs.record(call.n_rows(), call.decoder_rows(), seconds)
         if call.decoders:
@@ -369,25 +371,11 @@ class Scheduler:
 
     def _paced(self, chunks: list[tuple[ActiveJob, int]], spent: float,
                floor: int) -> list[tuple[ActiveJob, int]]:
-        """The prompt chunks that fit beside the decoders within the stall target (pacing.py),
-        the first one cut to fit (at least `floor` rows), the rest left for later steps. The
-        streams have waited since their last call: that call, any newcomers' steps since, and
-        this step's short prompts (`spent`)."""
-        waited = self._decoders_seconds + self._skipped_seconds + spent
-        # where the decoders' own call nearly fills the target (many long streams, a loaded
-        # machine), the prompt still gets as much of a step as they do: its TTFT stays bounded
-        left = max(self.pace.target - waited, self._decoders_seconds * PREFILL_SHARE - spent)
-        paced: list[tuple[ActiveJob, int]] = []
-        for job, _ in chunks:  # (not cut at n_batch multiples: only invariance needs that)
-            count = len(job.tokens) - job.n_past
-            rows = self.pace.rows(left, job.n_past, min(count, self.n_batch), floor=0 if paced else floor)
-            if not rows:
-                break
-            paced.append((job, rows))
-            left -= self.pace.seconds(rows, job.n_past)
-            if rows < count:
-                break
-        return paced
+        """The prompt chunks that fit beside the decoders (pacing.py), from the prompts' rows
+        left (not cut at n_batch multiples: only invariance needs those). The streams have waited
+        since their last call: that call, any newcomers' steps since, this step's short prompts."""
+        wanted = [(job, min(len(job.tokens) - job.n_past, self.n_batch)) for job, _ in chunks]
+        return self.pace.cut(wanted, self._decoders_seconds, self._skipped_seconds + spent, floor)
 
     def _chunk(self, job: ActiveJob) -> int:
         """A prompt's next chunk when it runs alone: chunks end at multiples of n_batch, as when
