@@ -22,7 +22,7 @@ def conversation(engine: LlamaCppBackend, edited: bool, other_job: bool
     while len(engine.model.prompt_tokens(GenerateRequest(messages=history))) % N_BATCH:
         history[0]["content"] += " More."  # whole chunks: both ways compute the same chunks
     first = GenerateRequest(messages=history, max_tokens=300, ignore_eos=True, temperature=0.0)
-    answer = run(engine, "turn-1", first)
+    answer, _ = run(engine, "turn-1", first)
     if other_job:  # shares only the template's first tokens: the slot's KV is cut to those
         other = [{"role": "user", "content": "Name three colours of the rainbow. " * 20}]
         run(engine, "other", GenerateRequest(messages=other, max_tokens=8, temperature=0.0))
@@ -30,7 +30,7 @@ def conversation(engine: LlamaCppBackend, edited: bool, other_job: bool
     second = [*history, {"role": "assistant", "content": said},
               {"role": "user", "content": "Thank you. Is the sky blue? Answer yes or no."}]
     before = int(engine.stats()["prompt_tokens_reused"])  # type: ignore[call-overload]
-    text = run(engine, "turn-2", GenerateRequest(messages=second, max_tokens=24, temperature=0.0))
+    text, _ = run(engine, "turn-2", GenerateRequest(messages=second, max_tokens=24, temperature=0.0))
     stats = engine.stats()
     return text, stats, int(stats["prompt_tokens_reused"]) - before  # type: ignore[call-overload]
 
