@@ -42,6 +42,7 @@ from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS, reusable_prefix
 from backends.llamacpp.kv import KvBookkeeper, KvOp, common_prefix
 from backends.llamacpp.pacing import MIN_ROWS, PrefillPace
+from backends.llamacpp.runs import cheapest_runs
 from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
 from backends.llamacpp.state import ActiveJob, Sampled, WaitingJob
 from backends.llamacpp.updates import CallUpdate, advance
@@ -446,36 +447,16 @@ class Scheduler:
         """The short prompts as equal-width calls over runs of neighbouring ids. One span over all
         of them pads every id between (a running job's slot) to the widest prompt: newcomers in
         the odd slots of 16 would compute 15 prompts' rows for 8. So split where a run's padding
-        costs more than a call of its own (CALL_ROWS): the partition of the sorted ids with the
-        fewest rows and calls in all (a small dynamic programme; the newcomers of one step)."""
+        costs more than a call of its own (CALL_ROWS): runs.cheapest_runs."""
         jobs = sorted(short, key=lambda j: j.seq_id)
         left = [len(j.tokens) - j.n_past for j in jobs]  # each one's rows to prefill
-        n = len(jobs)
-        lo = jobs[0].seq_id if jobs else 0
-        cells = self._cells_left(lo, jobs[-1].seq_id) if jobs else []
-        best: list[tuple[int, int]] = [(0, 0)] + [(1 << 30, 0)] * n  # (cost, start of last run)
-        for end in range(1, n + 1):
-            width, room = 0, 1 << 30
-            for start in range(end - 1, -1, -1):
-                width = max(width, left[start])
-                # the run now also pads the ids up to the next member: a running job or a free
-                # slot's kept KV there may leave too few cells for the width
-                upto = jobs[start + 1].seq_id if start + 1 < end else jobs[start].seq_id + 1
-                room = min(room, *cells[jobs[start].seq_id - lo:upto - lo])
-                if room < width:
-                    break
-                cost = best[start][0] + (jobs[end - 1].seq_id - jobs[start].seq_id + 1) * width + CALL_ROWS
-                if cost < best[end][0]:
-                    best[end] = (cost, start)
+        cells = self._cells_left(jobs[0].seq_id, jobs[-1].seq_id) if jobs else []
         calls: list[DecodeCall] = []
-        end = n
-        while end > 0:
-            start = best[end][1]
+        for start, end in cheapest_runs([j.seq_id for j in jobs], left, cells, CALL_ROWS):
             width = max(left[start:end])
             calls.append(DecodeCall(prompts=list(zip(jobs[start:end], left[start:end], strict=True)),
                                     span=self._span(jobs[start:end], width), width=width))
-            end = start
-        return calls[::-1]
+        return calls
 
     def _cells_left(self, lo: int, hi: int) -> list[int]:
         """KV cells free in each stream lo..hi (per-slot streams of n_ctx_per_seq cells): after a
