@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from dispatcher.gateway.anthropic_bodies import MessageReply, count_request, error_body, job_request
 from dispatcher.gateway.core import ApiError, Gateway, JobUpdate
-from dispatcher.gateway.openai_api import answer, check_limits, read_body
+from dispatcher.gateway.openai_api import answer, answer_one, check_limits, read_body, submit
 
 __all__ = ["count_tokens", "create_message", "error_body"]
 
@@ -30,22 +30,16 @@ async def create_message(request: Request) -> Response:
     fields = job_request(body)
     pool = gw.pool_for(body.get("model"), caller)
     check_limits(gw, [fields], 1)
-    jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"), caller)
-    reply = MessageReply(body, fields, jobs[0].id)
-    headers = {"X-Fleet-Job-Id": jobs[0].id}
-    timeout = gw.settings.gateway.request_timeout
-    return await answer(request, jobs, timeout, headers, reply.events if body.get("stream") else None,
-                        lambda finals: reply.whole(finals[0]))
+    jobs, headers = await submit(request, pool, [fields])
+    return await answer_one(request, jobs, headers, MessageReply(body, fields, jobs[0].id),
+                            bool(body.get("stream")))
 
 
 async def count_tokens(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     body = await read_body(request)
-    caller = request.state.caller
     fields = count_request(body)
-    pool = gw.pool_for(body.get("model"), caller)
-    jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"), caller)
-    headers = {"X-Fleet-Job-Id": jobs[0].id}
+    jobs, headers = await submit(request, gw.pool_for(body.get("model"), request.state.caller), [fields])
     return await answer(request, jobs, gw.settings.gateway.request_timeout, headers, None, counted)
 
 

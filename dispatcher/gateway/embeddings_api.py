@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from backends.contract.embed import REJECTED, decode_vector, embed_fields
 from dispatcher.gateway.core import ApiError, Gateway, cancel_all, collect, shown
 from dispatcher.gateway.ollama_api import LOAD_OPTIONS
-from dispatcher.gateway.openai_api import read_body, timed_out
+from dispatcher.gateway.openai_api import read_body, submit, timed_out
 from dispatcher.gateway.responses import unless_client_leaves
 
 OPENAI_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
@@ -87,9 +87,7 @@ async def embed(request: Request, body: dict[str, Any],
     if "input" not in body:
         raise ApiError(400, "'input' is required: a string or a list of strings", param="input",
                        code="invalid_value")
-    priority = request.headers.get("x-fleet-priority", "default")
-    jobs = await gw.submit(pool, [embed_fields(body["input"], **fields)], priority, caller)
-    headers = {"X-Fleet-Job-Id": jobs[0].id}
+    jobs, headers = await submit(request, pool, [embed_fields(body["input"], **fields)])
     finals = await unless_client_leaves(request, collect(jobs, gw.settings.gateway.request_timeout),
                                         lambda: cancel_all(jobs))
     if finals is None:

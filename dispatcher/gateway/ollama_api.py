@@ -39,7 +39,7 @@ from dispatcher.gateway.core import (
     unsupported,
 )
 from dispatcher.gateway.ollama_show import UNKNOWN_DETAILS, listed_cards
-from dispatcher.gateway.openai_api import check_limits, read_body, timed_out
+from dispatcher.gateway.openai_api import check_limits, read_body, submit, timed_out
 from dispatcher.gateway.openai_tools import tool_fields
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
@@ -294,8 +294,7 @@ async def _run(request: Request, chat: bool) -> Response:
         await gw.set_unloaded(pool, unload)
         return JSONResponse(reply.final(None, "", done_reason="unload" if unload else "load"))
     check_limits(gw, [fields], 1, tokens_field="options.num_predict")
-    jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"), caller)
-    headers = {"X-Fleet-Job-Id": jobs[0].id}
+    jobs, headers = await submit(request, pool, [fields])
     timeout = gw.settings.gateway.request_timeout
     if body.get("stream", True):
         return JobStreamResponse(reply.ndjson(follow(jobs, timeout), jobs[0].id),

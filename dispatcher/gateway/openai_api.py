@@ -11,7 +11,7 @@ Logprobs come from the job's result, so a streamed choice carries them on its la
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -107,14 +107,38 @@ async def _complete(request: Request, chat: bool) -> Response:
     if not isinstance(stream_options, dict):  # (unknown options are refused with the other fields)
         raise ApiError(400, "'stream_options' must be an object", param="stream_options",
                        code="invalid_value")
-    priority = request.headers.get("x-fleet-priority", "default")
-    jobs = await gw.submit(pool, per_choice(requests, n), priority, caller)
+    jobs, headers = await submit(request, pool, per_choice(requests, n))
     reply = Reply(chat, body["model"], [j.id for j in jobs], bool(stream_options.get("include_usage")),
                   tools=calls_tools(requests[0]))
-    headers = {"X-Fleet-Job-Id": ",".join(j.id for j in jobs)}
     timeout = gw.settings.gateway.request_timeout
     return await answer(request, jobs, timeout, headers, reply.sse if body.get("stream") else None,
                         reply.whole)
+
+
+async def submit(request: Request, pool: str,
+                 requests: list[dict[str, Any]]) -> tuple[list[AsyncFleetJob], dict[str, str]]:
+    """The request's jobs, submitted for its caller at its X-Fleet-Priority, and the header that
+    names them on every answer (errors included)."""
+    gw: Gateway = request.app.state.gateway
+    priority = request.headers.get("x-fleet-priority", "default")
+    jobs = await gw.submit(pool, requests, priority, request.state.caller)
+    return jobs, {"X-Fleet-Job-Id": ",".join(j.id for j in jobs)}
+
+
+class OneJobReply(Protocol):
+    """A dialect's answer to one job (Responses, Anthropic Messages)."""
+
+    def events(self, updates: AsyncIterator[JobUpdate]) -> AsyncIterator[str]: ...
+
+    def whole(self, final: JobUpdate) -> dict[str, Any]: ...
+
+
+async def answer_one(request: Request, jobs: list[AsyncFleetJob], headers: dict[str, str],
+                     reply: OneJobReply, stream: bool) -> Response:
+    """One job's answer: `reply`'s events, or its whole body once the job ended (see answer)."""
+    gw: Gateway = request.app.state.gateway
+    return await answer(request, jobs, gw.settings.gateway.request_timeout, headers,
+                        reply.events if stream else None, lambda finals: reply.whole(finals[0]))
 
 
 async def answer(request: Request, jobs: list[AsyncFleetJob], timeout: float, headers: dict[str, str],

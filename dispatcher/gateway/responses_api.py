@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from dispatcher.gateway.core import Gateway
-from dispatcher.gateway.openai_api import answer, check_limits, read_body
+from dispatcher.gateway.openai_api import answer_one, check_limits, read_body, submit
 from dispatcher.gateway.responses_bodies import ResponseReply, job_request
 
 
@@ -21,9 +21,6 @@ async def create_response(request: Request) -> Response:
     pool = gw.pool_for(body.get("model"), caller)
     fields = job_request(body)
     check_limits(gw, [fields], 1, tokens_field="max_output_tokens")
-    jobs = await gw.submit(pool, [fields], request.headers.get("x-fleet-priority", "default"), caller)
-    reply = ResponseReply(body, fields, jobs[0].id)
-    headers = {"X-Fleet-Job-Id": jobs[0].id}
-    timeout = gw.settings.gateway.request_timeout
-    return await answer(request, jobs, timeout, headers, reply.events if body.get("stream") else None,
-                        lambda finals: reply.whole(finals[0]))
+    jobs, headers = await submit(request, pool, [fields])
+    return await answer_one(request, jobs, headers, ResponseReply(body, fields, jobs[0].id),
+                            bool(body.get("stream")))
