@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from backends.contract.schema import FinishReason, GenerateRequest, Sampling
+from backends.contract.text_ops import TextRequest
 
 # The request types in the protocol's signatures, importable from here too (defined in the contract)
 __all__ = ["Backend", "BackendUnavailable", "Done", "Embedder", "Embedding", "Event", "Failed",
            "FinishReason", "GenerateRequest", "InputRejected", "JobRejected", "Restarted", "Sampling",
-           "Token"]
+           "TextOps", "TextRequest", "Token"]
 
 # -- events a backend returns from step() ---------------------------------------------------------
 
@@ -139,3 +140,14 @@ class Embedder(Protocol):
         """One vector per text, in order; `truncate[i]`: cut text i to the engine's embedding
         context instead of refusing it. Raises InputRejected (that input never fits),
         JobRejected (this engine cannot embed), BackendUnavailable."""
+
+
+@runtime_checkable
+class TextOps(Protocol):
+    """An engine that answers text jobs (backends/contract/text_ops.py) with its model's tokenizer
+    and chat template: llama-server's /tokenize, /detokenize and /apply-template. The worker calls
+    it between steps; each call is short (no decode)."""
+
+    def text_op(self, request: TextRequest) -> dict[str, object]:
+        """The body llama-server answers for the same request. Raises JobRejected (the request
+        cannot be answered by this model, or this engine does not do it), BackendUnavailable."""

@@ -24,8 +24,9 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
-from backends.base import BackendUnavailable, Done, Event, Token
+from backends.base import BackendUnavailable, Done, Event, JobRejected, Token
 from backends.contract.schema import LOGIT_BIAS_BAN, FinishReason, GenerateRequest, Sampling
+from backends.contract.text_ops import TOKENIZE_FIELDS, TextRequest, out_of_vocabulary, too_many
 from backends.http_pool import (
     STATUS_ERRORS,
     HttpStreamBackend,
@@ -57,6 +58,7 @@ class LlamaServerBackend(HttpStreamBackend):
     def __init__(self, settings: HttpSettings, *, transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(settings, "llama-server", transport)
         self.server_slots = 0
+        self.n_vocab: int | None = None  # read at the first detokenize
         self._start()
 
     def _discover_slots(self) -> int:
@@ -218,6 +220,44 @@ class LlamaServerBackend(HttpStreamBackend):
         if response.status_code != 200:
             raise self._status_failure(response.status_code, error_message(response))
         return response.json()
+
+    # -- text jobs: the server's own /tokenize, /detokenize, /apply-template ----------------------
+
+    def text_op(self, request: TextRequest) -> dict[str, object]:
+        """The server's answer to the same request (its tokenizer, its template: the same body as a
+        chat job's, so the same options); ids outside its vocabulary are refused here, which the
+        server would answer with a 500."""
+        try:
+            if request.op == "tokenize":
+                answer = self._post("/tokenize", request.model_dump(include=set(TOKENIZE_FIELDS)))
+                if reason := too_many(answer["tokens"]):
+                    raise JobRejected(reason)
+                return {"tokens": answer["tokens"]}
+            if request.op == "detokenize":
+                assert request.tokens is not None
+                if reason := out_of_vocabulary(request.tokens, self._vocabulary_size()):
+                    raise JobRejected(reason)
+                return {"content": self._post("/detokenize", {"tokens": request.tokens})["content"]}
+            chat = request.chat
+            assert chat is not None
+            body = chat_body(chat, chat.sampling(self.settings.sampling))
+            return {"prompt": self._post("/apply-template", body)["prompt"]}
+        except StreamFailure as e:
+            raise (BackendUnavailable if e.retryable else JobRejected)(e.message) from None
+        except httpx.HTTPError as e:
+            raise BackendUnavailable(self._exception_failure(e)[0]) from None
+
+    def _vocabulary_size(self) -> int:
+        """The model's n_vocab, from the server's /v1/models (asked once: a server's model is fixed)."""
+        if self.n_vocab is None:
+            models = self._ask("GET", "/v1/models")
+            self._check_status(models)
+            try:
+                self.n_vocab = int(models.json()["data"][0]["meta"]["n_vocab"])
+            except (ValueError, LookupError, TypeError):
+                raise JobRejected(f"{self.what}: its /v1/models does not tell the vocabulary's size, "
+                                  "so token ids cannot be checked") from None
+        return self.n_vocab
 
     def _embed_request(self, texts: Sequence[str], truncate: Sequence[bool]) -> tuple[str, dict[str, Any]]:
         """OpenAI's route (llama-server started with --embeddings; else a 501, the job's error)."""

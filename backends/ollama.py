@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 
-from backends.base import BackendUnavailable, Done, Event, Token
+from backends.base import BackendUnavailable, Done, Event, JobRejected, Token
+from backends.contract.text_ops import TextRequest
 from backends.http_pool import STATUS_ERRORS, HttpStreamBackend, StreamFailure, StreamJob, sampler_fields
 from backends.http_settings import OllamaSettings
 from backends.model_card import ollama_card
@@ -69,6 +70,10 @@ class OllamaBackend(HttpStreamBackend):
 
     def _embed_answer(self, answer: Any) -> tuple[list[list[float]], int]:
         return answer["embeddings"], int(answer.get("prompt_eval_count") or 0)
+
+    def text_op(self, request: TextRequest) -> dict[str, object]:
+        """Ollama's API has no tokenizer or template route to forward to."""
+        raise JobRejected("tokenize, detokenize and apply-template are not supported by the ollama backend")
 
     # -- one job ------------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from backends.base import Backend, Embedder, Embedding, Event, GenerateRequest, JobRejected
+from backends.contract.text_ops import TextRequest
 
 
 class OverlappedBackend:
@@ -54,6 +55,14 @@ class OverlappedBackend:
             raise JobRejected(f"this worker's engine ({self.name}) does not embed")
         with self._lock:
             return self.inner.embed(texts, truncate)
+
+    def text_op(self, request: TextRequest) -> dict[str, object]:
+        """Between steps too (the vocabulary is read while no step runs)."""
+        answer = getattr(self.inner, "text_op", None)  # backends.base.TextOps
+        if answer is None:
+            raise JobRejected(f"this worker's engine ({self.name}) does not tokenize")
+        with self._lock:
+            return answer(request)
 
     def cancel(self, job_id: str) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ spinning thread barriers fighting for the two cores."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from backends.model import default_model_path
@@ -23,8 +24,10 @@ def model_path() -> Path:
 
 
 def llama_server(
-    log_dir: Path, parallel: int = 4, ctx: int = 4096, wait: bool = True, port: int | None = None
+    log_dir: Path, parallel: int = 4, ctx: int = 4096, wait: bool = True, port: int | None = None,
+    extra_args: Sequence[str] = (),
 ) -> LlamaServer:
     """A llama-server for a test (`with llama_server(...) as s:` stops it at the end)."""
     threads = int(os.environ.get("FLEET_TEST_THREADS", "2"))
-    return start_llama_server(log_dir, parallel=parallel, ctx=ctx, threads=threads, port=port, wait=wait)
+    return start_llama_server(log_dir, parallel=parallel, ctx=ctx, threads=threads, port=port, wait=wait,
+                              extra_args=extra_args)

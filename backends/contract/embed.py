@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backends.contract.schema import MAX_PROMPT_CHARS, MAX_REQUEST_CHARS, TENANT_PATTERN, GenerateRequest
+from backends.contract.text_ops import TextRequest
 
 MAX_EMBED_INPUTS = 2048  # inputs one request may hold (OpenAI's limit)
 MAX_DIMENSIONS = 65_536  # a bound for the field; the model's own size is checked by the worker
@@ -75,14 +76,18 @@ class EmbedRequest(BaseModel):
         return v
 
 
-JobRequest = GenerateRequest | EmbedRequest  # what a job's payload is: `kind` tells them apart
+# what a job's payload is: `kind` tells them apart (text jobs: backends/contract/text_ops.py)
+JobRequest = GenerateRequest | EmbedRequest | TextRequest
 
 
-def parse_request(payload: Any) -> GenerateRequest | EmbedRequest:
-    """A job's request from its payload: an embedding job says `"kind": "embed"`, anything else
-    is a generation request (pydantic's ValidationError for a bad one)."""
+def parse_request(payload: Any) -> JobRequest:
+    """A job's request from its payload: an embedding job says `"kind": "embed"`, a text job
+    `"kind": "text"`, anything else is a generation request (pydantic's ValidationError for a bad
+    one)."""
     if isinstance(payload, Mapping) and payload.get("kind") == "embed":
         return EmbedRequest.model_validate(payload)
+    if isinstance(payload, Mapping) and payload.get("kind") == "text":
+        return TextRequest.model_validate(payload)
     return GenerateRequest.model_validate(payload)
 
 

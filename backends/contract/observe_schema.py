@@ -91,7 +91,15 @@ def priority_of(queue: str) -> str:
 def short_params(request: Any) -> dict[str, Any]:
     """A request as the history keeps it: sampling fields, the prompt (or last message) shortened."""
     data = request.model_dump(exclude_none=True) if hasattr(request, "model_dump") else dict(request)
-    out: dict[str, Any] = {k: v for k, v in data.items() if k not in ("prompt", "messages", "input")}
+    chat = data.pop("chat", None)
+    if isinstance(chat, dict):  # a text job's chat (apply-template): kept as a chat's fields are
+        data = {**chat, **data}
+    out: dict[str, Any] = {k: v for k, v in data.items()
+                           if k not in ("prompt", "messages", "input", "content", "tokens")}
+    if isinstance(data.get("content"), str):  # a text job's (tokenize): shortened; its ids: counted
+        out["content"] = shorten(data["content"])
+    if isinstance(data.get("tokens"), list):
+        out["tokens"] = len(data["tokens"])
     inputs = data.get("input")
     if isinstance(inputs, list) and inputs:  # an embedding job: how many, and the first
         out["inputs"] = len(inputs)

@@ -35,6 +35,8 @@ import psutil
 
 from backends.base import Done, Embedding, Event, Failed
 from backends.contract.schema import GenerateRequest
+from backends.contract.text_ops import TextRequest
+from backends.llamacpp import text_ops
 from backends.llamacpp.embedding import EmbeddingContext
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
@@ -157,6 +159,11 @@ class LlamaCppBackend:
         out = self._embedding.embed(texts, truncate)
         self.embedded_inputs += len(out)
         return out
+
+    def text_op(self, request: TextRequest) -> dict[str, object]:
+        """Tokenize, detokenize or render a chat (backends/llamacpp/text_ops.py): the vocabulary
+        and the template only, no decode."""
+        return text_ops.answer(self.model, request)
 
     def cancel(self, job_id: str) -> None:
         if self.scheduler.cancel_waiting(job_id):

@@ -49,6 +49,7 @@ from dispatcher.gateway import (
     ollama_show,
     openai_api,
     responses_api,
+    tokenize_api,
 )
 from dispatcher.gateway.anthropic_bodies import anthropic_route
 from dispatcher.gateway.core import ApiError, Gateway, caller_keys, ollama_route, shown
@@ -362,6 +363,9 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/api/ps", guarded(ollama_api.ps)),
         Route("/api/show", guarded(ollama_show.show), methods=["POST"]),
         Route("/api/version", ollama_api.version),  # Ollama clients probe it before anything else
+        Route("/tokenize", guarded(tokenize_api.tokenize), methods=["POST"]),  # llama-server's
+        Route("/detokenize", guarded(tokenize_api.detokenize), methods=["POST"]),
+        Route("/apply-template", guarded(tokenize_api.apply_template), methods=["POST"]),
         *batch_api.routes(guarded),
         *observability_routes(settings, lambda: app.state.gateway.fleet.redis),
     ]

@@ -20,6 +20,7 @@ from redis import Redis
 from backends.contract.embed import JobRequest
 from backends.contract.keys import job_key
 from backends.contract.schema import MAX_REQUEST_CHARS, GenerateRequest
+from backends.contract.text_ops import TextRequest
 from backends.registry import BackendSettings
 
 # A token is at most this many characters in the vocabularies we serve (gemma's longest pieces are
@@ -82,7 +83,10 @@ def check_payload(redis: Redis, job_id: str, budget: RequestBudget) -> None:
 
 
 def request_chars(request: JobRequest) -> int:
-    """What one context must hold: the prompt or all messages; an embedding job's longest input."""
+    """What one context must hold: the prompt or all messages; an embedding job's longest input;
+    nothing for a text job (no context holds it: the contract bounds its sizes)."""
+    if isinstance(request, TextRequest):
+        return 0
     if not isinstance(request, GenerateRequest):
         return max(map(len, request.input))
     if request.prompt is not None:

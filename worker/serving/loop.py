@@ -46,6 +46,7 @@ from backends.contract.keys import cancel_key, job_key, queue_names, wake_key, w
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT
+from backends.contract.text_ops import TextRequest
 from worker.assembly import job_hooks
 from worker.claiming import handover
 from worker.claiming.claim import Claimer
@@ -55,7 +56,7 @@ from worker.liveness.link import RedisLink
 from worker.serving import endings, limits, rqjobs
 from worker.serving.burst import BurstSummary
 from worker.serving.counters import EngineHold, WorkerCounters
-from worker.serving.embed_jobs import EmbedQueue
+from worker.serving.embed_jobs import EmbedQueue, answer_text
 from worker.serving.endings import AttemptWriter, Contended
 from worker.serving.pacing import EVERYTHING, Due, WritePacer
 from worker.serving.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
@@ -299,7 +300,9 @@ class FleetWorker:
         request, backend = job.request, self.backend
         assert request is not None
         try:
-            if isinstance(request, EmbedRequest):
+            if isinstance(request, TextRequest):  # answered now: a tokenizer call, no slot held
+                self._apply([answer_text(backend, job_id, request)], time.monotonic())
+            elif isinstance(request, EmbedRequest):
                 self.embeds.add(job_id, request)
             elif isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, request):
                 self.counters.resumed += 1  # continues its last attempt's text (worker/claiming/handover.py)
