@@ -13,7 +13,9 @@ or description stays text and cannot open or close a turn.
 What comes back (`AnswerReader`): the raw text is the JSON answer (the job's stream carries it
 as generated); the reader turns it, as it grows, into the answer's words (the `response` string,
 decoded) and its calls, each with an id derived from the job id and its index; a call repeated
-word for word in one answer is read once.
+word for word in one answer is read once. A job run in its model's own syntax streams the same
+object, written by the worker (backends/chat/answer_json.py) with its thoughts under `reasoning`
+and its keys in the order the answer went, repeated where it went back to one.
 
 Importable without llama_cpp.
 """
@@ -29,7 +31,12 @@ from typing import Any, Literal
 from backends.contract.schema import GenerateRequest, Message
 from backends.contract.tool_specs import NamedTool, Tool, ToolChoice, answer_schema, max_calls
 
-_HEAD = re.compile(r'\s*\{\s*"(tool_calls|response)"\s*:\s*(\[|"|\{)')
+# an answer's first key and its value's opening; each next key; the object's end
+_KEY = r'"(?P<key>tool_calls|response|reasoning)"\s*:\s*(?P<open>\[|"|\{)'
+_HEAD = re.compile(r"\s*\{\s*" + _KEY)
+_NEXT = re.compile(r"\s*,\s*" + _KEY)
+_CLOSE = re.compile(r"\s*\}")
+_OPENINGS = {"tool_calls": "[", "response": '"{[', "reasoning": '"'}
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
@@ -137,51 +144,93 @@ def call_id(job_id: str, index: int) -> str:
 
 @dataclass
 class AnswerReader:
-    """Reads a generic-format answer as it grows: `feed` each delta of raw text, get the words
-    decoded since the last feed and the calls completed since. The grammar made the text valid
-    JSON of the answer schema, so the reader only follows it; a text cut short (max_tokens)
-    yields what was complete."""
+    """Reads an answer JSON as it grows: `feed` each delta of raw text, get the words decoded
+    since the last feed and the calls completed since; `take_reasoning` gives the thoughts read
+    since it was last called. The text is one object: the generic format's single key
+    (`response` or `tool_calls`), or a native-syntax job's keys in the order its answer went,
+    `reasoning` among them, a key repeated when the answer went back to it
+    (backends/chat/answer_json.py). A grammar or the worker's writer made it valid JSON, so the
+    reader only follows it; a text cut short (max_tokens) yields what was complete."""
 
     job_id: str
     raw: str = ""
-    kind: str | None = None  # "response", "structured" (a response_format answer) or "tool_calls"
+    kind: str | None = None  # the value being read (or last read): "response", "structured" (a
+    # response_format answer), "tool_calls" or "reasoning"; None before the first
     content: str = ""  # the words so far
+    reasoning: str = ""  # the thoughts so far
     calls: list[dict[str, str]] = field(default_factory=list)  # {id, name, arguments (JSON text)}
     repeated: bool = False  # a call repeated an earlier one (and was dropped)
     _seen: set[str] = field(default_factory=set)  # each call's name and arguments, keys sorted
+    _thought: list[str] = field(default_factory=list)  # thoughts not yet taken
     _at: int = 0  # next character of raw to read
     _depth: int = 0  # calls: nesting inside the array
     _in_string: bool = False
     _escaped: bool = False
     _item_start: int = -1
+    _in_value: bool = False  # reading a value (else between keys)
     _ended: bool = False
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, str]]]:
         self.raw += delta
-        if self.kind is None:
-            head = _HEAD.match(self.raw)
-            if head is None:
-                return "", []
-            self.kind, self._at = head.group(1), head.end()
-            if self.kind == "response" and head.group(2) == "{":  # the answer's response_format
-                self.kind, self._at = "structured", head.start(2)
-        if self._ended:
-            return "", []
-        if self.kind in ("response", "structured"):
-            words = self._read_string() if self.kind == "response" else self._read_value()
-            self.content += words
-            return words, []
+        words: list[str] = []
         done = len(self.calls)
-        self._read_calls()
-        return "", self.calls[done:]
+        while not self._ended:
+            if not self._in_value and not self._next_key():
+                break
+            closed = self._read(words)
+            if not closed:
+                break
+            self._in_value = False
+        return "".join(words), self.calls[done:]
 
-    def _read_string(self) -> str:
+    def take_reasoning(self) -> str:
+        """The thoughts read since the last call."""
+        text = "".join(self._thought)
+        self._thought = []
+        return text
+
+    def _next_key(self) -> bool:
+        """Past the next key to its value's first character (True), or the object's end."""
+        head = (_NEXT if self.kind is not None else _HEAD).match(self.raw, self._at)
+        if head is None:
+            if self.kind is not None and _CLOSE.match(self.raw, self._at):
+                self._ended = True
+            return False
+        key, opening = head.group("key"), head.group("open")
+        if opening not in _OPENINGS[key]:  # no writer of the format wrote this: stop reading
+            self._ended = True
+            return False
+        self.kind, self._at, self._in_value = key, head.end(), True
+        if key == "response" and opening != '"':  # the answer's response_format
+            self.kind, self._at = "structured", head.start("open")
+        return True
+
+    def _read(self, words: list[str]) -> bool:
+        """Read the current value on; True once it closed."""
+        if self.kind in ("response", "reasoning"):
+            text, closed = self._read_string()
+            if self.kind == "response":
+                self.content += text
+                words.append(text)
+            else:
+                self.reasoning += text
+                self._thought.append(text)
+            return closed
+        if self.kind == "structured":
+            text, closed = self._read_value()
+            self.content += text
+            words.append(text)
+            return closed
+        return self._read_calls()
+
+    def _read_string(self) -> tuple[str, bool]:
         out = []
         raw, i = self.raw, self._at
+        closed = False
         while i < len(raw):
             c = raw[i]
             if c == '"':
-                self._ended = True
+                closed = True
                 i += 1
                 break
             if c != "\\":
@@ -200,23 +249,25 @@ class AnswerReader:
             out.append(char)
             i += used
         self._at = i
-        return "".join(out)
+        return "".join(out), closed
 
-    def _read_value(self) -> str:
+    def _read_value(self) -> tuple[str, bool]:
         """The structured answer's JSON text as it grows, up to the end of its object."""
         raw, start = self.raw, self._at
         i = start
-        while i < len(raw) and not self._ended:
+        closed = False
+        while i < len(raw) and not closed:
             step = self._track(raw[i])
             self._depth += step
-            self._ended = step < 0 and self._depth == 0
+            closed = step < 0 and self._depth == 0
             i += 1
         self._at = i
-        return raw[start:i]
+        return raw[start:i], closed
 
-    def _read_calls(self) -> None:
+    def _read_calls(self) -> bool:
         raw, i = self.raw, self._at
-        while i < len(raw) and not self._ended:
+        closed = False
+        while i < len(raw) and not closed:
             step = self._track(raw[i])
             if step > 0:
                 if self._depth == 0:
@@ -224,13 +275,14 @@ class AnswerReader:
                 self._depth += 1
             elif step < 0:
                 if self._depth == 0:  # the array's own end
-                    self._ended = True
+                    closed = True
                 else:
                     self._depth -= 1
                     if self._depth == 0:
                         self._add_call(raw[self._item_start:i + 1])
             i += 1
         self._at = i
+        return closed
 
     def _track(self, c: str) -> int:
         """Follow one character of JSON text (strings and their escapes): 1 where a container
@@ -258,18 +310,28 @@ class AnswerReader:
         # a call the answer already holds, word for word (keys in any order), is dropped: small
         # models repeat a call, and running it twice would do the same thing twice. Ids count
         # the calls kept, so the stream and the result agree.
-        same = json.dumps([item["name"], item["arguments"]], sort_keys=True)
+        same = call_key(item["name"], item["arguments"])
         if same in self._seen:
             self.repeated = True
             return
         self._seen.add(same)
-        arguments = json.dumps(item["arguments"], ensure_ascii=False)
-        try:
-            arguments.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape in a string: keep it escaped
-            arguments = json.dumps(item["arguments"])
         self.calls.append({"id": call_id(self.job_id, len(self.calls)), "name": item["name"],
-                           "arguments": arguments})
+                           "arguments": arguments_text(item["arguments"])})
+
+
+def call_key(name: str, arguments: Any) -> str:
+    """What makes two calls the same: name and arguments, the arguments' keys in any order."""
+    return json.dumps([name, arguments], sort_keys=True)
+
+
+def arguments_text(arguments: Any) -> str:
+    """A call's arguments as the JSON text a result carries."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape in a string: keep it escaped
+        text = json.dumps(arguments)
+    return text
 
 
 def _unicode_escape(raw: str, i: int) -> tuple[str, int]:
@@ -294,16 +356,17 @@ def _unicode_escape(raw: str, i: int) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Answer:
-    content: str | None  # the words; None when the answer called tools
+    content: str | None  # the words; None when the answer called tools and said nothing
     tool_calls: list[dict[str, str]]
+    reasoning: str = ""  # the thoughts, where the answer carried them apart
 
 
 def read_answer(text: str, job_id: str) -> Answer:
-    """A whole generic-format answer: its words, or its calls."""
+    """A whole answer JSON: its words, its calls, its thoughts."""
     reader = AnswerReader(job_id)
     reader.feed(text)
     if reader.calls:
-        return Answer(None, reader.calls)
+        return Answer(reader.content or None, reader.calls, reader.reasoning)
     if reader.kind is None and text.strip() and not text.lstrip().startswith("{"):
         return Answer(text, [])  # a backend that ignored the grammar answered in words
-    return Answer(reader.content, [])
+    return Answer(reader.content, [], reader.reasoning)
