@@ -115,6 +115,16 @@ class Resumable(Protocol):
 
 
 @runtime_checkable
+class Bilingual(Protocol):
+    """An engine whose model speaks its own dialect (its Jinja template with tools, its call
+    syntax, its thoughts: backends/chat): it takes a chat as sent where it can, not lowered to the
+    generic tool format."""
+
+    def speaks(self, request: GenerateRequest) -> bool:
+        """Whether this request runs as sent (else the worker lowers it first)."""
+
+
+@runtime_checkable
 class Described(Protocol):
     """An engine that can describe its model (backends/model_card.py): what the worker publishes
     for the gateway's Ollama `/api/show`."""

@@ -17,7 +17,6 @@ sends them to /completion, which streams raw text: the chat endpoint's parsing o
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ import httpx
 from httpx_sse import connect_sse
 
 from backends.base import BackendUnavailable, Done, Event, JobRejected, Token
+from backends.chat.placeholders import message_stand_in, place
 from backends.contract.schema import LOGIT_BIAS_BAN, FinishReason, GenerateRequest, Sampling
 from backends.contract.text_ops import TOKENIZE_FIELDS, TextRequest, out_of_vocabulary, too_many
 from backends.http_pool import (
@@ -37,13 +37,6 @@ from backends.http_pool import (
 )
 from backends.http_settings import HttpSettings
 
-# A message's stand-in while the server renders the template (as in backends/llamacpp/model.py): no
-# whitespace inside, control characters no template writes, wrapped in \v, which a template's trim
-# removes like any space (llama.cpp's and Jinja's trim both use isspace): a placeholder found without
-# them was trimmed, so its content is trimmed the same way.
-_PLACEHOLDER = "\v\x1dfleet-message-{}\x1d\v"
-_PLACED = re.compile("(\v?)\x1dfleet-message-(\\d+)\x1d(\v?)")
-_C_SPACE = " \t\n\v\f\r"  # C's isspace(), what the templates trim
 # between the texts of one /tokenize call, which tokenizes each text alone and passes numbers through
 _SEP = -1
 
@@ -141,21 +134,9 @@ class LlamaServerBackend(HttpStreamBackend):
         as text where its placeholder was (trimmed if the template trimmed it), and each run of text
         between two control tokens is tokenized whole, so an ordinary chat would get the very tokens
         the server's own rendering gets."""
-        stand_ins = [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(chat["messages"])]
+        stand_ins = [{**m, "content": message_stand_in(i)} for i, m in enumerate(chat["messages"])]
         rendered = self._post("/apply-template", {**chat, "messages": stand_ins})["prompt"]
-        segments: list[str] = []  # the template's text around the placeholders
-        placed: list[str] = []
-        pos = 0
-        for m in _PLACED.finditer(rendered):
-            segments.append(rendered[pos:m.start()])
-            content = contents[int(m.group(2))]
-            if not m.group(1):  # the template trimmed the placeholder's front: trim the content's
-                content = content.lstrip(_C_SPACE)
-            if not m.group(3):
-                content = content.rstrip(_C_SPACE)
-            placed.append(content)
-            pos = m.end()
-        segments.append(rendered[pos:])
+        segments, placed = place(rendered, contents)  # the template's text, each message as text
         items: list[int | str] = []  # control token ids and text, in order
         for i, split in enumerate(self._split_control(segments)):
             items += split

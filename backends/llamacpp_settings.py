@@ -53,6 +53,16 @@ class LlamaCppSettings(EngineSettings):
     chat_template: str | None = Field(
         None, description="a llama.cpp built-in chat template name (e.g. gemma, chatml, llama3) for "
         "chat requests; None: the model's own template, else `gemma` for gemma-family models")
+    chat_template_file: Path | None = Field(
+        None, description="a Jinja chat template file rendered instead of the model's own (as "
+        "llama-server's --chat-template-file)")
+    jinja: bool = Field(True, description="render the model's own chat template (or "
+                        "chat_template_file) with Jinja, as llama-server --jinja: its tool-call syntax "
+                        "and thoughts; false: llama.cpp's built-in templates only")
+    tool_format: Literal["native", "generic"] = Field(
+        "native", description="tool calls in the model's own syntax where its Jinja template has "
+        "one llama-fleet reads (Hermes/Qwen, Llama 3, Mistral, gpt-oss, DeepSeek R1), with a grammar "
+        "that starts at the call; generic: every model answers in llama-fleet's JSON tool format")
 
     embed_model_path: Path | None = Field(
         None, description="GGUF model for embedding jobs; None: the generation model (a second "
@@ -68,4 +78,10 @@ class LlamaCppSettings(EngineSettings):
     def _invariance_needs_streams(self) -> LlamaCppSettings:
         if self.batch_invariant and self.kv_unified:  # a job's cells at other offsets sum differently
             raise ValueError("batch_invariant needs kv_unified=false (one KV stream per slot)")
+        if self.chat_template_file is not None:
+            if self.chat_template is not None or not self.jinja:
+                raise ValueError("chat_template_file is a Jinja template: it needs jinja=true and no "
+                                 "chat_template")
+            if not self.chat_template_file.is_file():
+                raise ValueError(f"chat_template_file {self.chat_template_file} is not a file")
         return self

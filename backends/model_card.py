@@ -112,11 +112,13 @@ def _small(value: object) -> bool:
     return isinstance(value, bool | int | float) or (isinstance(value, str) and len(value) <= MAX_VALUE)
 
 
-def capabilities(*, completion: bool = True) -> list[str]:
+def capabilities(*, completion: bool = True, thinking: bool = False) -> list[str]:
     """Ollama's capability names for what the worker serves: a generative model completes and
-    calls tools (every worker lowers tools to its generic format, backends/contract/tools.py);
-    "embedding" is added by the engines that embed."""
-    return ["completion", "tools"] if completion else []
+    calls tools (in its own syntax, or lowered to the generic format: backends/contract/tools.py),
+    and thinks where its template does; "embedding" is added by the engines that embed."""
+    if not completion:
+        return []
+    return ["completion", "tools", "thinking"] if thinking else ["completion", "tools"]
 
 
 def typed(value: str) -> Any:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from backends.base import Backend, Embedder, Embedding, Event, GenerateRequest, JobRejected
+from backends.base import Backend, Bilingual, Embedder, Embedding, Event, GenerateRequest, JobRejected
 from backends.contract.text_ops import TextRequest
 
 
@@ -38,6 +38,10 @@ class OverlappedBackend:
 
     def probe(self) -> bool:
         return self.inner.probe()
+
+    def speaks(self, request: GenerateRequest) -> bool:
+        """The engine's own dialect, as the engine says (it reads only its settings: no lock)."""
+        return isinstance(self.inner, Bilingual) and self.inner.speaks(request)
 
     def stats(self) -> dict[str, object]:
         return self.inner.stats()  # counters only: a read during a step is at worst one step old

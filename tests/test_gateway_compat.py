@@ -73,11 +73,11 @@ def test_one_400_names_every_unsupported_field(workers, gateways) -> None:
     wait_until_healthy(gw)
     with pytest.raises(openai.BadRequestError) as refused:
         oai(gw).chat.completions.create(
-            model="llm", messages=[{"role": "user", "content": "hi"}], reasoning_effort="low",
+            model="llm", messages=[{"role": "user", "content": "hi"}], modalities=["text"],
             extra_body={"mirostat": 2, "best_of": 3}, max_tokens=2)
     message = refused.value.message
-    assert refused.value.param == "reasoning_effort" and refused.value.code == "unsupported_field"
-    assert all(f"'{name}'" in message for name in ("reasoning_effort", "mirostat", "best_of")), message
+    assert refused.value.param == "modalities" and refused.value.code == "unsupported_field"
+    assert all(f"'{name}'" in message for name in ("modalities", "mirostat", "best_of")), message
     bad_message = httpx.post(f"{gw.url}/v1/chat/completions", json={
         "model": "llm", "suffix": "x", "stream_options": {"include_usage": True, "chunked": True},
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}],

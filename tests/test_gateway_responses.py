@@ -77,7 +77,7 @@ def test_responses_text_calls_stream_and_refusals(workers, gateways) -> None:
     for body, words in (({"previous_response_id": "resp_1"}, "not stored"),
                         ({"background": True}, "stored responses"),
                         ({"tools": [{"type": "web_search"}]}, "only function tools"),
-                        ({"reasoning": {"effort": "low"}}, "'reasoning' is not supported"),
+                        ({"reasoning": {"effort": "extreme"}}, "must be one of minimal, low, medium, high"),
                         ({"input": [{"type": "image", "url": "x"}]}, "input[0]")):
         response = httpx.post(f"{gw.url}/v1/responses", json={"model": "llm", "input": "hi", **body},
                               timeout=30)

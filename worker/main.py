@@ -73,9 +73,11 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     fw = FleetWorker(settings, backend, redis, name, link, hooks=hooks)
     fw.install_signal_handlers()
     card = model_card(backend, settings.backend)
+    capabilities = (card or {}).get("capabilities")
     static = static_status(name, settings, backend.name, backend.slots,
                            {"threads": threads, **report.to_dict()},
-                           model=str((card or {}).get("name") or ""))
+                           model=str((card or {}).get("name") or ""),
+                           thinks=isinstance(capabilities, list) and "thinking" in capabilities)
     hb = Heartbeat(fw, rq_worker, reaper, static, card)
     hb.beat()  # visible before the first job
     hb.start()

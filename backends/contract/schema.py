@@ -50,6 +50,7 @@ DEFAULT_TENANT = "default"  # jobs that name no tenant, and the flat gateway.api
 PRIORITIES: tuple[Priority, ...] = ("high", "default", "low")
 # tool_calls: the answer called tools (the result's `tool_calls`; backends/contract/tools.py)
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
+ReasoningFormat = Literal["none", "auto", "deepseek", "deepseek-legacy"]
 
 
 class Message(BaseModel):
@@ -63,17 +64,22 @@ class Message(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_CALLS_PER_MESSAGE)
     tool_call_id: str | None = Field(None, min_length=1, max_length=256)
     name: str | None = Field(None, min_length=1, max_length=256)
+    # an assistant turn's thoughts, given back: templates of thinking models place them
+    reasoning_content: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
 
     @model_validator(mode="after")
     def _tool_fields(self) -> Message:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         if (self.tool_call_id is not None or self.name is not None) and self.role != "tool":
             raise ValueError("tool_call_id and name belong to tool messages (a tool's result)")
         return self
 
     def chars(self) -> int:
-        return len(self.content) + sum(len(c.arguments) for c in self.tool_calls or [])
+        return (len(self.content) + len(self.reasoning_content or "")
+                + sum(len(c.arguments) for c in self.tool_calls or []))
 
 
 class SamplingDefaults(BaseModel):
@@ -135,6 +141,12 @@ class GenerateRequest(BaseModel):
     # word for word (small models repeat a call until max_tokens). tools.lower sets it when an
     # answer may hold several calls; an engine that cannot check it reads the answer to the end
     end_at_repeated_call: bool = False
+    # a thinking model's thoughts (llama-server's reasoning_format): "none" leaves them in the
+    # text; "auto"/"deepseek" return them apart (the answer streams as the answer JSON, tools.py);
+    # "deepseek-legacy" both. None: "none" (the producer decides how it reads the stream)
+    reasoning_format: ReasoningFormat | None = None
+    # variables the model's own (Jinja) chat template reads: enable_thinking, reasoning_effort...
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = Field(None, max_length=16)
 
     @field_validator("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty", mode="before")
@@ -160,6 +172,16 @@ class GenerateRequest(BaseModel):
                 raise ValueError(f"token {int(tok)}: the bias must be a number from -100 to 100")
             out[str(int(tok))] = bias
         return out
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (v or {}).items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", key):
+                raise ValueError(f"{key[:80]!r} is not a template variable's name")
+            if isinstance(value, str) and len(value) > 256:
+                raise ValueError(f"{key}: values are at most 256 characters")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -258,6 +280,21 @@ def check_json_schema(schema: dict[str, Any]) -> None:
 
 
 @dataclass(frozen=True)
+class AnswerDialect:
+    """How an engine reads a model's raw text in its own dialect (backends/chat) into the answer
+    JSON the stream carries: its tool-call syntax, where its thoughts go, and the grammar of its
+    calls (lazy: the text before a call's trigger stays free)."""
+
+    syntax: str | None  # a native tool syntax's name; None: no calls offered
+    reasoning: ReasoningFormat = "none"
+    thought_open: bool = False  # the prompt ends inside a thought (the template opened it)
+    read_calls: bool = True  # False: no tools offered, the syntax is read for its thoughts only
+    gbnf: str | None = None
+    triggers: tuple[str, ...] = ()
+    lazy: bool = True
+
+
+@dataclass(frozen=True)
 class Sampling:
     max_tokens: int
     temperature: float
@@ -275,6 +312,7 @@ class Sampling:
     ignore_eos: bool = False  # no end of generation at all: to max_tokens (or a stop string)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) by id; -100 bans the token
     end_at_repeated_call: bool = False  # a generic-format tool answer: it ends at a repeated call
+    dialect: AnswerDialect | None = None  # the model's own calls and thoughts, read into answer JSON
 
     def bans_eog(self) -> bool:
         """Whether end-of-generation tokens are masked for some of the job's tokens (they are
@@ -284,10 +322,14 @@ class Sampling:
     def has_penalties(self) -> bool:
         return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    def constrained(self) -> bool:
+        """A grammar decides which tokens may come: structured output, or the model's own calls."""
+        return self.format is not None or (self.dialect is not None and self.dialect.gbnf is not None)
+
     def is_plain(self) -> bool:
         """No grammar, no penalties, no logprobs: each token comes from its logits row and the
         chain's own draws alone (what the greedy fast path and speculation rely on)."""
-        return self.format is None and self.top_logprobs is None and not self.has_penalties()
+        return not self.constrained() and self.top_logprobs is None and not self.has_penalties()
 
 
 def describe_validation_error(e: ValidationError) -> str:

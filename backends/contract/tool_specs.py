@@ -102,16 +102,26 @@ def answer_schema(tools: list[Tool], choice: ToolChoice | None, parallel: bool |
     calls = {"type": "object", "properties": {"tool_calls": listed}, "required": ["tool_calls"],
              "additionalProperties": False}
     if choice in (None, "auto"):
-        said: dict[str, Any] = {"type": "string"}
-        if response == "json":
-            said = {"type": "object"}
-        elif isinstance(response, dict):
-            defs["answer"] = _rebased(response, "#/$defs/answer")
-            said = {"$ref": "#/$defs/answer"}
-        words = {"type": "object", "properties": {"response": said}, "required": ["response"],
-                 "additionalProperties": False}
-        return {"$defs": defs, "oneOf": [calls, words]}
+        return {"$defs": defs, "oneOf": [calls, _words(response, defs)]}
     return {"$defs": defs, **calls}
+
+
+def words_schema(response: Literal["json"] | dict[str, Any] | None) -> dict[str, Any]:
+    """The schema of an answer in words only (`{"response": ...}`)."""
+    defs: dict[str, Any] = {}
+    words = _words(response, defs)
+    return {"$defs": defs, **words} if defs else words
+
+
+def _words(response: Literal["json"] | dict[str, Any] | None, defs: dict[str, Any]) -> dict[str, Any]:
+    said: dict[str, Any] = {"type": "string"}
+    if response == "json":
+        said = {"type": "object"}
+    elif isinstance(response, dict):
+        defs["answer"] = _rebased(response, "#/$defs/answer")
+        said = {"$ref": "#/$defs/answer"}
+    return {"type": "object", "properties": {"response": said}, "required": ["response"],
+            "additionalProperties": False}
 
 
 def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:

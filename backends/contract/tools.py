@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from backends.contract.schema import GenerateRequest, Message
-from backends.contract.tool_specs import NamedTool, Tool, ToolChoice, answer_schema, max_calls
+from backends.contract.tool_specs import NamedTool, Tool, ToolChoice, answer_schema, max_calls, words_schema
 
 # an answer's first key and its value's opening; each next key; the object's end
 _KEY = r'"(?P<key>tool_calls|response|reasoning)"\s*:\s*(?P<open>\[|"|\{)'
@@ -45,13 +45,23 @@ def calls_tools(request: GenerateRequest) -> bool:
     return bool(request.tools) and request.tool_choice != "none"
 
 
+def answers_in_json(request: GenerateRequest) -> bool:
+    """Whether the job's stream carries the answer JSON (its words, calls and thoughts apart), not
+    plain text: tools offered, or thoughts asked for apart. Producers read the stream by it."""
+    return calls_tools(request) or request.reasoning_format not in (None, "none")
+
+
 def lower(request: GenerateRequest) -> tuple[GenerateRequest, bool]:
     """The request an engine runs: roles system/user/assistant only, the tools in the system
     message and the answer's schema as `format` (unchanged for a chat without tools); and whether
     its answer is in the generic format."""
     touched = any(m.role == "tool" or m.tool_calls for m in request.messages or [])
     if not request.tools and not touched:
-        return request, False
+        if not answers_in_json(request):
+            return request, False
+        # thoughts asked apart of an engine that does not read its model's: the words as answer JSON
+        words = {"format": words_schema(request.format), "reasoning_format": None}
+        return request.model_copy(update=words), True
     messages, schema = render(request)
     update: dict[str, Any] = {"messages": messages, "tools": None, "tool_choice": None,
                               "parallel_tool_calls": None}

@@ -28,20 +28,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import llama_cpp as ll
 import psutil
 
 from backends.base import Done, Embedding, Event, Failed
+from backends.contract import tools
 from backends.contract.schema import GenerateRequest
 from backends.contract.text_ops import TextRequest
 from backends.llamacpp import text_ops
+from backends.llamacpp.dialect import ModelDialect
 from backends.llamacpp.embedding import EmbeddingContext
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel, load_weights
-from backends.llamacpp.sampling import check_format, check_logit_bias, grammar_takes
+from backends.llamacpp.sampling import check_format, check_logit_bias, compile_dialect, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
 from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
@@ -76,6 +79,8 @@ class LlamaCppBackend:
         self.model = LoadedModel(
             settings.model_path,
             chat_template=settings.chat_template,
+            chat_template_file=settings.chat_template_file,
+            jinja=settings.jinja,
             n_ctx=settings.n_ctx_per_seq * streams if self.per_slot else settings.n_ctx,
             n_batch=self.n_batch,
             n_seq_max=streams,
@@ -89,6 +94,7 @@ class LlamaCppBackend:
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
                                  per_slot=self.per_slot)
         self.kv, self.scheduler = self._bookkeeping()
+        self.dialect = ModelDialect(self.model, settings.tool_format)
         self._finished: list[Event] = []
         self.grammar_rejections = 0
         self.faults = 0
@@ -114,6 +120,9 @@ class LlamaCppBackend:
     def free_slots(self) -> int:
         return self.scheduler.free_slots()
 
+    def speaks(self, request: GenerateRequest) -> bool:
+        return self.dialect.speaks(request)
+
     def probe(self) -> bool:
         """In process: the engine is there as long as this object is."""
         return True
@@ -123,9 +132,13 @@ class LlamaCppBackend:
             raise RuntimeError("no free slot")  # before tokenizing: the worker checks first
         tokens = self.model.prompt_tokens(request)
         sampling = request.sampling(self.settings.sampling)
+        if (dialect := self.dialect.of(request, tokens)) is not None:
+            sampling = replace(sampling, dialect=dialect)
         check_logit_bias(self.model, sampling)
         if sampling.format is not None:
             check_format(self.model, sampling.format)  # a schema that cannot compile fails now
+        elif dialect is not None and dialect.gbnf is not None:
+            ll.llama_sampler_free(compile_dialect(self.model, dialect))
         self.scheduler.enqueue(job_id, tokens, sampling)
         self._guarded(self._start_waiting)
 
@@ -134,9 +147,12 @@ class LlamaCppBackend:
         delivered, prefilled as one prompt (prefix reuse applies), counted as output already
         generated (max_tokens, usage), and generation goes on from there; a grammar (structured
         output) is fed the same tokens first. False (the caller starts it over) when the text
-        already used max_tokens, or its tokens are not the grammar's."""
+        already used max_tokens, or its tokens are not the grammar's, or it is answer JSON read
+        from the model's own dialect (not the text the model wrote)."""
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")
+        if tools.answers_in_json(request) and self.dialect.speaks(request):
+            return False  # its stream holds the answer JSON read from the text, not the text
         sampling = request.sampling(self.settings.sampling)
         check_logit_bias(self.model, sampling)
         more = self.model.tokenize(delivered, special=False, add_special=False)
@@ -215,7 +231,7 @@ class LlamaCppBackend:
         m = self.model
         return gguf_card(m.metadata(), path=Path(m.path), n_params=int(ll.llama_model_n_params(m.model)),
                          template=m.template_text(), defaults=self.settings.sampling,
-                         capabilities=capabilities())
+                         capabilities=capabilities(thinking=self.dialect.thinking))
 
     def stats(self) -> dict[str, object]:
         return {

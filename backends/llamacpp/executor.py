@@ -141,7 +141,7 @@ class Executor:
         return sum(len(d) for (seq_id, _), d in list(self._checkpoints.items()) if seq_id >= 0)
 
     def open(self, job: ActiveJob) -> None:
-        if job.sampling.format is not None and self._candidates is None:
+        if job.sampling.constrained() and self._candidates is None:
             self._candidates = Candidates(self.model.n_vocab)
         self._samplers[job.seq_id] = SequenceSampler(self.model, job.sampling, job.tokens, self._candidates,
                                                      self._top, resumed=job.resumed)

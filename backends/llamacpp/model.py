@@ -6,26 +6,21 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp as ll
 
 from backends.base import JobRejected
+from backends.chat.placeholders import SPACE, message_stand_in, place
 from backends.contract.schema import GenerateRequest, Message
+from backends.llamacpp.jinja_chat import JinjaChat
 from backends.llamacpp.speculation import DRAFT_CALL_ROWS
 from backends.model import default_model_path
 
 # ggml reads its kernel switches once per process, at the first matmul; the first model decides
 _kernels_invariant: bool | None = None
 
-# A message's stand-in while the template renders: no whitespace inside (templates trim content),
-# control characters no template writes. Wrapped in \v, which llama.cpp's trim removes like any
-# space: a placeholder found without them was trimmed, so its content is trimmed the same way.
-_PLACEHOLDER = "\v\x1dfleet-message-{}\x1d\v"
-_PLACED = re.compile("(\v?)\x1dfleet-message-(\\d+)\x1d(\v?)")
-_C_SPACE = " \t\n\v\f\r"  # C's isspace(), what llama.cpp trims
 # tokens that text becomes only with special parsing (user-defined ones are split out either way)
 _SPLIT_ONLY_WITH_SPECIAL = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN
 
@@ -55,7 +50,7 @@ class LoadedModel:
     def __init__(
         self, path: Path | None, *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int | None,
         batch_invariant: bool = False, kv_unified: bool = False, swa_full: bool = True,
-        chat_template: str | None = None,
+        chat_template: str | None = None, chat_template_file: Path | None = None, jinja: bool = True,
     ) -> None:
         path = Path(path) if path else default_model_path()
         if not path.exists():
@@ -95,7 +90,9 @@ class LoadedModel:
         # sliding-window layers attend to the last n_swa positions; 0: no such layers, or kept whole
         self.n_swa = 0 if swa_full else max(0, ll.llama_model_n_swa(model))
         self._piece_buf = ctypes.create_string_buffer(256)
+        self.preserved: set[int] = set()  # control tokens whose text `piece` renders
         self.chat_template = choose_chat_template(self, chat_template)
+        self.jinja = self._jinja(chat_template_file) if jinja else None
         eos = ll.llama_vocab_eos(self.vocab)
         self.eog_token = eos if eos >= 0 else ll.llama_vocab_eot(self.vocab)
 
@@ -115,9 +112,35 @@ class LoadedModel:
                 out[key] = value
         return out
 
+    def _jinja(self, template_file: Path | None) -> JinjaChat | None:
+        """The model's own template (or the file's) rendered by Jinja, as llama-server `--jinja`;
+        None: a built-in template renders chats (a setting names one, or the model has none)."""
+        if template_file is not None:
+            source = template_file.read_text(encoding="utf-8")
+        elif self.chat_template is not None and len(self.chat_template) > 64:  # not a built-in name
+            source = self.chat_template.decode("utf-8", errors="replace")
+        else:
+            return None
+        return JinjaChat(source, bos_token=self._token_text(ll.llama_vocab_bos(self.vocab)),
+                         eos_token=self._token_text(ll.llama_vocab_eos(self.vocab)),
+                         add_bos=bool(ll.llama_vocab_get_add_bos(self.vocab)),
+                         add_eos=bool(ll.llama_vocab_get_add_eos(self.vocab)),
+                         reads_as_text=self._reads_as_text)
+
+    def _token_text(self, token: int) -> str:
+        return (ll.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", errors="replace") \
+            if token >= 0 else ""
+
+    def _reads_as_text(self, text: str) -> bool:
+        """No control token's text inside: special parsing leaves it as it is."""
+        return self.tokenize(text, special=True, add_special=False) == \
+            self.tokenize(text, special=False, add_special=False)
+
     def template_text(self) -> str | None:
         """The chat template as text: the model's own, or the built-in one rendered around Ollama's
         placeholders (what a prompt looks like)."""
+        if self.jinja is not None:
+            return self.jinja.source
         if self.chat_template is None:
             return None
         if len(self.chat_template) > 64:  # the model's own template, not a built-in one's name
@@ -153,22 +176,20 @@ class LoadedModel:
         message content is always text, so "<end_of_turn>" typed by a user cannot close their turn
         and forge another. The template is rendered with a placeholder per content, its text
         tokenized with special tokens, each content spliced in as text (as the template would have
-        placed it, trimmed or not), and each text run between two control tokens tokenized whole
-        (so a chat without such text gets exactly the tokens the rendered string would)."""
-        contents = [m.content for m in request.messages or []]
-        rendered = self._render(request, [_PLACEHOLDER.format(i) for i in range(len(contents))])
+        placed it, trimmed or not: backends/chat/placeholders.py), and each text run between two
+        control tokens tokenized whole (so a chat without such text gets exactly the tokens the
+        rendered string would)."""
+        if self.jinja is not None:
+            rendered, texts = self.jinja.render(request, stand_ins=True)
+        else:
+            texts = [m.content for m in request.messages or []]
+            rendered = self._render(request, [message_stand_in(i) for i in range(len(texts))])
+        segments, placed = place(rendered, texts)
         items: list[int | str] = []  # control token ids and text, in order
-        pos = 0
-        for m in _PLACED.finditer(rendered):
-            items += self._split_control(rendered[pos:m.start()])
-            content = contents[int(m.group(2))]
-            if not m.group(1):  # the template trimmed the placeholder's front: trim the content's
-                content = content.lstrip(_C_SPACE)
-            if not m.group(3):
-                content = content.rstrip(_C_SPACE)
-            items.append(content)
-            pos = m.end()
-        items += self._split_control(rendered[pos:])
+        for i, segment in enumerate(segments):
+            items += self._split_control(segment)
+            if i < len(placed):
+                items.append(placed[i])
         return self._tokens_of(items)
 
     def _split_control(self, text: str) -> list[int | str]:
@@ -201,9 +222,9 @@ class LoadedModel:
             attr = ll.llama_vocab_get_attr(self.vocab, item) if item >= 0 else 0
             text = "".join(run)
             if attr & ll.LLAMA_TOKEN_ATTR_LSTRIP:
-                text = text.rstrip(_C_SPACE)
+                text = text.rstrip(SPACE)
             if strip_front:
-                text = text.lstrip(_C_SPACE)
+                text = text.lstrip(SPACE)
             if text:
                 tokens += self.tokenize(text, special=False, add_special=False)
             if item >= 0:
@@ -217,6 +238,8 @@ class LoadedModel:
         """The chat as the template renders it (text; tokenize with `chat_tokens`, never this:
         it would read control-token text inside the messages as control tokens, and llama.cpp
         reads each content as a C string, so a NUL byte would cut it)."""
+        if self.jinja is not None:
+            return self.jinja.render(request, stand_ins=False)[0]
         return self._render(request, [m.content for m in request.messages or []])
 
     def _render(self, request: GenerateRequest, contents: list[str]) -> str:
@@ -242,12 +265,22 @@ class LoadedModel:
         raise JobRejected("chat template output did not fit")
 
     def piece(self, token: int) -> bytes:
-        n = ll.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, False)
+        """A token's text; control tokens are empty unless preserved (`preserve`)."""
+        special = token in self.preserved
+        n = ll.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
         if n < 0:
             big = ctypes.create_string_buffer(-n)
-            n = ll.llama_token_to_piece(self.vocab, token, big, -n, 0, False)
+            n = ll.llama_token_to_piece(self.vocab, token, big, -n, 0, special)
             return big.raw[:n]
         return self._piece_buf.raw[:n]
+
+    def preserve(self, texts: tuple[str, ...]) -> None:
+        """Render these control tokens as their text (a tool syntax's markers, which the answer's
+        reader looks for: llama-server's preserved tokens)."""
+        for text in texts:
+            tokens = self.tokenize(text, special=True, add_special=False)
+            if len(tokens) == 1 and not self.is_eog(tokens[0]):
+                self.preserved.add(tokens[0])
 
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))

@@ -34,7 +34,7 @@ import numpy as np
 from llama_cpp.llama_grammar import JSON_GBNF
 
 from backends.base import JobRejected
-from backends.contract.schema import LOGIT_BIAS_BAN, Sampling
+from backends.contract.schema import LOGIT_BIAS_BAN, AnswerDialect, Sampling
 from backends.contract.schema_limits import SchemaTooComplex
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.schema_grammar import GrammarTooLarge, check_gbnf, json_schema_to_gbnf
@@ -123,6 +123,25 @@ def compile_grammar(model: LoadedModel, gbnf: str) -> ll.llama_sampler_p:
     grammar = _on_compile_stack(lambda: ll.llama_sampler_init_grammar(model.vocab, gbnf.encode(), b"root"))
     if not grammar:
         raise JobRejected("llama.cpp could not compile the grammar made from the JSON schema")
+    return grammar
+
+
+def compile_dialect(model: LoadedModel, dialect: AnswerDialect | None) -> ll.llama_sampler_p:
+    """The grammar of a model's own tool calls (backends/llamacpp/tool_grammar.py); lazy: it
+    applies from the first match of a trigger pattern on, fed the text from there."""
+    assert dialect is not None and dialect.gbnf is not None
+    gbnf = dialect.gbnf
+    if not dialect.lazy:
+        return compile_grammar(model, gbnf)
+    try:
+        _checked(gbnf)
+    except GrammarTooLarge as e:
+        raise JobRejected(f"refused: {e}") from None
+    patterns = (ctypes.c_char_p * len(dialect.triggers))(*(p.encode() for p in dialect.triggers))
+    grammar = _on_compile_stack(lambda: ll.llama_sampler_init_grammar_lazy_patterns(
+        model.vocab, gbnf.encode(), b"root", patterns, len(dialect.triggers), None, 0))
+    if not grammar:
+        raise JobRejected("llama.cpp could not compile the grammar of the tools' calls")
     return grammar
 
 
@@ -298,9 +317,13 @@ class SequenceSampler:
                 ll.llama_sampler_accept(self.chain, tok)
         self.grammar: ll.llama_sampler_p | None = None
         self.candidates = candidates
-        if s.format is not None:
+        # a lazy grammar (the model's own calls) lets text through until a call's trigger: it is
+        # never "whole" before, and ends by the model's end of generation, which it allows after
+        self.lazy = s.format is None and s.dialect is not None and s.dialect.lazy
+        if s.constrained():
             assert candidates is not None
-            self.grammar = compile_grammar(model, gbnf_for(s.format))
+            self.grammar = (compile_grammar(model, gbnf_for(s.format)) if s.format is not None
+                            else compile_dialect(model, s.dialect))
             self._one = ll.llama_token_data(0, 1.0, 0.0)
             self._one_array = ll.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
             for tok in prompt[len(prompt) - resumed:] if resumed else ():  # checked by grammar_takes
@@ -380,7 +403,7 @@ class SequenceSampler:
             ll.llama_sampler_accept(self.chain, tok)
         if not self.model.is_eog(tok):  # an end-of-generation token ends the job, not the grammar
             ll.llama_sampler_accept(self.grammar, tok)
-            self.grammar_complete = self._whole(tok)
+            self.grammar_complete = not self.lazy and self._whole(tok)
         return tok
 
     def _resample(self, logits: np.ndarray) -> tuple[int, float]:

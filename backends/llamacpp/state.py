@@ -41,7 +41,7 @@ class ActiveJob:
 
     @classmethod
     def start(cls, job: WaitingJob, seq_id: int, reserved: int) -> ActiveJob:
-        text = TextAssembler(job.sampling.stop, job.sampling.end_at_repeated_call)
+        text = TextAssembler(job.sampling.stop, job.sampling.end_at_repeated_call, job.sampling.dialect)
         return cls(job.job_id, seq_id, job.tokens, job.sampling, reserved, text, generated=job.resumed,
                    resumed=job.resumed)
 

@@ -62,7 +62,7 @@ def advance(job: ActiveJob, rows: list[tuple[int, bytes | None]], draft: Sequenc
 
 
 def finish(job: ActiveJob, reason: FinishReason, events: list[Event]) -> None:
-    tail = "" if job.text.stopped else job.text.finish()
+    tail = job.text.finish()
     if tail:
         events.append(Token(job.job_id, tail, n_tokens=0))
     job.done = job.ended(reason)

@@ -27,8 +27,8 @@ async def create_message(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     body = await read_body(request)
     caller = request.state.caller
-    fields = job_request(body)
     pool = gw.pool_for(body.get("model"), caller)
+    fields = job_request(body, thinks=pool in gw.thinking_pools)
     check_limits(gw, [fields], 1)
     jobs, headers = await submit(request, pool, [fields])
     return await answer_one(request, jobs, headers, MessageReply(body, fields, jobs[0].id),
@@ -38,8 +38,9 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     body = await read_body(request)
-    fields = count_request(body)
-    jobs, headers = await submit(request, gw.pool_for(body.get("model"), request.state.caller), [fields])
+    pool = gw.pool_for(body.get("model"), request.state.caller)
+    fields = count_request(body, thinks=pool in gw.thinking_pools)
+    jobs, headers = await submit(request, pool, [fields])
     return await answer(request, jobs, gw.settings.gateway.request_timeout, headers, None, counted)
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 from backends.contract.tools import AnswerReader
 from dispatcher.gateway.core import ApiError, JobUpdate, shown, unsupported
-from dispatcher.gateway.openai_bodies import calls_tools
+from dispatcher.gateway.openai_bodies import answers_in_json
 from dispatcher.gateway.openai_tools import invalid, tool_fields
+from dispatcher.gateway.reasoning import reasoning_fields
 
 API = "Anthropic"
 # what shapes the prompt: all that POST /v1/messages/count_tokens reads (it takes a whole
@@ -32,8 +33,11 @@ BLOCK_KEYS = {
     "text": {"type", "text"},
     "tool_use": {"type", "id", "name", "input"},
     "tool_result": {"type", "tool_use_id", "content", "is_error"},
+    "thinking": {"type", "thinking", "signature"},
+    "redacted_thinking": {"type", "data"},
 }
 TOOL_KEYS = {"type", "name", "description", "input_schema", "strict"}
+THINKING_KEYS = {"type", "budget_tokens", "display"}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 CHOICE_KEYS = ("type", "name", "disable_parallel_tool_use")
 MESSAGE_KEYS = ("role", "content")
@@ -59,8 +63,9 @@ def error_body(err: ApiError) -> dict[str, Any]:
 # -- a request -> the job's fields -----------------------------------------------------------------
 
 
-def job_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The fleet job's fields of a Messages body; 400 naming a field it cannot honour."""
+def job_request(body: dict[str, Any], thinks: bool = False) -> dict[str, Any]:
+    """The fleet job's fields of a Messages body; 400 naming a field it cannot honour. `thinks`:
+    the pool's model thinks (its thoughts come apart, as thinking blocks where asked for)."""
     refuse_unknown(body, FIELDS)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
@@ -78,14 +83,14 @@ def job_request(body: dict[str, Any]) -> dict[str, Any]:
     fields.update(_metadata(body.get("metadata")))
     if body.get("service_tier", "auto") not in ("auto", "standard_only"):
         raise invalid("service_tier", "service_tier must be 'auto' or 'standard_only'")
-    return {**fields, **prompt_fields(body)}
+    return {**fields, **prompt_fields(body, thinks)}
 
 
-def count_request(body: dict[str, Any]) -> dict[str, Any]:
+def count_request(body: dict[str, Any], thinks: bool = False) -> dict[str, Any]:
     """The job POST /v1/messages/count_tokens runs: the prompt fields of a Messages body, one
     greedy token (the worker renders and tokenizes the prompt as for the real request)."""
     refuse_unknown(body, FIELDS)
-    return {**prompt_fields(body), "max_tokens": 1, "temperature": 0.0}
+    return {**prompt_fields(body, thinks), "max_tokens": 1, "temperature": 0.0}
 
 
 def refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
@@ -93,15 +98,11 @@ def refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
         raise unsupported(refused, API)
 
 
-def prompt_fields(body: dict[str, Any]) -> dict[str, Any]:
+def prompt_fields(body: dict[str, Any], thinks: bool = False) -> dict[str, Any]:
     """What shapes the prompt the worker runs: the messages, the tools and how they may be used,
-    the answer's format."""
-    thinking = body.get("thinking")
-    if thinking is not None and thinking != {"type": "disabled"}:
-        raise ApiError(400, "'thinking' (extended thinking) is not supported by this gateway (llama-fleet): "
-                       'leave it out or send {"type": "disabled"}', param="thinking",
-                       code="unsupported_field")
+    the answer's format, whether the model thinks (`thinking`: the template's enable_thinking)."""
     fields: dict[str, Any] = _output_config(body.get("output_config"))
+    fields.update(reasoning_fields(thinks, enable=thinking_enabled(body)))
     fields.update(_tools(body))
     messages = _messages(body.get("messages"))
     if "system" in body:
@@ -109,6 +110,19 @@ def prompt_fields(body: dict[str, Any]) -> dict[str, Any]:
         if system:
             messages.insert(0, {"role": "system", "content": system})
     return {**fields, "messages": messages}
+
+
+def thinking_enabled(body: dict[str, Any]) -> bool | None:
+    """Anthropic's `thinking`: {"type": "enabled", "budget_tokens": n} or {"type": "disabled"}
+    (None: not said). The budget is taken and not enforced: the template decides how long."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive") or set(thinking) - THINKING_KEYS:
+        raise invalid("thinking", 'thinking must be {"type": "enabled", "budget_tokens": N} or '
+                      '{"type": "disabled"}')
+    return kind != "disabled"
 
 
 def _metadata(metadata: object) -> dict[str, Any]:
@@ -235,10 +249,15 @@ def _blocks(content: object, where: str) -> list[tuple[str, dict[str, Any]]]:
 
 def _assistant(blocks: list[tuple[str, dict[str, Any]]], where: str) -> dict[str, Any]:
     """An earlier answer: its words, and its tool_use blocks as the calls it made."""
-    words, calls = [], []
+    words, calls, thoughts = [], [], []
     for at, block in blocks:
         if block["type"] == "text":
             words.append(block["text"])
+        elif block["type"] == "thinking":
+            if isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+        elif block["type"] == "redacted_thinking":
+            continue  # encrypted by another service: nothing a local model can read
         elif block["type"] == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) \
                     or not isinstance(block.get("input"), dict):
@@ -248,6 +267,8 @@ def _assistant(blocks: list[tuple[str, dict[str, Any]]], where: str) -> dict[str
         else:
             raise invalid(at, f"{at}: a {block['type']} block belongs in a user message")
     message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(words)}
+    if thoughts:
+        message["reasoning_content"] = "\n\n".join(thoughts)
     if calls:
         message["tool_calls"] = calls
     return message
@@ -303,7 +324,8 @@ class MessageReply:
         self.job_id = job_id
         self.id = f"msg_{job_id}"
         self.model = body["model"]
-        self.tools = calls_tools(fields)  # the job answers in the generic tool format
+        self.tools = answers_in_json(fields)  # the job streams the answer JSON
+        self.thinking = bool(thinking_enabled(body))  # thoughts shown as thinking blocks
 
     def message(self, content: list[dict[str, Any]], result: dict[str, Any] | None) -> dict[str, Any]:
         reason = STOP_REASONS.get((result or {}).get("finish_reason", ""), "end_turn") if result else None
@@ -315,7 +337,9 @@ class MessageReply:
             return [text_block(result.get("text", ""))]
         calls = [tool_use_block(c) for c in result.get("tool_calls") or []]
         words = result.get("content") or ""
-        return [*([text_block(words)] if words or not calls else []), *calls]
+        said = result.get("reasoning_content") if self.thinking else None
+        thought = [thinking_block(said)] if said else []
+        return [*thought, *([text_block(words)] if words or not calls else []), *calls]
 
     def whole(self, final: JobUpdate) -> dict[str, Any]:
         if final.error is not None:
@@ -331,7 +355,7 @@ class MessageReply:
         yield event("message_start", message=self.message([], None))
         reader = AnswerReader(self.job_id) if self.tools else None
         blocks = 0  # content blocks opened
-        text_open = False
+        text_open = thinking_open = False
         if reader is None:  # a plain answer is one text block: open it now
             blocks, text_open = 1, True
             yield event("content_block_start", index=0, content_block=text_block(""))
@@ -343,6 +367,20 @@ class MessageReply:
                 yield event("error", error=error_body(failure)["error"])
                 return
             words, calls = reader.feed(u.delta) if reader is not None else (u.delta, [])
+            thought = reader.take_reasoning() if reader is not None and self.thinking else ""
+            if thought and not thinking_open:
+                blocks, thinking_open = blocks + 1, True
+                yield event("content_block_start", index=blocks - 1, content_block=thinking_block(""))
+                if blocks == 1:
+                    yield event("ping")
+            if thought:
+                yield event("content_block_delta", index=blocks - 1,
+                            delta={"type": "thinking_delta", "thinking": thought})
+            if thinking_open and (words or calls or u.result is not None):
+                thinking_open = False
+                yield event("content_block_delta", index=blocks - 1,
+                            delta={"type": "signature_delta", "signature": ""})
+                yield event("content_block_stop", index=blocks - 1)
             if words and not text_open:
                 blocks, text_open = blocks + 1, True
                 yield event("content_block_start", index=blocks - 1, content_block=text_block(""))
@@ -388,6 +426,11 @@ def usage(result: dict[str, Any] | None) -> dict[str, int]:
 
 def text_block(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
+
+
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """Thoughts as a thinking block; the signature is empty (no service signs a local model's)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
 
 
 def tool_use_block(call: dict[str, str]) -> dict[str, Any]:

@@ -167,6 +167,7 @@ class Gateway:
         # pool -> its model's Ollama-style name, as its live workers last said (kept when they go)
         self.model_names: dict[str, str] = {}
         self.cards: dict[str, dict[str, Any]] = {}  # pool -> the last model card read of its workers
+        self.thinking_pools: set[str] = set()  # pools whose live workers' templates think
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
         self.pool_members: dict[str, list[str]] = {}  # pool -> the names of those workers
         self.redis_up = False
@@ -207,7 +208,7 @@ class Gateway:
             names = sorted(as_str(n) or "" for n in await redis.smembers(WORKERS_SET))
             async with redis.pipeline(transaction=False) as pipe:
                 for name in names:
-                    pipe.hmget(worker_key(name), ["pool", "state", "model"])
+                    pipe.hmget(worker_key(name), ["pool", "state", "model", "thinks"])
                 replies = await pipe.execute()
         except OUTAGE_ERRORS as e:
             if self.redis_up:
@@ -218,7 +219,8 @@ class Gateway:
         counts: dict[str, int] = {}
         members: dict[str, list[str]] = {}
         model_names: dict[str, str] = {}
-        for name, (pool_raw, state_raw, model_raw) in zip(names, replies, strict=True):
+        thinking: set[str] = set()
+        for name, (pool_raw, state_raw, model_raw, thinks) in zip(names, replies, strict=True):
             if pool_raw is None:
                 continue  # its hash expired: dead (the reaper collects it)
             pool, state = json.loads(pool_raw), json.loads(state_raw or '""')
@@ -228,9 +230,12 @@ class Gateway:
                 model = json.loads(model_raw or '""')
                 if isinstance(model, str) and model and pool not in model_names:
                     model_names[pool] = model
+                if json.loads(thinks or "false") is True:
+                    thinking.add(pool)
         self.model_names = {**self.model_names, **model_names}
         self.live_workers = counts
         self.pool_members = members
+        self.thinking_pools = thinking
         self.redis_up = True
 
     def fleet_for(self, pool: str) -> AsyncFleet:

@@ -40,7 +40,9 @@ from dispatcher.gateway.core import (
 )
 from dispatcher.gateway.ollama_show import UNKNOWN_DETAILS, listed_cards
 from dispatcher.gateway.openai_api import check_limits, read_body, submit, timed_out
+from dispatcher.gateway.openai_bodies import answers_in_json
 from dispatcher.gateway.openai_tools import tool_fields
+from dispatcher.gateway.reasoning import ollama_think, reasoning_fields
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
 # The Ollama release whose API this gateway speaks, not llama-fleet's own version: clients gate
@@ -55,11 +57,13 @@ OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "
            "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop"}
 LOAD_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa",
                 "low_vram", "vocab_only", "f16_kv", "num_keep"}
-COMMON_FIELDS = {"model", "format", "options", "stream", "keep_alive", "logprobs", "top_logprobs"}
+COMMON_FIELDS = {"model", "format", "options", "stream", "keep_alive", "logprobs", "top_logprobs", "think"}
 GENERATE_FIELDS = COMMON_FIELDS | {"prompt", "system", "raw"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
+# tool_choice: llama-fleet's extension (OpenAI's values): Ollama's API cannot force a call
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools", "tool_choice"}
 ROLES = ("system", "user", "assistant", "tool")
-ROLE_FIELDS = {"tool": ("tool_name", "name"), "assistant": ("tool_calls",)}  # beside role, content
+# beside role and content
+ROLE_FIELDS = {"tool": ("tool_name", "name"), "assistant": ("tool_calls", "thinking")}
 # Ollama's deprecated `context` (a conversation's token ids, sent back by the client) is not
 # kept or taken: docs/gateway.md, "Ollama's context"
 NO_CONTEXT = ("'context' (token ids of an earlier /api/generate) is not taken: send the conversation "
@@ -173,8 +177,17 @@ def zero_duration(keep_alive: object) -> bool:
     return bool(GO_DURATION.fullmatch(text)) and all(float(n) == 0 for n in re.findall(GO_PART, text))
 
 
-def job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
-    """The fleet request for an Ollama body; None for an empty prompt (Ollama: load the model)."""
+def job_fields(body: dict[str, Any], chat: bool, thinks: bool = False) -> dict[str, Any] | None:
+    """The fleet request for an Ollama body; None for an empty prompt (Ollama: load the model).
+    `thinks`: the pool's model thinks (its thoughts come back as `thinking`)."""
+    fields = _job_fields(body, chat)
+    if fields is not None and "messages" in fields:  # a template renders them: it may think
+        enable, effort = ollama_think(body.get("think"))
+        fields.update(reasoning_fields(thinks, effort=effort, enable=enable))
+    return fields
+
+
+def _job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
     if refused := unsupported_fields(body, chat):
         error = unsupported(refused, "Ollama")
         if "context" in refused:
@@ -193,7 +206,7 @@ def job_fields(body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
     if chat:
         messages = _messages(body.get("messages"))
         if body.get("tools"):  # Ollama's tools are OpenAI's function tools; the model may call any
-            fields["tools"] = tool_fields({"tools": body["tools"]})["tools"]
+            fields.update(tool_fields({k: body[k] for k in ("tools", "tool_choice") if k in body}))
         return {**fields, "messages": messages} if messages else None
     prompt = body.get("prompt") or ""
     if not isinstance(prompt, str):
@@ -254,6 +267,8 @@ def _messages(messages: object) -> list[dict[str, Any]]:
             message["name"] = m.get("tool_name") or m.get("name")
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = _history_calls(m["tool_calls"], i)
+        if m["role"] == "assistant" and isinstance(m.get("thinking"), str) and m["thinking"]:
+            message["reasoning_content"] = m["thinking"]
         out.append(message)
     return out
 
@@ -283,8 +298,8 @@ async def _run(request: Request, chat: bool) -> Response:
     model = body.get("model")
     caller = request.state.caller
     pool = gw.pool_for(model, caller)
-    fields = job_fields(body, chat)
-    reply = OllamaReply(str(model), chat, started, tools=bool(fields and fields.get("tools")))
+    fields = job_fields(body, chat, thinks=pool in gw.thinking_pools)
+    reply = OllamaReply(str(model), chat, started, tools=bool(fields and answers_in_json(fields)))
     if fields is None:  # Ollama loads the model, or with keep_alive 0 unloads it, and answers at once
         unload = zero_duration(body.get("keep_alive"))
         if unload and not gw.may_unload(caller):
@@ -308,7 +323,8 @@ async def _run(request: Request, chat: bool) -> Response:
     if finals[0].error is not None:  # as on the OpenAI paths: not 5xx, which clients would retry
         raise ApiError(422, f"generation failed: {finals[0].error}", code="job_failed", headers=headers)
     result = finals[0].result or {}
-    whole = reply.final(result, reply.words(result), calls=result.get("tool_calls"))
+    whole = reply.final(result, reply.words(result), calls=result.get("tool_calls"),
+                        thinking=result.get("reasoning_content") or "")
     return JSONResponse(whole, headers=headers)
 
 
@@ -317,26 +333,32 @@ class OllamaReply:
         self.model = model
         self.chat = chat
         self.started_ns = started_ns
-        self.tools = tools  # the job answers in the generic tool format: its text is JSON
+        self.tools = tools  # the job streams the answer JSON: words, calls and thoughts apart
 
-    def _text(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _text(self, text: str, calls: list[dict[str, Any]] | None = None,
+              thinking: str = "") -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = [ollama_call(c) for c in calls]
             return {"message": message}
-        return {"response": text}
+        return {"response": text, **({"thinking": thinking} if thinking else {})}
 
     def words(self, result: dict[str, Any]) -> str:
         return (result.get("content") or "") if "tool_calls" in result else result.get("text", "")
 
-    def chunk(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return {"model": self.model, "created_at": now_iso(), **self._text(text, calls), "done": False}
+    def chunk(self, text: str, calls: list[dict[str, Any]] | None = None,
+              thinking: str = "") -> dict[str, Any]:
+        return {"model": self.model, "created_at": now_iso(), **self._text(text, calls, thinking),
+                "done": False}
 
     def final(self, result: dict[str, Any] | None, text: str, done_reason: str | None = None,
-              calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              calls: list[dict[str, Any]] | None = None, thinking: str = "") -> dict[str, Any]:
         """The last object: done, why, token counts and durations in ns (from the job's timings)."""
-        out = {"model": self.model, "created_at": now_iso(), **self._text(text, calls), "done": True}
+        out = {"model": self.model, "created_at": now_iso(), **self._text(text, calls, thinking),
+               "done": True}
         if result is None:
             return {**out, "done_reason": done_reason or "stop"}
         usage = result.get("usage") or {}
@@ -364,8 +386,9 @@ class OllamaReply:
                 return
             if reader is not None:  # the raw JSON becomes the words and calls it holds
                 words, calls = reader.feed(u.delta)
-                if words or calls:
-                    yield line(self.chunk(words, calls))
+                thinking = reader.take_reasoning()
+                if words or calls or thinking:
+                    yield line(self.chunk(words, calls, thinking))
             elif u.delta:
                 yield line(self.chunk(u.delta))
             if u.result is not None:

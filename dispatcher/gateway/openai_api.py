@@ -27,7 +27,7 @@ from dispatcher.gateway.core import (
     ollama_route,
 )
 from dispatcher.gateway.json_body import read_json_object
-from dispatcher.gateway.openai_bodies import Reply, calls_tools, error_body, job_fields, per_choice
+from dispatcher.gateway.openai_bodies import Reply, answers_in_json, error_body, job_fields, per_choice
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves
 
 __all__ = ["error_body", "job_fields"]  # request/response bodies live in openai_bodies.py
@@ -101,7 +101,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     body = await read_body(request)
     caller = request.state.caller
     pool = gw.pool_for(body.get("model"), caller)
-    requests, n = job_fields(body, chat)
+    requests, n = job_fields(body, chat, thinks=pool in gw.thinking_pools)
     check_limits(gw, requests, n)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):  # (unknown options are refused with the other fields)
@@ -109,7 +109,7 @@ async def _complete(request: Request, chat: bool) -> Response:
                        code="invalid_value")
     jobs, headers = await submit(request, pool, per_choice(requests, n))
     reply = Reply(chat, body["model"], [j.id for j in jobs], bool(stream_options.get("include_usage")),
-                  tools=calls_tools(requests[0]))
+                  tools=answers_in_json(requests[0]))
     timeout = gw.settings.gateway.request_timeout
     return await answer(request, jobs, timeout, headers, reply.sse if body.get("stream") else None,
                         reply.whole)

@@ -21,18 +21,22 @@ from dispatcher.gateway.openai_tools import (
     message_fields,
     tool_fields,
 )
+from dispatcher.gateway.reasoning import reasoning_fields
 
 # llama-server's and vLLM's extensions to OpenAI's bodies (the openai SDK sends them as extra_body)
 EXTENSION_FIELDS = ("ignore_eos", "min_tokens")
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "seed", "max_tokens", "temperature",
                  "top_p", "presence_penalty", "frequency_penalty", "logprobs", "user", "response_format",
                  "prompt_cache_key", "logit_bias", *EXTENSION_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+# llama-server's thinking fields (dispatcher/gateway/reasoning.py)
+REASONING_FIELDS = ("reasoning_format", "chat_template_kwargs", "reasoning_effort")
+CHAT_FIELDS = COMMON_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
+                                             *REASONING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 SAMPLING_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 MAX_CHOICES = 16
 MESSAGE_FIELDS = ("role", "content", "name")  # and by role: ROLE_FIELDS
-ROLE_FIELDS = {"tool": ("tool_call_id",), "assistant": ("tool_calls",)}
+ROLE_FIELDS = {"tool": ("tool_call_id",), "assistant": ("tool_calls", "reasoning_content")}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINISH_REASONS = ("length", "tool_calls")  # as the result says; every other ending is "stop"
 
@@ -50,8 +54,9 @@ OPENAI_PARAM = {"format": "response_format", "json_schema": "response_format",
                 "cache_key": "prompt_cache_key"}
 
 
-def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], int]:
-    """The fleet requests (one per prompt) and n, from an OpenAI body; 400 naming a bad field."""
+def job_fields(body: dict[str, Any], chat: bool, thinks: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """The fleet requests (one per prompt) and n, from an OpenAI body; 400 naming a bad field.
+    `thinks`: the pool's model thinks (its thoughts come apart unless the body says otherwise)."""
     if refused := unsupported_fields(body, chat):
         raise unsupported(refused, "OpenAI")
     n = body.get("n", 1)
@@ -74,6 +79,9 @@ def job_fields(body: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], 
     if "response_format" in body:
         fields.update(_response_format(body["response_format"]))
     if chat:
+        fields.update(reasoning_fields(thinks, fmt=body.get("reasoning_format"),
+                                       effort=body.get("reasoning_effort"),
+                                       kwargs=body.get("chat_template_kwargs")))
         return [{**fields, **tool_fields(body), "messages": _messages(body.get("messages"))}], n
     return [{**fields, "prompt": p} for p in _prompts(body.get("prompt"))], n
 
@@ -152,6 +160,8 @@ def _messages(messages: object) -> list[dict[str, Any]]:
             message["content"] = _content(m["content"], where) if m.get("content") is not None else ""
         else:
             message["content"] = _content(m.get("content"), where)
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            message["reasoning_content"] = m["reasoning_content"]
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 raise ApiError(400, f"{where}.tool_call_id is required: the id of the call this result "
@@ -186,9 +196,11 @@ def _prompts(prompt: object) -> list[str]:
                    param="prompt", code="invalid_value")
 
 
-def calls_tools(fields: dict[str, Any]) -> bool:
-    """Whether a job of these fields answers in the generic tool format (tools offered, not 'none')."""
-    return bool(fields.get("tools")) and fields.get("tool_choice") != "none"
+def answers_in_json(fields: dict[str, Any]) -> bool:
+    """Whether a job of these fields streams the answer JSON, its words, calls and thoughts apart
+    (backends/contract/tools.py answers_in_json): tools offered (not 'none'), or thoughts apart."""
+    calls = bool(fields.get("tools")) and fields.get("tool_choice") != "none"
+    return calls or fields.get("reasoning_format") not in (None, "none")
 
 
 def per_choice(requests: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
@@ -210,7 +222,7 @@ class Reply:
                  created: float | None = None, tools: bool = False) -> None:
         self.chat = chat
         self.job_ids = list(job_ids)
-        self.tools = tools  # the jobs answer in the generic tool format: their text is JSON
+        self.tools = tools  # the jobs stream the answer JSON: words, calls and thoughts apart
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + job_ids[0]
         self.created = int(created if created is not None else time.time())

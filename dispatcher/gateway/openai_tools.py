@@ -115,20 +115,25 @@ def message_fields(result: dict[str, Any] | None) -> dict[str, Any]:
     if "tool_calls" not in r:
         return {"content": r.get("text", "")}
     calls = r.get("tool_calls") or []
-    return {"content": r.get("content"), **({"tool_calls": openai_calls(calls)} if calls else {})}
+    thought = {"reasoning_content": r["reasoning_content"]} if r.get("reasoning_content") else {}
+    return {"content": r.get("content"), **thought, **({"tool_calls": openai_calls(calls)} if calls else {})}
 
 
 class ToolDeltas:
-    """One streamed choice of a tool answer: the raw JSON deltas in, OpenAI's `delta` bodies out
-    (the answer's words as `content`; each call, once complete, as its `tool_calls` entries: the
-    id, type and name first, then the arguments, as OpenAI streams them)."""
+    """One streamed choice of an answer in JSON: the raw JSON deltas in, OpenAI's `delta` bodies
+    out (thoughts as `reasoning_content`, as llama-server streams them; the answer's words as
+    `content`; each call, once complete, as its `tool_calls` entries: the id, type and name first,
+    then the arguments, as OpenAI streams them)."""
 
     def __init__(self, job_id: str) -> None:
         self.reader = AnswerReader(job_id)
 
     def deltas(self, raw: str) -> list[dict[str, Any]]:
         words, calls = self.reader.feed(raw)
-        out: list[dict[str, Any]] = [{"content": words}] if words else []
+        thought = self.reader.take_reasoning()
+        out: list[dict[str, Any]] = [{"reasoning_content": thought}] if thought else []
+        if words:
+            out.append({"content": words})
         first = len(self.reader.calls) - len(calls)
         for i, call in enumerate(calls, start=first):
             out.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",

@@ -19,7 +19,7 @@ async def create_response(request: Request) -> Response:
     body = await read_body(request)
     caller = request.state.caller
     pool = gw.pool_for(body.get("model"), caller)
-    fields = job_request(body)
+    fields = job_request(body, thinks=pool in gw.thinking_pools)
     check_limits(gw, [fields], 1, tokens_field="max_output_tokens")
     jobs, headers = await submit(request, pool, [fields])
     return await answer_one(request, jobs, headers, ResponseReply(body, fields, jobs[0].id),

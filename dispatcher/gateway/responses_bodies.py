@@ -15,8 +15,9 @@ from typing import Any
 
 from backends.contract.tools import AnswerReader
 from dispatcher.gateway.core import ApiError, JobUpdate, shown, unsupported
-from dispatcher.gateway.openai_bodies import sse_data
+from dispatcher.gateway.openai_bodies import answers_in_json, sse_data
 from dispatcher.gateway.openai_tools import function, invalid, tool_fields
+from dispatcher.gateway.reasoning import reasoning_fields
 
 FIELDS = {
     "model",
@@ -35,6 +36,7 @@ FIELDS = {
     "metadata",
     "include",
     "truncation",
+    "reasoning",
 }
 STATELESS = {
     "previous_response_id": "responses are not stored here: send the whole conversation as input items",
@@ -45,8 +47,9 @@ ROLES = {"user": "user", "system": "system", "developer": "system", "assistant":
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def job_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The fleet job's fields for a Responses body; 400 naming a field it cannot honour."""
+def job_request(body: dict[str, Any], thinks: bool = False) -> dict[str, Any]:
+    """The fleet job's fields for a Responses body; 400 naming a field it cannot honour.
+    `thinks`: the pool's model thinks (its thoughts become a reasoning item)."""
     for name in body:
         if name in STATELESS and body[name] not in (False, None):
             raise ApiError(
@@ -63,6 +66,10 @@ def job_request(body: dict[str, Any]) -> dict[str, Any]:
         fields["max_tokens"] = body["max_output_tokens"]
     fields.update(_text_format(body.get("text")))
     fields.update(tool_fields(body, _tool, "function tools"))
+    reasoning = body.get("reasoning") or {}
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise invalid("reasoning", "'reasoning' must be {\"effort\": ..., \"summary\": ...}")
+    fields.update(reasoning_fields(thinks, effort=reasoning.get("effort")))
     messages = _input(body.get("input"))
     if body.get("instructions"):
         if not isinstance(body["instructions"], str):
@@ -110,11 +117,16 @@ def _input(value: object) -> list[dict[str, Any]]:
     called = {item.get("call_id") for item in value if isinstance(item, dict)
               and item.get("type") == "function_call" and isinstance(item.get("call_id"), str)}
     out: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, given to the assistant turn after it
     for i, item in enumerate(value):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if not isinstance(item, dict):
             raise invalid(where, f"{where} must be an object")
+        if kind == "reasoning":
+            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+            thought = _text([{**p, "type": "text"} for p in parts if isinstance(p, dict)], where)
+            continue
         if kind == "function_call":
             call = {
                 "id": item.get("call_id"),
@@ -127,6 +139,8 @@ def _input(value: object) -> list[dict[str, Any]]:
                 out[-1]["tool_calls"].append(call)  # one answer's calls: one assistant message
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if thought is not None:
+                    out[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or not isinstance(output, str | list):
@@ -137,6 +151,8 @@ def _input(value: object) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(output, where)})
         elif kind == "message" and isinstance(item.get("role"), str) and item["role"] in ROLES:
             out.append({"role": ROLES[item["role"]], "content": _text(item.get("content"), where)})
+            if thought is not None and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"], thought = thought, None
         else:
             raise unsupported(f"{where} (type {kind}, role {item.get('role')})", "OpenAI Responses")
     return out
@@ -162,7 +178,7 @@ class ResponseReply:
         self.job_id = job_id
         self.id = f"resp_{job_id}"
         self.created = int(time.time())
-        self.tools = bool(fields.get("tools")) and fields.get("tool_choice") != "none"
+        self.tools = answers_in_json(fields)  # the job streams the answer JSON
         self.seq = 0
         self.echo = {
             "model": body["model"],
@@ -229,11 +245,19 @@ class ResponseReply:
             "status": status,
         }
 
+    def thought(self, text: str, status: str) -> dict[str, Any]:
+        """The reasoning item (an open model's thoughts are its content, as gpt-oss's)."""
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {"type": "reasoning", "id": f"rs_{self.job_id}", "summary": [], "content": content,
+                "status": status}
+
     def output(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+        said = result.get("reasoning_content")
+        thought = [self.thought(said, "completed")] if said else []
         if result.get("tool_calls"):  # complete calls, even when the answer was cut after them
-            return [self.call(c, "completed") for c in result["tool_calls"]]
+            return [*thought, *(self.call(c, "completed") for c in result["tool_calls"])]
         text = result.get("content") if "tool_calls" in result else result.get("text", "")
-        return [self.message(text or "", item_status(result))]
+        return [*thought, self.message(text or "", item_status(result))]
 
     def whole(self, final: JobUpdate) -> dict[str, Any]:
         if final.error is not None:
@@ -260,6 +284,7 @@ class ResponseReply:
         yield self.event("response.in_progress", response=self.response("in_progress", [], None))
         reader = AnswerReader(self.job_id) if self.tools else None
         text, message_open = "", False
+        thinking: str | None = None  # the open reasoning item's text
         done: list[dict[str, Any]] = []  # the finished output items
         async for u in updates:
             if u.error is not None:
@@ -267,6 +292,19 @@ class ResponseReply:
                 yield self.event("response.failed", response=self.failed(u.error, [*done, *cut]))
                 return
             words, calls = reader.feed(u.delta) if reader is not None else (u.delta, [])
+            more = reader.take_reasoning() if reader is not None else ""
+            if more and thinking is None:
+                yield self.event("response.output_item.added", output_index=len(done),
+                                 item=self.thought("", "in_progress"))
+            if more:
+                thinking = (thinking or "") + more
+                yield self.event("response.reasoning_text.delta", item_id=f"rs_{self.job_id}",
+                                 output_index=len(done), content_index=0, delta=more)
+            if thinking is not None and (words or calls or u.result is not None):
+                for event in self._close_thought(thinking, len(done)):
+                    yield event
+                done.append(self.thought(thinking, "completed"))
+                thinking = None
             if words and not message_open:
                 message_open = True
                 for event in self._open_message(len(done)):
@@ -329,6 +367,14 @@ class ResponseReply:
                 "response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part
             ),
             self.event("response.output_item.done", output_index=index, item=self.message(text, status)),
+        ]
+
+    def _close_thought(self, text: str, index: int) -> list[str]:
+        return [
+            self.event("response.reasoning_text.done", item_id=f"rs_{self.job_id}", output_index=index,
+                       content_index=0, text=text),
+            self.event("response.output_item.done", output_index=index,
+                       item=self.thought(text, "completed")),
         ]
 
     def _call_events(self, call: dict[str, str], index: int) -> list[str]:

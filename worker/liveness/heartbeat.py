@@ -181,15 +181,17 @@ def redact(value: Any) -> Any:
 
 
 def static_status(name: str, settings: Any, backend_name: str, slots: int,
-                  pin: dict[str, Any], model: str = "") -> dict[str, Any]:
+                  pin: dict[str, Any], model: str = "", thinks: bool = False) -> dict[str, Any]:
     """What the status hash says for the worker's life; `model`: its model's Ollama-style name
-    (the card's `name`: the gateway lists the pool's model under it)."""
+    (the card's `name`: the gateway lists the pool's model under it); `thinks`: its template
+    thinks (the gateway asks such a pool for thoughts apart by default)."""
     return {
         "name": name,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "pool": settings.pool,
         "model": model,
+        "thinks": thinks,
         "backend": backend_name,
         "slots": slots,
         "started_at": round(time.time(), 3),

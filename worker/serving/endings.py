@@ -85,6 +85,8 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
     if job.tool_answer:  # text is the raw JSON answer: its words and calls ride beside it
         answer = tools.read_answer(text, job.id)
         extra.update(content=answer.content, tool_calls=answer.tool_calls)
+        if answer.reasoning:
+            extra["reasoning_content"] = answer.reasoning
         if answer.tool_calls and finish == "stop":
             finish = "tool_calls"
     return job_result(

@@ -33,6 +33,7 @@ from redis import Redis
 from backends.base import (
     Backend,
     BackendUnavailable,
+    Bilingual,
     Done,
     Event,
     Failed,
@@ -278,7 +279,8 @@ class FleetWorker:
             return
         try:
             job = rqjobs.load(self.redis, job_id, queue, self.settings.job_timeout, self.settings.queue_ttl,
-                              me=self.name, budget=self.budget, claimed_ms=claimed_ms)
+                              me=self.name, budget=self.budget, claimed_ms=claimed_ms,
+                              as_sent=self.backend.speaks if isinstance(self.backend, Bilingual) else None)
         except NotToRun as e:
             log.warning("claimed %s but not running it: %s", job_id, e)
             self.claimer.drop(job_id)

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +87,7 @@ class ClaimedJob:
     job: Job | None = None  # None when the RQ hash itself is unreadable
     # a generation (as the engine runs it: tools rendered, contract tools.lower) or an embedding job
     request: JobRequest | None = None
-    tool_answer: bool = False  # the answer is a generic-format tool answer, read into the result
+    tool_answer: bool = False  # the text is answer JSON (words, calls, thoughts), read into the result
     execution: Execution | None = None
     # Redis server time (ms) of the enqueue and the claim: queue_ttl compares these, never two
     # hosts' wall clocks (they drift apart); durations of the run itself use this host's
@@ -116,11 +117,14 @@ ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STO
 
 def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: float | None = None, *,
          me: str = "", budget: limits.RequestBudget | None = None,
-         claimed_ms: int | None = None) -> ClaimedJob:
+         claimed_ms: int | None = None,
+         as_sent: Callable[[GenerateRequest], bool] | None = None) -> ClaimedJob:
     """Fetch and check a job this worker (`me`) claimed. Raises BadJob for anything refused,
     NotToRun for an id that must be dropped without a result, CancelledByRQ. A job this worker
     already owns (a start whose reply was lost) is resumed, not dropped. `job_timeout`/`queue_ttl`
-    apply when the job sets none; `budget` bounds the request (worker/serving/limits.py)."""
+    apply when the job sets none; `budget` bounds the request (worker/serving/limits.py); a
+    request the engine takes `as_sent` (its model's own dialect) is not lowered to the generic
+    tool format."""
     fields = [ATTEMPT_FIELD, OWNER_FIELD, DRAINS_FIELD, EXECUTION_FIELD, FINAL_FIELD]
     try:
         raw_attempt, owner, drains, execution, final = redis.hmget(job_key(job_id), fields)
@@ -149,7 +153,9 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: flo
     claimed.deadline = claimed.claimed_at + timeout
     _check_code(claimed, job)
     request = _request(claimed, job)
-    if isinstance(request, GenerateRequest):
+    if isinstance(request, GenerateRequest) and as_sent is not None and as_sent(request):
+        claimed.request, claimed.tool_answer = request, tools.answers_in_json(request)
+    elif isinstance(request, GenerateRequest):
         claimed.request, claimed.tool_answer = tools.lower(request)
     else:
         claimed.request = request

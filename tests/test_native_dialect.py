@@ -1,0 +1,152 @@
+"""A model's own dialect end to end, on the real engine through `fleet serve`: the embedded model
+renders chats with a public chat template (a fixture; `backend.chat_template_file`), its tools in
+that template's own words, its calls written in the template's native syntax under a grammar
+(`<tool_call>` for Qwen 2.5's Hermes format), read back into each API's shape, streamed and whole;
+and a thinking template's thoughts returned apart in each API.
+
+The small model cannot be trusted to choose a call on its own, so calls are forced where an API can
+say so (`tool_choice: required`: the grammar starts at once). Ollama's API has no tool_choice:
+llama-fleet's extension field forces it there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from tests.gateway_harness import wait_until_healthy
+from tests.test_gateway_tools import schema_of
+
+pytestmark = pytest.mark.timeout(600)
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+THINKING = Path(__file__).parent / "fixtures" / "thinking-opened.jinja"
+
+
+def template(pattern: str) -> Path:
+    found = sorted(TEMPLATES.glob(pattern))
+    assert found, f"no template fixture matches {pattern}"
+    return found[0]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather",
+                                            "description": "The current weather in a city.",
+                                            "parameters": schema_of("get_weather")}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
+# the template's end of turn is text to the embedded model (not its end-of-generation token)
+STOPS = ["<|im_end|>"]
+
+
+def check_call(name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    assert name == "get_weather"
+    jsonschema.validate(args, schema_of("get_weather"))
+    return args
+
+
+def test_a_native_call_in_every_api(workers, gateways) -> None:
+    workers.start("w1", backend__slots=4, backend__chat_template_file=str(template("*Qwen2.5*")))
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="none", max_retries=0)
+    forced = {"model": "llm", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+              "temperature": 0, "max_tokens": 80, "stop": STOPS}
+
+    whole = client.chat.completions.create(**forced)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    args = check_call(call.function.name, call.function.arguments)
+
+    # streamed: the same call, no markup of the native syntax in any delta
+    names, arguments, contents = [], "", ""
+    for chunk in client.chat.completions.create(**forced, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for c in (delta.tool_calls or []) if delta else []:
+            if c.function and c.function.name:
+                names.append(c.function.name)
+            arguments += (c.function.arguments or "") if c.function else ""
+        contents += (delta.content or "") if delta else ""
+    assert names == ["get_weather"] and json.loads(arguments) == args
+    assert "<tool_call>" not in contents
+
+    # the Responses API: a function_call item
+    raw = httpx.post(f"{gw.url}/v1/responses", json={
+        "model": "llm", "input": "What is the weather in Paris?", "tool_choice": "required",
+        "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0, "max_output_tokens": 80},
+        timeout=120).json()
+    items = [i for i in raw["output"] if i["type"] == "function_call"]
+    assert items and check_call(items[0]["name"], items[0]["arguments"]) == args
+
+    # Anthropic: a tool_use block (tool_choice any)
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    message = claude.messages.create(
+        model="llm", max_tokens=80, messages=ASK, tool_choice={"type": "any"},
+        tools=[{"name": "get_weather", "description": "The current weather in a city.",
+                "input_schema": schema_of("get_weather")}], extra_body={"temperature": 0})
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses and check_call(uses[0].name, uses[0].input) == args
+
+    # Ollama's API cannot force a call: llama-fleet's tool_choice extension does (raw HTTP: the
+    # ollama client sends only Ollama's fields), whole and streamed
+    ollama_body = {"model": "llm", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+                   "stream": False, "options": {"temperature": 0, "num_predict": 80}}
+    message = httpx.post(f"{gw.url}/api/chat", json=ollama_body, timeout=120).json()["message"]
+    calls = message["tool_calls"]
+    assert len(calls) == 1
+    assert check_call(calls[0]["function"]["name"], calls[0]["function"]["arguments"]) == args
+    lines = httpx.post(f"{gw.url}/api/chat", json={**ollama_body, "stream": True},
+                       timeout=120).text.splitlines()
+    streamed = [c for ln in lines for c in json.loads(ln)["message"].get("tool_calls") or []]
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    assert all("<tool_call>" not in json.loads(ln)["message"]["content"] for ln in lines)
+
+def test_thoughts_apart_in_every_api(workers, gateways) -> None:
+    """A template whose generation prompt opens a thought (as DeepSeek R1's does): everything the
+    model writes before `</think>` is reasoning, returned apart; with reasoning_format none it
+    stays in the text."""
+    workers.start("w1", backend__slots=2, backend__chat_template_file=str(THINKING))
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    # (a few tokens: this small model soon writes "<think>" again, an opener inside the thought)
+    body = {"model": "llm", "messages": SEA, "temperature": 0, "max_tokens": 8}
+    plain = httpx.post(f"{gw.url}/v1/chat/completions", json={**body, "reasoning_format": "none"},
+                       timeout=120).json()["choices"][0]["message"]
+    apart = httpx.post(f"{gw.url}/v1/chat/completions", json=body,
+                       timeout=120).json()["choices"][0]["message"]
+    assert plain["content"] and "reasoning_content" not in plain
+    thought = plain["content"].strip()  # the whole answer: the model never closed the thought
+    assert apart["reasoning_content"].strip() == thought and not apart["content"]
+
+    streamed = ""
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    assert not c["delta"].get("content")
+                    streamed += c["delta"].get("reasoning_content") or ""
+    assert streamed.strip() == thought
+
+    said = ollama.Client(host=gw.url).chat(model="llm", messages=SEA, think=True,
+                                           options={"temperature": 0, "num_predict": 8})
+    assert (said.message.thinking or "").strip() == thought and not said.message.content
+
+    response = httpx.post(f"{gw.url}/v1/responses", json={
+        "model": "llm", "input": SEA[0]["content"], "temperature": 0, "max_output_tokens": 8},
+        timeout=120).json()
+    reasoning = [i for i in response["output"] if i["type"] == "reasoning"]
+    assert reasoning and reasoning[0]["content"][0]["text"].strip() == thought
+
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    message = claude.messages.create(model="llm", max_tokens=8, messages=SEA, extra_body={"temperature": 0},
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
+    blocks = [b for b in message.content if b.type == "thinking"]
+    assert blocks and blocks[0].thinking.strip() == thought
