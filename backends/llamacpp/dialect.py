@@ -48,7 +48,8 @@ class ModelDialect:
         if self.syntax is None or request.tools is None:
             raise JobRejected("tools reached the engine unlowered, and its template has no tool syntax")
         grammar = native_call_grammar(self.syntax, request.tools, request.tool_choice,
-                                      request.parallel_tool_calls, thought_open=thought_open)
+                                      request.parallel_tool_calls, thought_open=thought_open,
+                                      thinks=self.thinking)
         return AnswerDialect(self.syntax.name, reasoning, thought_open, gbnf=grammar.gbnf,
                              triggers=tuple(grammar.triggers), lazy=grammar.lazy)
 

@@ -30,7 +30,11 @@ class TextAssembler:
     def feed(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to emit."""
         text = self._push(self._decoder.decode(piece))
-        return self._dialect.feed(text) if self._dialect is not None else text
+        if self._dialect is None:
+            return text
+        out = self._dialect.feed(text)
+        self.stopped = self.stopped or self._dialect.repeated  # as end_at_repeated_call: drop it, end
+        return out
 
     def finish(self) -> str:
         """End of generation: flush everything held (nothing after a stop string)."""
@@ -73,10 +77,17 @@ class DialectReader:
                                           read_calls=dialect.read_calls)
         self._writer = AnswerJsonWriter()
 
+    @property
+    def repeated(self) -> bool:
+        """A call repeated an earlier one word for word (small models loop): it was dropped."""
+        return self._parser.repeated
+
     def feed(self, text: str) -> str:
         return self._writer.feed(self._parser.feed(text)) if text else ""
 
     def finish(self, text: str) -> str:
+        if self.repeated:  # what follows the dropped repeat (a separator, the next opener) goes too
+            return self._writer.close()
         out = self.feed(text)
         return out + self._writer.feed(self._parser.finish()) + self._writer.close()
 

@@ -48,9 +48,11 @@ class NativeGrammar:
 
 
 def native_call_grammar(syntax: ToolSyntax, tools: list[Tool], tool_choice: ToolChoice | None,
-                        parallel: bool | None, *, thought_open: bool = False) -> NativeGrammar:
+                        parallel: bool | None, *, thought_open: bool = False,
+                        thinks: bool = True) -> NativeGrammar:
     """The grammar of `syntax`'s calls of `tools` (module docstring); `thought_open`: the
-    prompt ends inside a thought."""
+    prompt ends inside a thought; `thinks`: the template thinks, so a required call may follow a
+    thought (else it comes at once: a model that does not think must not wander off in one)."""
     if not tools or tool_choice == "none":
         raise ValueError("a call grammar needs tools and a tool_choice other than 'none'")
     named = tool_choice.name if isinstance(tool_choice, NamedTool) else None
@@ -73,7 +75,7 @@ def native_call_grammar(syntax: ToolSyntax, tools: list[Tool], tool_choice: Tool
         if lazy:
             return NativeGrammar(_join([*rules, "root ::= calls"]), triggers, True)
         return NativeGrammar(_join([*rules, f"root ::= {lit(close)} ws calls"]), [regex_escape(close)], True)
-    if lazy or syntax.thought is None:
+    if lazy or syntax.thought is None or not thinks:
         rules.append("root ::= calls")
     else:
         opening, close = syntax.thought
