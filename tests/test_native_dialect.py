@@ -84,6 +84,15 @@ def test_a_native_call_in_every_api(workers, gateways) -> None:
         timeout=120).json()
     items = [i for i in raw["output"] if i["type"] == "function_call"]
     assert items and check_call(items[0]["name"], items[0]["arguments"]) == args
+    with httpx.stream("POST", f"{gw.url}/v1/responses", timeout=120, json={
+            "model": "llm", "input": "What is the weather in Paris?", "tool_choice": "required",
+            "stream": True, "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0,
+            "max_output_tokens": 80}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    finished = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in finished] == ["function_call"] and events[-1]["type"] == "response.completed"
+    assert check_call(finished[0]["name"], finished[0]["arguments"]) == args
+    assert not any(e["type"] == "response.output_text.delta" for e in events)  # no markup as words
 
     # Anthropic: a tool_use block (tool_choice any)
     claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
@@ -93,6 +102,13 @@ def test_a_native_call_in_every_api(workers, gateways) -> None:
                 "input_schema": schema_of("get_weather")}], extra_body={"temperature": 0})
     uses = [b for b in message.content if b.type == "tool_use"]
     assert message.stop_reason == "tool_use" and uses and check_call(uses[0].name, uses[0].input) == args
+    with claude.messages.stream(
+            model="llm", max_tokens=80, messages=ASK, tool_choice={"type": "any"},
+            tools=[{"name": "get_weather", "description": "The current weather in a city.",
+                    "input_schema": schema_of("get_weather")}], extra_body={"temperature": 0}) as stream:
+        streamed_message = stream.get_final_message()
+    assert [b.type for b in streamed_message.content] == ["tool_use"]
+    assert check_call(streamed_message.content[0].name, streamed_message.content[0].input) == args
 
     # Ollama's API cannot force a call: llama-fleet's tool_choice extension does (raw HTTP: the
     # ollama client sends only Ollama's fields), whole and streamed
