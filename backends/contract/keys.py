@@ -27,6 +27,12 @@ def tenant_queue_name(queue: str, tenant: str | None) -> str:
     return queue if tenant in (None, DEFAULT_TENANT) else f"{queue}:{tenant}"
 
 
+def pool_queue_of(origin: str, queues: list[str]) -> str:
+    """The pool queue of a job whose RQ origin is `origin`: that queue, or the one whose tenant
+    queue it is (`tenant_queue_name`'s inverse); the first of `queues` when none matches."""
+    return next((q for q in queues if origin == q or origin.startswith(q + ":")), queues[0])
+
+
 def fair_key(queue: str) -> str:
     """zset tenant -> virtual pass of one priority queue's tenants with work (claim.lua's fair
     share; `<key>:clock` is the pass of the last pick). `queue`: the pool's own queue name."""

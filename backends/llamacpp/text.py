@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 
 from backends.chat.answer_json import AnswerJsonWriter
+from backends.chat.reasoning import partial_suffix
 from backends.chat.tool_syntax import SYNTAXES, NativeAnswerParser
 from backends.contract.schema import AnswerDialect
 from backends.contract.tools import AnswerReader
@@ -61,7 +62,7 @@ class TextAssembler:
             self.stopped = True
             self._held = ""
             return buf[:cut]
-        hold = _partial_stop_suffix(buf, self._stop)
+        hold = partial_suffix(buf, self._stop)
         self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]
 
@@ -90,14 +91,3 @@ class DialectReader:
             return self._writer.close()
         out = self.feed(text)
         return out + self._writer.feed(self._parser.finish()) + self._writer.close()
-
-
-def _partial_stop_suffix(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best

@@ -358,8 +358,8 @@ class MessageReply:
         text_open = thinking_open = False
         if reader is None:  # a plain answer is one text block: open it now
             blocks, text_open = 1, True
-            yield event("content_block_start", index=0, content_block=text_block(""))
-            yield event("ping")
+            for e in opened(0, text_block("")):
+                yield e
         async for u in updates:
             if u.error is not None:
                 failure = (ApiError(504, u.error, code="timeout") if u.timed_out
@@ -370,9 +370,8 @@ class MessageReply:
             thought = reader.take_reasoning() if reader is not None and self.thinking else ""
             if thought and not thinking_open:
                 blocks, thinking_open = blocks + 1, True
-                yield event("content_block_start", index=blocks - 1, content_block=thinking_block(""))
-                if blocks == 1:
-                    yield event("ping")
+                for e in opened(blocks - 1, thinking_block("")):
+                    yield e
             if thought:
                 yield event("content_block_delta", index=blocks - 1,
                             delta={"type": "thinking_delta", "thinking": thought})
@@ -383,9 +382,8 @@ class MessageReply:
                 yield event("content_block_stop", index=blocks - 1)
             if words and not text_open:
                 blocks, text_open = blocks + 1, True
-                yield event("content_block_start", index=blocks - 1, content_block=text_block(""))
-                if blocks == 1:
-                    yield event("ping")
+                for e in opened(blocks - 1, text_block("")):
+                    yield e
             if words:
                 yield text_delta(blocks - 1, words)
             for call in calls:
@@ -394,17 +392,16 @@ class MessageReply:
                     yield event("content_block_stop", index=blocks - 1)
                 block = tool_use_block(call)
                 blocks += 1
-                yield event("content_block_start", index=blocks - 1, content_block={**block, "input": {}})
-                if blocks == 1:
-                    yield event("ping")
+                for e in opened(blocks - 1, {**block, "input": {}}):
+                    yield e
                 yield event("content_block_delta", index=blocks - 1,
                             delta={"type": "input_json_delta", "partial_json": call["arguments"]})
                 yield event("content_block_stop", index=blocks - 1)
             if u.result is not None:
                 if not blocks:  # an answer without words or calls is still one (empty) text block
                     blocks, text_open = 1, True
-                    yield event("content_block_start", index=0, content_block=text_block(""))
-                    yield event("ping")
+                    for e in opened(0, text_block("")):
+                        yield e
                 if text_open:
                     yield event("content_block_stop", index=blocks - 1)
                 ended = self.message([], u.result)
@@ -422,6 +419,12 @@ def usage(result: dict[str, Any] | None) -> dict[str, int]:
     prompt, cached = used.get("prompt_tokens", 0), used.get("cached_tokens", 0)
     return {"input_tokens": prompt - cached, "output_tokens": used.get("completion_tokens", 0),
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def opened(index: int, block: dict[str, Any]) -> list[str]:
+    """A content block's start, and the ping Anthropic sends after the first one."""
+    start = event("content_block_start", index=index, content_block=block)
+    return [start, event("ping")] if index == 0 else [start]
 
 
 def text_block(text: str) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from backends.contract.embed import REJECTED, decode_vector, embed_fields
-from dispatcher.gateway.core import ApiError, Gateway, cancel_all, collect, field_named, shown
+from dispatcher.gateway.core import ApiError, Gateway, cancel_all, field_named, shown
+from dispatcher.gateway.following import collect
 from dispatcher.gateway.ollama_api import LOAD_OPTIONS
 from dispatcher.gateway.openai_api import read_body, submit, timed_out
 from dispatcher.gateway.responses import unless_client_leaves

@@ -33,11 +33,10 @@ from dispatcher.gateway.core import (
     JobUpdate,
     Served,
     cancel_all,
-    collect,
-    follow,
     shown,
     unsupported,
 )
+from dispatcher.gateway.following import collect, follow
 from dispatcher.gateway.ollama_show import UNKNOWN_DETAILS, listed_cards
 from dispatcher.gateway.openai_api import check_limits, read_body, submit, timed_out
 from dispatcher.gateway.openai_bodies import answers_in_json

@@ -22,10 +22,9 @@ from dispatcher.gateway.core import (
     Gateway,
     JobUpdate,
     cancel_all,
-    collect,
-    follow,
     ollama_route,
 )
+from dispatcher.gateway.following import collect, follow
 from dispatcher.gateway.json_body import read_json_object
 from dispatcher.gateway.openai_bodies import Reply, answers_in_json, error_body, job_fields, per_choice
 from dispatcher.gateway.responses import JobStreamResponse, unless_client_leaves

@@ -19,7 +19,8 @@ from redis import Redis
 
 from backends.base import Resumable
 from backends.contract import stream
-from backends.contract.keys import stream_key
+from backends.contract.keys import job_key, pool_queue_of, stream_key
+from backends.contract.replies import as_str
 from backends.contract.schema import GenerateRequest
 from worker.serving.rqjobs import ClaimedJob, tenant_of
 
@@ -57,6 +58,14 @@ def give_way(running: Iterable[ClaimedJob], want: dict[str, int], over: dict[str
         take = mine[:max(0, min(extra, budget - len(out)))]
         out += take
     return out
+
+
+def never_started(redis: Redis, raw_id: bytes, queues: list[str]) -> tuple[bytes, str, int]:
+    """A job in this worker's in-flight list whose claim reply never arrived, as the loop starts
+    it: its id, its pool queue (from its origin, a tenant's queue too), the Redis time now."""
+    origin = as_str(redis.hget(job_key("").encode() + raw_id, "origin")) or ""
+    seconds, micros = redis.time()
+    return raw_id, pool_queue_of(origin, queues), seconds * 1000 + micros // 1000
 
 
 def over_buffer(running: Iterable[ClaimedJob], limit: int) -> list[ClaimedJob]:

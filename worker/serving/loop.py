@@ -44,7 +44,6 @@ from backends.base import (
 )
 from backends.contract.embed import EmbedRequest
 from backends.contract.keys import cancel_key, job_key, queue_names, wake_key, worker_wake_key
-from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT
 from backends.contract.text_ops import TextRequest
@@ -97,6 +96,8 @@ class FleetWorker:
         self._next_give_way = 0.0  # when the loop next looks for tenants below their share
         self.unstarted: list[tuple[bytes, str, int | None]] = []  # claimed (at server ms); not started
         self.budget = limits.budget_for(settings.backend)
+        # a chat the engine takes in its model's own dialect is not lowered to the generic tools
+        self.as_sent = backend.speaks if isinstance(backend, Bilingual) else None
         self.counters = WorkerCounters()
         self.outcomes: Counter[str] = Counter()  # jobs this loop let go of, by outcome (burst summary)
         self.stopping = threading.Event()
@@ -279,8 +280,7 @@ class FleetWorker:
             return
         try:
             job = rqjobs.load(self.redis, job_id, queue, self.settings.job_timeout, self.settings.queue_ttl,
-                              me=self.name, budget=self.budget, claimed_ms=claimed_ms,
-                              as_sent=self.backend.speaks if isinstance(self.backend, Bilingual) else None)
+                              me=self.name, budget=self.budget, claimed_ms=claimed_ms, as_sent=self.as_sent)
         except NotToRun as e:
             log.warning("claimed %s but not running it: %s", job_id, e)
             self.claimer.drop(job_id)
@@ -474,12 +474,7 @@ class FleetWorker:
         known |= {raw for raw, _, _ in self.unstarted}
         for raw_id, copies in held.items():
             if raw_id not in known:  # claimed, but the reply never arrived: start it now
-                origin = as_str(self.redis.hget(job_key("").encode() + raw_id, "origin")) or ""
-                # a tenant's queue is '<queue>:<tenant>': the job's queue is the priority's own
-                queue = next((q for q in self.queues if origin == q or origin.startswith(q + ":")),
-                             self.queues[0])
-                seconds, micros = self.redis.time()
-                self.unstarted.append((raw_id, queue, seconds * 1000 + micros // 1000))
+                self.unstarted.append(handover.never_started(self.redis, raw_id, self.queues))
                 log.warning("%r is in this worker's in-flight list but never started; starting it", raw_id)
             for _ in range(copies - 1):  # the same id pushed twice: one copy runs
                 self.claimer.drop(raw_id)
