@@ -82,3 +82,30 @@ def file_digest(path: Path) -> str:
             partial.write_text(json.dumps({**identity, "sha256": hexdigest}))
             partial.replace(where)
     return hexdigest
+
+
+def requantized(source: Path, ftype: str = "Q8_0") -> Path:
+    """`source` quantized again to `ftype` by llama.cpp's own quantizer (llama_model_quantize, what
+    `llama-quantize` runs), once, in the cache: a second real model with its own file, size and
+    speed (the catalogue's tests serve both). Needs llama-cpp-python."""
+    import ctypes
+    import tempfile
+
+    import llama_cpp as ll
+
+    target = cache_dir() / "models" / f"{source.stem}.{ftype.lower()}.gguf"
+    if target.exists():
+        return target
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = getattr(ll, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    params.allow_requantize = True
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".part", delete=False) as part:
+        tmp = Path(part.name)
+    try:
+        if ll.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama_model_quantize failed on {source}")
+        tmp.replace(target)  # whole or not at all
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target

@@ -15,7 +15,8 @@ from redis.exceptions import ResponseError
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from backends.base import Described
+from backends.base import Backend, Described
+from backends.contract.catalogue import model_pools
 from backends.contract.connect import server_version
 from backends.contract.keys import RQ_WORKERS_SET, queue_names, worker_key
 from backends.contract.retry import OUTAGE_ERRORS
@@ -23,6 +24,7 @@ from backends.contract.settings import EngineSettings
 from backends.llamacpp_settings import LlamaCppSettings
 from backends.model import cached_digest, default_model_path, file_digest
 from backends.registry import engine_threads, make_backend
+from backends.shelf import ModelShelf
 from worker.assembly import job_hooks
 from worker.liveness.heartbeat import Heartbeat, clear_status, static_status
 from worker.liveness.link import RedisLink
@@ -54,10 +56,11 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     report = pin(settings.cpu_set(), settings.numa_node)
     log.info("worker %s: %s", name, report.summary())
     threads = engine_threads(settings.backend) or len(os.sched_getaffinity(0))
-    backend = make_backend(settings.backend, threads=threads)
+    backend = serving_backend(settings, threads)
     log.info("worker %s: backend %s ready, %d slots, %d threads", name, backend.name, backend.slots, threads)
 
-    queues = queue_names(settings.pool)
+    pools = list(backend.pool_model) if isinstance(backend, ModelShelf) else [settings.pool]
+    queues = [q for pool in pools for q in queue_names(pool)]
     # not prepared by RQ: that finds our address with CLIENT LIST, which the documented ACL user
     # (`-@dangerous`) may not run; CLIENT INFO names this connection's address as well
     rq_worker = Worker(queues, name=name, connection=redis, serializer=JSONSerializer, prepare_for_work=False)
@@ -76,7 +79,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     capabilities = (card or {}).get("capabilities")
     static = static_status(name, settings, backend.name, backend.slots,
                            {"threads": threads, **report.to_dict()},
-                           model=str((card or {}).get("name") or ""),
+                           model=str((card or {}).get("name") or ""), pools=pools,
                            thinks=isinstance(capabilities, list) and "thinking" in capabilities)
     hb = Heartbeat(fw, rq_worker, reaper, static, card)
     hb.beat()  # visible before the first job
@@ -95,12 +98,27 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
         hb.join(timeout=5)
         fw.requeue_all("worker exiting")
         with contextlib.suppress(*OUTAGE_ERRORS):  # Redis away: our key expires, the reaper cleans up
+            fw.claims.forget()
             rq_worker.register_death()
             clear_status(redis, name)
         backend.close()
         c = fw.counters
         log.info("worker %s: stopped (%d done, %d failed)", name, c.jobs_done, c.jobs_failed)
     return summary
+
+
+def serving_backend(settings: FleetSettings, threads: int) -> Backend:
+    """The worker's engine: its `backend`'s model, or a shelf of the catalogue's models it serves
+    (backends/shelf.py), with its pinned ones loaded."""
+    served = settings.catalogue_served()
+    if not served:
+        return make_backend(settings.backend, threads=threads)
+    pools = model_pools(settings.models)
+    shelf = ModelShelf({m: settings.models[m] for m in served}, {m: pools[m] for m in served},
+                       settings.backend, lambda engine: make_backend(engine, threads=threads),
+                       settings.memory_budget_mb)
+    shelf.load_pinned()
+    return shelf
 
 
 def model_card(backend: object, engine: EngineSettings) -> dict[str, object] | None:

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -61,6 +61,11 @@ class FleetSettings(ProducerSettings):
     observe: bool = Field(True, description="job history, counters and histograms in Redis (the "
                           "status hash is always written: it is the liveness signal)")
     health_file: Path | None = Field(None, description="worker: file refreshed every beat for `fleet health`")
+    serve_models: list[str] | None = Field(None, description="the catalogue's models (`models`) this worker "
+                                           "may load and serve; None: all of them; []: none, the worker "
+                                           "serves `pool` with `backend`'s model as without a catalogue")
+    memory_budget_mb: int | None = Field(None, ge=1, description="RAM the models a worker holds may take "
+                                         "together; None: 80 % of the host's (worker/models/)")
     gateway: GatewaySettings = Field(default_factory=GatewaySettings,
                                      description="`fleet serve`'s section (docs/gateway.md); the "
                                      "worker only checks it")
@@ -71,6 +76,19 @@ class FleetSettings(ProducerSettings):
         if v is not None:
             parse_cpu_list(v)
         return v
+
+    @model_validator(mode="after")
+    def _served_models_exist(self) -> FleetSettings:
+        unknown = sorted(set(self.serve_models or ()) - set(self.models))
+        if unknown:
+            raise ValueError(f"serve_models names {', '.join(map(repr, unknown))}, not in `models`")
+        return self
+
+    def catalogue_served(self) -> list[str]:
+        """The catalogue models this worker serves, in the catalogue's order; [] for a one-model worker."""
+        if self.serve_models is None:
+            return list(self.models)
+        return [m for m in self.models if m in self.serve_models]
 
     def cpu_set(self) -> list[int] | None:
         return parse_cpu_list(self.cpus) if self.cpus else None

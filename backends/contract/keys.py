@@ -174,6 +174,24 @@ CAPACITY_LIVE_MS = 2000  # an entry older than this is a worker that is full, bu
 CAPACITY_TTL = 60  # seconds the hash outlives the pool's last claim
 
 
+def model_holders_key(pool: str) -> str:
+    """zset worker name -> until when (ms) it holds the pool's model loaded: a worker that does
+    not hold it leaves the pool's jobs to those that do (worker/claiming/models.py). Refreshed by
+    the holders' claims, TTL MODEL_HOLDERS_TTL."""
+    return f"fleet:model:{pool}:holders"
+
+
+def model_loading_key(pool: str) -> str:
+    """The worker loading the pool's model now (SET NX, PX MODEL_LOADING_MS): a burst for a cold
+    model loads it on one worker, not on every idle one."""
+    return f"fleet:model:{pool}:loading"
+
+
+MODEL_HOLDERS_TTL = 10  # seconds
+MODEL_HOLD_MS = 5000  # a holder entry not refreshed this long is a worker that unloaded or died
+MODEL_LOADING_MS = 120_000  # the longest a load may keep others off a cold model
+
+
 def hub_wake_key(hub_id: str) -> str:
     """Private stream of one asyncio stream reader (dispatcher.stream_hub): an entry here ends
     its blocked XREAD so it starts over with a newly followed job. One entry, 60 s TTL."""

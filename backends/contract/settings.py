@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -25,6 +25,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from backends.contract.catalogue import ModelEntry, model_pools
 from backends.contract.schema import SamplingDefaults
 
 _config_path: ContextVar[Path | None] = ContextVar("fleet_config_path", default=None)
@@ -64,7 +65,7 @@ class FileAndEnvSettings(BaseSettings):
 OTHER_PARTS_KEYS = frozenset({
     "name", "backend", "cpus", "numa_node", "heartbeat_interval", "max_attempts", "reserved_slots",
     "batch_share", "placement", "stream_interval", "drain_grace", "reconcile_interval", "observe",
-    "health_file", "gateway",
+    "health_file", "gateway", "serve_models", "memory_budget_mb",
 })
 
 
@@ -83,6 +84,15 @@ class ProducerSettings(FileAndEnvSettings):
     durability: Literal["primary", "replicated"] = Field(
         "primary", description="producers: submit returns once the primary has the job, or (replicated) "
         "once a replica has it too (Redis WAIT; docs/scale-out.md)")
+    models: dict[str, ModelEntry] = Field(default_factory=dict, description="the model catalogue: name "
+                                          "-> GGUF file and options (backends/contract/catalogue.py); "
+                                          "each model waits in a pool of its own")
+
+    @field_validator("models")
+    @classmethod
+    def _one_pool_a_model(cls, v: dict[str, ModelEntry]) -> dict[str, ModelEntry]:
+        model_pools(v)
+        return v
 
     @model_validator(mode="before")
     @classmethod

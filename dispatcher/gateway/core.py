@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from backends.contract.catalogue import model_pools
 from backends.contract.gateway_settings import GatewaySettings, TenantSettings
 from backends.contract.keys import (
     UNLOADED_KEY,
@@ -32,6 +33,7 @@ from backends.contract.keys import (
 from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT, PRIORITIES
+from backends.gguf import GgufError, file_card
 from dispatcher.aio import AsyncFleet, AsyncFleetJob
 from dispatcher.gateway.settings import ServeSettings
 from dispatcher.plans import run_async
@@ -156,6 +158,19 @@ class Served:
         return self.names[0]
 
 
+def catalogue_cards(settings: ServeSettings) -> dict[str, dict[str, Any]]:
+    """The catalogue's models' cards from their GGUF headers, by pool: true listings before any
+    worker loads them (a file this host cannot read has none)."""
+    cards = {}
+    for name, pool in model_pools(settings.models).items():
+        entry = settings.models[name]
+        try:
+            cards[pool] = {**file_card(entry.path), "context_length": entry.n_ctx_per_seq or 0}
+        except (OSError, GgufError) as e:
+            log.warning("model %s: no card from %s (%s)", name, entry.path, e)
+    return cards
+
+
 class Gateway:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
@@ -166,7 +181,8 @@ class Gateway:
         self.models = settings.model_pools()  # the configured names: name -> pool
         # pool -> its model's Ollama-style name, as its live workers last said (kept when they go)
         self.model_names: dict[str, str] = {}
-        self.cards: dict[str, dict[str, Any]] = {}  # pool -> the last model card read of its workers
+        # pool -> the last model card read of its workers; a catalogue model's from its file at first
+        self.cards: dict[str, dict[str, Any]] = catalogue_cards(settings)
         self.thinking_pools: set[str] = set()  # pools whose live workers' templates think
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
         self.pool_members: dict[str, list[str]] = {}  # pool -> the names of those workers
@@ -208,7 +224,7 @@ class Gateway:
             names = sorted(as_str(n) or "" for n in await redis.smembers(WORKERS_SET))
             async with redis.pipeline(transaction=False) as pipe:
                 for name in names:
-                    pipe.hmget(worker_key(name), ["pool", "state", "model", "thinks"])
+                    pipe.hmget(worker_key(name), ["pool", "state", "model", "thinks", "pools"])
                 replies = await pipe.execute()
         except OUTAGE_ERRORS as e:
             if self.redis_up:
@@ -220,13 +236,14 @@ class Gateway:
         members: dict[str, list[str]] = {}
         model_names: dict[str, str] = {}
         thinking: set[str] = set()
-        for name, (pool_raw, state_raw, model_raw, thinks) in zip(names, replies, strict=True):
+        for name, (pool_raw, state_raw, model_raw, thinks, pools_raw) in zip(names, replies, strict=True):
             if pool_raw is None:
                 continue  # its hash expired: dead (the reaper collects it)
             pool, state = json.loads(pool_raw), json.loads(state_raw or '""')
             if state not in NOT_SERVING:
-                counts[pool] = counts.get(pool, 0) + 1
-                members.setdefault(pool, []).append(name)
+                for served in json.loads(pools_raw or "null") or [pool]:  # a catalogue worker: every model's
+                    counts[served] = counts.get(served, 0) + 1
+                    members.setdefault(served, []).append(name)
                 model = json.loads(model_raw or '""')
                 if isinstance(model, str) and model and pool not in model_names:
                     model_names[pool] = model

@@ -57,7 +57,7 @@ async def published_card(gw: Gateway, pool: str) -> dict[str, Any]:
                 return {}
     except OUTAGE_ERRORS:
         raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
-    return {}
+    return gw.cards.get(pool, {})  # a catalogue model's, read from its file
 
 
 async def listed_cards(gw: Gateway, pools: list[str]) -> dict[str, dict[str, Any]]:

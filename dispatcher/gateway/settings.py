@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
+from backends.contract.catalogue import model_pools
 from backends.contract.gateway_settings import GatewaySettings
 from backends.contract.settings import ProducerSettings, load
 
@@ -19,8 +20,9 @@ class ServeSettings(ProducerSettings):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     def model_pools(self) -> dict[str, str]:
-        """Model name -> pool, as the API lists them."""
-        return dict(self.gateway.models) or {self.pool: self.pool}
+        """Model name -> pool, as the API lists them: the catalogue's models (each in its own pool)
+        and `gateway.models`; without either, the fleet's pool by its name."""
+        return {**model_pools(self.models), **self.gateway.models} or {self.pool: self.pool}
 
 
 def load_serve_settings(config: str | None = None, **overrides: Any) -> ServeSettings:

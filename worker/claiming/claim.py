@@ -32,6 +32,7 @@ from backends.contract.keys import (
     fair_key,
     inflight_key,
     queue_key,
+    queue_names,
     worker_key,
 )
 from backends.contract.queue import CLAIM, STARVED
@@ -55,7 +56,9 @@ def tenant_reserve(slots: int) -> int:
 class Claimer:
     def __init__(self, redis: Redis, worker_name: str, queues: list[str],
                  weights: dict[str, float] | None = None, slots: int = 0, pool: str | None = None,
-                 placement: bool = True) -> None:
+                 placement: bool = True, pools: Sequence[str] = ()) -> None:
+        """`pools`: a worker serving several pools (one per catalogue model) claims from each
+        apart (`claim(pool=...)`); `queues` are then all their queues."""
         self.redis = redis
         self.weights = dict(weights or {})  # tenant -> weight, for the claim's fair share
         self.placement = placement  # False: claim in queue order, blind to who holds a prefix
@@ -69,14 +72,15 @@ class Claimer:
         self.queue_keys = [queue_key(q) for q in queues]
         # the pool's free capacity: slots 0 (claim order only) neither reads nor writes it
         self.capacity = capacity_key(pool or queues[0].rsplit(":", 1)[0])
+        self.by_pool = {p: ([queue_key(q) for q in queue_names(p)], capacity_key(p)) for p in pools}
         self._claim = redis.register_script(CLAIM)
         self._starved = redis.register_script(STARVED)
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
         self._last_held: dict[str, float] = {}  # tenant -> when it last held a job here (monotonic)
         self.server_ms = 0  # Redis server time of the last claim
 
-    def claim(self, n: int, limits: Sequence[int] = (), held: Mapping[str, int] | None = None
-              ) -> list[tuple[bytes, str]]:
+    def claim(self, n: int, limits: Sequence[int] = (), held: Mapping[str, int] | None = None,
+              pool: str | None = None) -> list[tuple[bytes, str]]:
         """Up to n (raw job id, queue name) pairs, highest priority first (but see FAIR_EVERY);
         `limits`: per queue, the most the claim may hold after taking from it; `held`: jobs this
         worker runs, by tenant (their share of the slots). Ids stay bytes: a producer may have
@@ -85,7 +89,8 @@ class Claimer:
             return []
         args: list[Any] = [n, self.name, self.picks % FAIR_EVERY, OWNER_FIELD, FINAL_FIELD, ATTEMPT_FIELD,
                            "1" if self.require_live else "0", self._share(held), *limits]
-        keys = [self.inflight, OWNERS_SET, worker_key(self.name), *self.queue_keys, self.capacity]
+        queue_keys, capacity = self.by_pool[pool] if pool is not None else (self.queue_keys, self.capacity)
+        keys = [self.inflight, OWNERS_SET, worker_key(self.name), *queue_keys, capacity]
         flat = self._claim(keys=keys, args=args)
         self.server_ms, dropped = int(flat[0]), int(flat[1])
         if dropped < 0:

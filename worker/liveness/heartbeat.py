@@ -181,15 +181,19 @@ def redact(value: Any) -> Any:
 
 
 def static_status(name: str, settings: Any, backend_name: str, slots: int,
-                  pin: dict[str, Any], model: str = "", thinks: bool = False) -> dict[str, Any]:
+                  pin: dict[str, Any], model: str = "", thinks: bool = False,
+                  pools: list[str] | None = None) -> dict[str, Any]:
     """What the status hash says for the worker's life; `model`: its model's Ollama-style name
     (the card's `name`: the gateway lists the pool's model under it); `thinks`: its template
-    thinks (the gateway asks such a pool for thoughts apart by default)."""
+    thinks (the gateway asks such a pool for thoughts apart by default); `pools`: every pool it
+    claims from (a catalogue worker's: one per model it may load; `pool` is the first)."""
+    pools = pools or [settings.pool]
     return {
         "name": name,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "pool": settings.pool,
+        "pool": pools[0],
+        "pools": pools,
         "model": model,
         "thinks": thinks,
         "backend": backend_name,

@@ -126,7 +126,7 @@ class EmbedQueue:
         events.append(Failed(job.id, reason, retryable=retryable))
 
 
-def answer_text(backend: Backend, job_id: str, request: TextRequest) -> Event:
+def answer_text(backend: Backend | TextOps, job_id: str, request: TextRequest) -> Event:
     """A text job's answer (in the result's `answer`), or its failure: the model cannot take the
     request, or this engine does not tokenize (REJECTED: the gateway's 400), or the engine is
     unreachable (retried like any job)."""
@@ -146,7 +146,7 @@ def answer_text(backend: Backend, job_id: str, request: TextRequest) -> Event:
     return Done(job_id, "stop", 0, 0, extra={"answer": answer})
 
 
-def as_run(backend: Backend, chat: GenerateRequest) -> GenerateRequest:
+def as_run(backend: object, chat: GenerateRequest) -> GenerateRequest:
     """The chat as a generation job of it runs (so apply-template shows the prompt that job
     gets): as sent where the engine speaks its model's own dialect (`speaks`), else lowered to
     the generic tool format, the rule rqjobs.load applies."""

@@ -14,8 +14,7 @@ OUTAGE_BUFFER_ENTRIES unwritten deltas the job holding most is cancelled and han
 queue once Redis is back. After an outage the loop compares its jobs with its in-flight list: a
 job the reaper took meanwhile is dropped here; an id claimed whose reply was lost is started.
 
-A heartbeat thread (worker/liveness/heartbeat.py) keeps the worker alive to the fleet and reaps dead
-workers' jobs, however long one step takes.
+A heartbeat thread (worker/liveness/heartbeat.py) keeps the worker alive and reaps dead workers' jobs.
 """
 
 from __future__ import annotations
@@ -43,13 +42,14 @@ from backends.base import (
     Token,
 )
 from backends.contract.embed import EmbedRequest
-from backends.contract.keys import cancel_key, job_key, queue_names, wake_key, worker_wake_key
+from backends.contract.keys import cancel_key, job_key, queue_names
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT
 from backends.contract.text_ops import TextRequest
+from backends.shelf import ModelShelf
 from worker.assembly import job_hooks
 from worker.claiming import handover
-from worker.claiming.claim import Claimer
+from worker.claiming.models import make_claims
 from worker.claiming.priority import ClaimPolicy
 from worker.hooks import JobHook
 from worker.liveness.link import RedisLink
@@ -82,13 +82,12 @@ class FleetWorker:
         self.redis = redis
         self.name = name
         self.link = link or RedisLink()
-        self.queues = queue_names(settings.pool)
-        self._wake_keys = [wake_key(settings.pool), worker_wake_key(settings.pool, name)]
-        self.claimer = Claimer(redis, name, self.queues, weights=settings.gateway.tenant_weights(),
-                               slots=backend.slots, pool=settings.pool, placement=settings.placement)
+        # the pool's queues, or each catalogue model's (worker/claiming/models.py)
+        self.claims = make_claims(redis, name, settings, backend)
+        self.claimer, self.queues = self.claims.claimer, self.claims.queues
         hooks = job_hooks(settings) if hooks is None else hooks
         self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl, hooks)
-        self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, self.queues,
+        self.claim_policy = ClaimPolicy(backend.slots, settings.reserved_slots, queue_names(settings.pool),
                                         batch_share=settings.batch_share)
         self.inflight: dict[str, ClaimedJob] = {}  # running, or ended and not yet written
         # handed back once Redis allows: (job, why, counted against max_attempts)
@@ -96,8 +95,6 @@ class FleetWorker:
         self._next_give_way = 0.0  # when the loop next looks for tenants below their share
         self.unstarted: list[tuple[bytes, str, int | None]] = []  # claimed (at server ms); not started
         self.budget = limits.budget_for(settings.backend)
-        # a chat the engine takes in its model's own dialect is not lowered to the generic tools
-        self.as_sent = backend.speaks if isinstance(backend, Bilingual) else None
         self.counters = WorkerCounters()
         self.outcomes: Counter[str] = Counter()  # jobs this loop let go of, by outcome (burst summary)
         self.stopping = threading.Event()
@@ -226,12 +223,12 @@ class FleetWorker:
         if free <= 0 or not self.engine_hold.ready(self.backend.probe):
             return
         limits = self.claim_policy.limits(free, [j.queue for j in self.inflight.values()])
-        claimed = self.claimer.claim(free, limits, held)
+        claimed = self.claims.claim(free, limits, held)
         if not claimed and not self.inflight and not self.to_requeue:
             # idle: sleep on the wake list, then look again (plain-RQ producers never push it)
             if not self._wait_for_wake():
                 return
-            claimed = self.claimer.claim(free, limits, held)
+            claimed = self.claims.claim(free, limits, held)
         self.unstarted.extend((raw, queue, self.claimer.server_ms) for raw, queue in claimed)
         self._start_unstarted()
 
@@ -245,7 +242,7 @@ class FleetWorker:
         try:
             try:
                 self._waiting_idle = True
-                self.redis.blpop(self._wake_keys, timeout=IDLE_WAIT)
+                self.redis.blpop(self.claims.wake_keys, timeout=IDLE_WAIT)
             finally:
                 self._waiting_idle = False
         except _WokenBySignal:  # also when it lands in the finally above
@@ -278,9 +275,13 @@ class FleetWorker:
             log.warning("job %s was in the queue twice; the second copy is dropped", job_id)
             self.claimer.drop(job_id)
             return
+        # the engine of the job's model (a catalogue worker's may load it now); a chat the engine
+        # takes in its model's own dialect is not lowered to the generic tools
+        backend = self.backend.engine_for(queue) if isinstance(self.backend, ModelShelf) else self.backend
         try:
             job = rqjobs.load(self.redis, job_id, queue, self.settings.job_timeout, self.settings.queue_ttl,
-                              me=self.name, budget=self.budget, claimed_ms=claimed_ms, as_sent=self.as_sent)
+                              me=self.name, budget=self.budget, claimed_ms=claimed_ms,
+                              as_sent=backend.speaks if isinstance(backend, Bilingual) else None)
         except NotToRun as e:
             log.warning("claimed %s but not running it: %s", job_id, e)
             self.claimer.drop(job_id)
@@ -299,7 +300,7 @@ class FleetWorker:
             log.warning("job %s was taken over before it started here; dropped", job_id)
             return
         self.inflight[job_id] = job
-        request, backend = job.request, self.backend
+        request = job.request
         assert request is not None
         try:
             if isinstance(request, TextRequest):  # answered now: a tokenizer call, no slot held
@@ -309,7 +310,7 @@ class FleetWorker:
             elif isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, request):
                 self.counters.resumed += 1  # continues its last attempt's text (worker/claiming/handover.py)
             else:
-                self.backend.admit(job_id, request)
+                backend.admit(job_id, request)
         except JobRejected as e:
             job.ending = Ending(error=str(e))
         except BackendUnavailable as e:

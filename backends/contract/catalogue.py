@@ -1,0 +1,97 @@
+"""The model catalogue: the `models` section of worker-config.json, read alike by workers, the
+gateway and the CLI. Each entry names a GGUF file and the options of that model's copies
+(context, slots, chat template, pinned, keep_alive); each model waits in a pool of its own
+(`pool`, by default the name with characters a pool name may not hold replaced), so a request
+for it is an ordinary job on that pool's queues: tenants, priorities, cancels and requeues work
+per model as they work per pool.
+
+Keep-alive durations are read as Ollama reads them (a number of seconds, or a Go duration such as
+"5m", "1h30m"); a negative one keeps the model loaded for good.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+POOL_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
+KEEP_ALIVE = 300.0  # Ollama's default: a model idle 5 minutes is unloaded
+FOREVER = -1.0
+GO_PART = r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)"
+GO_DURATION = re.compile(f"(?:{GO_PART})+")
+GO_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+            "h": 3600.0}
+
+
+def duration_seconds(value: object) -> float | None:
+    """Seconds of an Ollama keep_alive (number of seconds or Go duration); -1 for a negative one
+    (keep for good); None when it is neither."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        text = text.lstrip("+-")
+        try:
+            seconds = sign * float(text)
+        except ValueError:
+            if not GO_DURATION.fullmatch(text):
+                return None
+            seconds = sign * sum(float(n) * GO_UNITS[u] for n, u in re.findall(GO_PART, text))
+    else:
+        return None
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        return None
+    return FOREVER if seconds < 0 else seconds
+
+
+def model_pool(name: str) -> str:
+    """The pool a catalogue model waits in when its entry names none: its name, with every
+    character a pool name may not hold (`:`, `/`, ...) made `-` ("gemma3:270m" -> "gemma3-270m")."""
+    return POOL_CHARS.sub("-", name) or "-"
+
+
+class ModelEntry(BaseModel):
+    """One model of the catalogue. Unset options take the worker's `backend` section's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path = Field(description="the GGUF file")
+    pool: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="the pool its jobs wait "
+                             "in; None: the name, made a pool name")
+    n_ctx_per_seq: int | None = Field(None, ge=16, description="tokens one job may hold")
+    slots: int | None = Field(None, ge=1, le=256, description="jobs one copy runs at once")
+    chat_template_file: Path | None = Field(None, description="a Jinja chat template instead of the GGUF's")
+    pinned: bool = Field(False, description="loaded at a serving worker's start and never unloaded")
+    keep_alive: float = Field(KEEP_ALIVE, description="seconds an idle copy stays loaded (a number or a "
+                              "Go duration such as \"5m\"); negative: for good")
+    memory_mb: int | None = Field(None, ge=1, description="RAM one loaded copy takes; None: estimated "
+                                  "from the file and the KV of its slots")
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _duration(cls, v: object) -> float:
+        seconds = duration_seconds(v)
+        if seconds is None:
+            raise ValueError("a number of seconds or a duration such as \"5m\" or \"1h30m\"")
+        return seconds
+
+    def pool_of(self, name: str) -> str:
+        return self.pool or model_pool(name)
+
+
+def model_pools(models: dict[str, ModelEntry]) -> dict[str, str]:
+    """Catalogue name -> its pool. Two models in one pool would take each other's jobs: refused."""
+    pools: dict[str, str] = {}
+    for name, entry in models.items():
+        pool = entry.pool_of(name)
+        other = next((n for n, p in pools.items() if p == pool), None)
+        if other is not None:
+            raise ValueError(f"models {other!r} and {name!r} would share pool {pool!r}: name one "
+                             "entry's `pool`")
+        pools[name] = pool
+    return pools

@@ -1,0 +1,289 @@
+"""Several models in one worker: a Backend over one engine per loaded model of the catalogue
+(backends/contract/catalogue.py), loaded when a job for it starts and unloaded when idle past its
+keep_alive, or to make room for another (the least recently used one without running jobs; a
+pinned model never). The worker's loop drives it as it drives one engine: `step()` steps every
+loaded model that holds work, `cancel()` finds the job's model.
+
+A job's model is its pool's: the loop asks `engine_for(queue)` for the engine of the job it is
+starting (loading it first, in the loop's thread: the worker's running streams pause for the
+load, which the status shows) and starts the job there, through a view that tells the shelf
+which engine holds the job.
+
+Memory: each model's RAM is its entry's `memory_mb`, else estimated before loading from its
+file's size plus the KV its slots take (backends/gguf.py), and corrected by the RSS the load
+really added; the models held never exceed the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from backends.base import (
+    Backend,
+    BackendUnavailable,
+    Bilingual,
+    Done,
+    Event,
+    Failed,
+    GenerateRequest,
+    JobRejected,
+    Resumable,
+    TextOps,
+    TextRequest,
+)
+from backends.contract.catalogue import FOREVER, ModelEntry
+from backends.contract.settings import EngineSettings
+from backends.gguf import GgufError, read_header
+
+log = logging.getLogger("fleet.worker")
+MIB = 2**20
+COMPUTE_MB = 64  # llama.cpp's compute buffers and the sampler's state beside weights and KV
+BUDGET_SHARE = 0.8  # of the host's RAM, when no budget is set
+
+
+def default_budget_mb() -> int:
+    return int(psutil.virtual_memory().total * BUDGET_SHARE / MIB)
+
+
+def estimate_mb(entry: ModelEntry, n_ctx: int, slots: int) -> int:
+    """RAM one loaded copy takes: the entry's own figure, else file + KV of every slot + compute."""
+    if entry.memory_mb is not None:
+        return entry.memory_mb
+    try:
+        size = entry.path.stat().st_size
+        kv = read_header(entry.path).kv_bytes_per_token() * n_ctx * slots
+    except (OSError, GgufError):
+        return COMPUTE_MB  # the load will fail and say why; no reason to refuse it here
+    return int((size + kv) / MIB) + COMPUTE_MB
+
+
+def give_back_heap() -> None:
+    """Return the freed heap to the OS (glibc's malloc_trim): a model's buffers freed by llama.cpp
+    otherwise stay in malloc's arenas, and the worker's RSS would not come back after an unload."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its allocator decides
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@dataclass
+class Loaded:
+    """One model held by the shelf."""
+
+    name: str
+    pool: str
+    engine: Backend
+    memory_mb: int
+    loaded_at: float  # wall clock
+    load_seconds: float
+    keep_alive: float  # seconds idle before it goes; FOREVER: never
+    pinned: bool
+    last_used: float = field(default_factory=time.monotonic)
+    jobs: set[str] = field(default_factory=set)
+
+    def expires_in(self, now: float) -> float | None:
+        """Seconds until it is unloaded when idle; None: never."""
+        if self.pinned or self.keep_alive == FOREVER:
+            return None
+        return self.keep_alive - (now - self.last_used)
+
+
+class ModelShelf:
+    """The Backend of a worker that serves catalogue models (worker/main.py builds it)."""
+
+    def __init__(self, models: Mapping[str, ModelEntry], pools: Mapping[str, str], engine: EngineSettings,
+                 make: Callable[[EngineSettings], Backend], budget_mb: int | None = None) -> None:
+        self.name = engine.type
+        self.entries = dict(models)
+        self.pool_model = {pool: name for name, pool in pools.items()}
+        self.base = engine
+        self.make = make
+        self.budget_mb = budget_mb or default_budget_mb()
+        self.held: dict[str, Loaded] = {}  # model name -> loaded copy
+        self.owner: dict[str, Loaded] = {}  # job id -> its model's copy
+        self.settings = {name: self._settings_of(entry) for name, entry in self.entries.items()}
+        self.slots = max(s.slots for s in self.settings.values())
+        self.loads = 0
+        self.unloads = 0
+        self.proc = psutil.Process()
+
+    # -- what a model's copy is -------------------------------------------------------------------
+
+    def _settings_of(self, entry: ModelEntry) -> EngineSettings:
+        wanted = {"model_path": entry.path, "n_ctx_per_seq": entry.n_ctx_per_seq, "slots": entry.slots,
+                  "chat_template_file": entry.chat_template_file}
+        fields = type(self.base).model_fields
+        return self.base.model_copy(update={k: v for k, v in wanted.items() if v is not None and k in fields})
+
+    def need_mb(self, name: str) -> int:
+        s = self.settings[name]
+        return estimate_mb(self.entries[name], int(getattr(s, "n_ctx_per_seq", 0) or 0), s.slots)
+
+    def used_mb(self) -> int:
+        return sum(m.memory_mb for m in self.held.values())
+
+    def model_of(self, queue: str) -> str:
+        name = self.pool_model.get(queue.split(":", 1)[0])
+        if name is None:
+            raise JobRejected(f"queue {queue!r} is not a pool of this worker's models")
+        return name
+
+    # -- loading and unloading --------------------------------------------------------------------
+
+    def can_load(self, name: str) -> bool:
+        """Whether `name` fits in the budget now, counting what idle unpinned models would free."""
+        if name in self.held:
+            return True
+        freeable = sum(m.memory_mb for m in self.held.values() if not m.pinned and not m.jobs)
+        return self.need_mb(name) <= self.budget_mb - self.used_mb() + freeable
+
+    def load(self, name: str) -> Loaded:
+        if name in self.held:
+            return self.held[name]
+        need = self.need_mb(name)
+        for victim in sorted(self.held.values(), key=lambda m: m.last_used):  # least recently used first
+            if self.used_mb() + need <= self.budget_mb:
+                break
+            if not victim.pinned and not victim.jobs:
+                self.unload(victim.name, "to make room for " + name)
+        if self.used_mb() + need > self.budget_mb:
+            raise BackendUnavailable(f"model {name!r} needs ~{need} MB; {self.used_mb()} of this worker's "
+                                     f"{self.budget_mb} MB are held by models with running jobs or pinned")
+        rss, started = self.proc.memory_info().rss, time.monotonic()
+        try:
+            engine = self.make(self.settings[name])
+        except (OSError, ValueError, RuntimeError) as e:
+            raise JobRejected(f"model {name!r} could not be loaded: {e}") from e
+        took = time.monotonic() - started
+        grown = int((self.proc.memory_info().rss - rss) / MIB)
+        entry = self.entries[name]
+        model = Loaded(name, entry.pool_of(name), engine, max(need, grown), time.time(), round(took, 3),
+                       entry.keep_alive, entry.pinned)
+        self.held[name] = model
+        self.loads += 1
+        log.info("loaded model %s in %.2fs (~%d MB)", name, took, model.memory_mb)
+        return model
+
+    def unload(self, name: str, why: str) -> None:
+        model = self.held.pop(name)
+        model.engine.close()
+        give_back_heap()
+        self.unloads += 1
+        log.info("unloaded model %s (%s)", name, why)
+
+    def unload_idle(self, now: float | None = None) -> list[str]:
+        """Unload every model idle past its keep_alive; their names."""
+        now = time.monotonic() if now is None else now
+        gone = [m.name for m in self.held.values()
+                if not m.jobs and (left := m.expires_in(now)) is not None and left <= 0]
+        for name in gone:
+            self.unload(name, "idle past its keep_alive")
+        return gone
+
+    def set_keep_alive(self, name: str, seconds: float) -> None:
+        """A request's keep_alive (Ollama's): from now on the model's own, as the last request said."""
+        if name in self.held:
+            self.held[name].keep_alive = seconds
+
+    def load_pinned(self) -> None:
+        for name, entry in self.entries.items():
+            if entry.pinned:
+                self.load(name)
+
+    # -- the loop's side --------------------------------------------------------------------------
+
+    def engine_for(self, queue: str) -> ModelView:
+        """The engine of the model whose pool `queue` is, loaded now if it is not."""
+        model = self.load(self.model_of(queue))
+        model.last_used = time.monotonic()
+        return ModelView(self, model)
+
+    def free_slots(self) -> int:
+        return self.slots - len(self.owner)
+
+    def free_for(self, pool: str) -> int:
+        """Free slots of the model whose pool this is: its copy's, or a fresh copy's if not loaded."""
+        name = self.pool_model[pool]
+        model = self.held.get(name)
+        return model.engine.free_slots() if model is not None else self.settings[name].slots
+
+    def holds(self, pool: str) -> bool:
+        return self.pool_model.get(pool) in self.held
+
+    def admit(self, job_id: str, request: GenerateRequest) -> None:
+        raise JobRejected("a job for a catalogue model starts through its model's engine (engine_for)")
+
+    def step(self, timeout: float) -> list[Event]:
+        events: list[Event] = []
+        busy = [m for m in self.held.values() if m.jobs]
+        for model in busy:
+            events.extend(model.engine.step(timeout / len(busy)))
+        for ev in events:
+            if isinstance(ev, Done | Failed) and ev.job_id in self.owner:
+                model = self.owner.pop(ev.job_id)
+                model.jobs.discard(ev.job_id)
+                model.last_used = time.monotonic()
+        if not busy and timeout > 0:
+            time.sleep(min(timeout, 0.01))
+        return events
+
+    def cancel(self, job_id: str) -> None:
+        model = self.owner.get(job_id)
+        if model is not None:
+            model.engine.cancel(job_id)
+
+    def probe(self) -> bool:
+        return all(m.engine.probe() for m in self.held.values())
+
+    def stats(self) -> dict[str, object]:
+        now = time.monotonic()
+        return {"models": [self.described(m, now) for m in self.held.values()],
+                "memory_budget_mb": self.budget_mb, "model_loads": self.loads, "model_unloads": self.unloads}
+
+    def described(self, model: Loaded, now: float) -> dict[str, Any]:
+        left = model.expires_in(now)
+        return {"name": model.name, "pool": model.pool, "memory_mb": model.memory_mb,
+                "loaded_at": round(model.loaded_at, 3), "load_seconds": model.load_seconds,
+                "expires_at": None if left is None else round(time.time() + max(left, 0.0), 3),
+                "running": len(model.jobs), "pinned": model.pinned,
+                "context_length": int(getattr(self.settings[model.name], "n_ctx_per_seq", 0) or 0)}
+
+    def close(self) -> None:
+        for name in list(self.held):
+            self.unload(name, "worker exiting")
+
+
+class ModelView:
+    """One loaded model's engine as the loop starts a job on it: the job is the shelf's to route."""
+
+    def __init__(self, shelf: ModelShelf, model: Loaded) -> None:
+        self.shelf, self.model, self.engine = shelf, model, model.engine
+        self.name, self.slots = model.engine.name, model.engine.slots
+
+    def _held(self, job_id: str) -> None:
+        self.model.jobs.add(job_id)
+        self.shelf.owner[job_id] = self.model
+
+    def admit(self, job_id: str, request: GenerateRequest) -> None:
+        self.engine.admit(job_id, request)
+        self._held(job_id)
+
+    def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
+        resumed = isinstance(self.engine, Resumable) and self.engine.resume(job_id, request, delivered)
+        if resumed:
+            self._held(job_id)
+        return resumed
+
+    def speaks(self, request: GenerateRequest) -> bool:
+        return isinstance(self.engine, Bilingual) and self.engine.speaks(request)
+
+    def text_op(self, request: TextRequest) -> dict[str, object]:
+        if not isinstance(self.engine, TextOps):
+            raise JobRejected(f"model {self.model.name!r}'s engine does not answer text jobs")
+        return self.engine.text_op(request)

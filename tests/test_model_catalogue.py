@@ -1,0 +1,120 @@
+"""Several models on one fleet, with real files: the embedded gemma-3-270m Q4_K_M and a Q8_0 made
+from it by llama.cpp's own quantizer (backends/model.py requantized: another file, size and
+speed), served from the catalogue (`models`) by real `fleet worker` processes and a real
+`fleet serve`. What must hold: each job runs on the model its pool names; a worker loads a cold
+model once for a burst, and only one worker does; loaded models are what the status says; an idle
+model goes after its keep_alive and the worker's RSS comes back; listings are true with no
+worker up."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from redis import Redis
+
+from backends.contract.keys import WORKERS_SET, worker_key
+from backends.gguf import file_card, read_header
+from backends.model import default_model_path, requantized
+from dispatcher.client import Fleet
+from ecosystem.local.processes import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+Q4 = "gemma3:270m"
+Q8 = "gemma3:270m-q8"
+
+
+@pytest.fixture(scope="module")
+def catalogue() -> dict[str, dict[str, Any]]:
+    q4 = default_model_path()
+    return {Q4: {"path": str(q4), "keep_alive": 600},
+            Q8: {"path": str(requantized(q4, "Q8_0")), "keep_alive": 600}}
+
+
+def status(redis: Redis, name: str) -> dict[str, Any]:
+    raw = redis.hgetall(worker_key(name))
+    return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+def loaded(redis: Redis, name: str) -> list[str]:
+    models = status(redis, name).get("backend_stats", {}).get("models", [])
+    return sorted(m["name"] for m in models)
+
+
+def run(fleet: Fleet, n: int, tag: str) -> list[Any]:
+    jobs = [fleet.submit(f"{tag} {i}: say something.", max_tokens=8, temperature=0.0) for i in range(n)]
+    return [job.result(timeout=120) for job in jobs]
+
+
+def test_the_file_card_matches_what_a_worker_publishes(catalogue: dict[str, dict[str, Any]]) -> None:
+    """A listing from the file (no worker) says what the worker that loads the model says."""
+
+    path = Path(catalogue[Q8]["path"])
+    card = file_card(path)
+    assert card["details"]["quantization_level"] == "Q8_0"
+    assert card["size"] == path.stat().st_size
+    header = read_header(default_model_path())
+    assert header.n_params == 268_098_176  # what llama_model_n_params says of the embedded model
+    assert file_card(default_model_path())["details"]["quantization_level"] == "Q4_K_M"
+
+
+def test_one_worker_serves_two_models_and_unloads_the_idle_one(workers: Any, redis_url: str, redis: Redis,
+                                                              catalogue: dict[str, dict[str, Any]]) -> None:
+    models = {**catalogue, Q8: {**catalogue[Q8], "keep_alive": 3}}
+    workers.start("w1", models=models, backend__slots=2)
+    wait_for(lambda: status(redis, "w1").get("pools") == ["gemma3-270m", "gemma3-270m-q8"], 30, "pools")
+    assert loaded(redis, "w1") == []  # nothing loads before a job asks
+    rss_idle = status(redis, "w1")["rss_mb"]
+    assert all(r["finish_reason"] == "length" for r in (x.model_dump() for x in
+               run(Fleet(redis_url, pool="gemma3-270m"), 3, "q4")))
+    wait_for(lambda: loaded(redis, "w1") == [Q4], 10, "q4 loaded")
+    rss_q4 = status(redis, "w1")["rss_mb"]
+    run(Fleet(redis_url, pool="gemma3-270m-q8"), 3, "q8")
+    wait_for(lambda: loaded(redis, "w1") == [Q4, Q8], 10, "both loaded")
+    stats = status(redis, "w1")["backend_stats"]
+    assert stats["model_loads"] == 2, stats  # one load a model, not one a job
+    # the Q8 copy is idle past its keep_alive of 3 s: unloaded, its RAM given back
+    wait_for(lambda: loaded(redis, "w1") == [Q4], 20, "q8 unloaded")
+    rss_after = status(redis, "w1")["rss_mb"]
+    assert abs(rss_after - rss_q4) <= 0.05 * rss_q4, (rss_idle, rss_q4, rss_after)
+
+
+def test_a_burst_for_a_cold_model_loads_it_on_one_worker(workers: Any, redis_url: str, redis: Redis,
+                                                        catalogue: dict[str, dict[str, Any]]) -> None:
+    for name in ("w1", "w2"):
+        workers.start(name, models=catalogue, backend__slots=4)
+    run(Fleet(redis_url, pool="gemma3-270m-q8"), 8, "burst")
+    time.sleep(1.5)  # a beat
+    holders = {name: loaded(redis, name) for name in ("w1", "w2")}
+    assert sorted(holders.values()) == [[], [Q8]], holders  # one worker loaded it
+    loads = sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2"))
+    assert loads == 1
+    # the next burst goes to the worker holding the model, the other stays cold
+    run(Fleet(redis_url, pool="gemma3-270m-q8"), 8, "again")
+    time.sleep(1.5)
+    assert sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2")) == 1
+
+
+def test_listings_are_true_with_no_worker_up(gateways: Any, redis: Redis,
+                                            catalogue: dict[str, dict[str, Any]]) -> None:
+    assert not redis.smembers(WORKERS_SET)
+    gw = gateways.start(models=catalogue)
+    tags = wait_for(lambda: _get(f"{gw.url}/api/tags"), 30, "the gateway")["models"]
+    by_name = {m["name"]: m for m in tags}
+    assert set(by_name) == {Q4, Q8}
+    assert by_name[Q8]["details"]["quantization_level"] == "Q8_0"
+    assert by_name[Q8]["size"] == Path(catalogue[Q8]["path"]).stat().st_size
+    shown = httpx.post(f"{gw.url}/api/show", json={"model": Q8}).json()
+    assert shown["details"]["quantization_level"] == "Q8_0"
+    assert httpx.get(f"{gw.url}/api/ps").json()["models"] == []  # nothing loaded anywhere
+
+
+def _get(url: str) -> Any:
+    try:
+        return httpx.get(url, timeout=2).json()
+    except httpx.TransportError:
+        return None
