@@ -107,6 +107,7 @@ class ModelShelf:
         self.budget_mb = budget_mb or default_budget_mb()
         self.held: dict[str, Loaded] = {}  # model name -> loaded copy
         self.owner: dict[str, Loaded] = {}  # job id -> its model's copy
+        self.load_ms: dict[str, float] = {}  # job id -> the load its start waited for
         self.settings = {name: self._settings_of(entry) for name, entry in self.entries.items()}
         self.slots = max(s.slots for s in self.settings.values())
         self.loads = 0
@@ -186,10 +187,16 @@ class ModelShelf:
             self.unload(name, "idle past its keep_alive")
         return gone
 
-    def set_keep_alive(self, name: str, seconds: float) -> None:
-        """A request's keep_alive (Ollama's): from now on the model's own, as the last request said."""
-        if name in self.held:
-            self.held[name].keep_alive = seconds
+    def unload_asked(self, pool: str, at: float) -> None:
+        """An operator unloaded the pool's model at `at` (wall clock): a copy loaded before goes
+        now, or once its running jobs end."""
+        model = self.held.get(self.pool_model.get(pool, ""))
+        if model is None or model.loaded_at > at or model.pinned:
+            return
+        if model.jobs:
+            model.keep_alive = 0.0
+        else:
+            self.unload(model.name, "an operator unloaded it")
 
     def load_pinned(self) -> None:
         for name, entry in self.entries.items():
@@ -200,9 +207,10 @@ class ModelShelf:
 
     def engine_for(self, queue: str) -> ModelView:
         """The engine of the model whose pool `queue` is, loaded now if it is not."""
+        loads = self.loads
         model = self.load(self.model_of(queue))
         model.last_used = time.monotonic()
-        return ModelView(self, model)
+        return ModelView(self, model, model.load_seconds * 1000 if self.loads > loads else None)
 
     def free_slots(self) -> int:
         return self.slots - len(self.owner)
@@ -225,7 +233,10 @@ class ModelShelf:
         for model in busy:
             events.extend(model.engine.step(timeout / len(busy)))
         for ev in events:
+            if isinstance(ev, Done) and ev.job_id in self.load_ms:  # its start loaded the model
+                ev.extra["load_ms"] = self.load_ms.pop(ev.job_id)
             if isinstance(ev, Done | Failed) and ev.job_id in self.owner:
+                self.load_ms.pop(ev.job_id, None)
                 model = self.owner.pop(ev.job_id)
                 model.jobs.discard(ev.job_id)
                 model.last_used = time.monotonic()
@@ -262,17 +273,21 @@ class ModelShelf:
 class ModelView:
     """One loaded model's engine as the loop starts a job on it: the job is the shelf's to route."""
 
-    def __init__(self, shelf: ModelShelf, model: Loaded) -> None:
-        self.shelf, self.model, self.engine = shelf, model, model.engine
+    def __init__(self, shelf: ModelShelf, model: Loaded, load_ms: float | None) -> None:
+        self.shelf, self.model, self.engine, self.load_ms = shelf, model, model.engine, load_ms
         self.name, self.slots = model.engine.name, model.engine.slots
 
     def _held(self, job_id: str) -> None:
         self.model.jobs.add(job_id)
         self.shelf.owner[job_id] = self.model
+        if self.load_ms is not None:
+            self.shelf.load_ms[job_id] = self.load_ms
 
     def admit(self, job_id: str, request: GenerateRequest) -> None:
         self.engine.admit(job_id, request)
         self._held(job_id)
+        if request.keep_alive is not None:  # Ollama's rule: the last request's keep_alive holds
+            self.model.keep_alive = request.keep_alive
 
     def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
         resumed = isinstance(self.engine, Resumable) and self.engine.resume(job_id, request, delivered)

@@ -21,7 +21,7 @@ from backends.contract.keys import WORKERS_SET, worker_key
 from backends.gguf import file_card, read_header
 from backends.model import default_model_path, requantized
 from dispatcher.client import Fleet
-from ecosystem.local.processes import wait_for
+from ecosystem.local.processes import wait_for, wait_until_healthy
 
 pytestmark = pytest.mark.timeout(300)
 Q4 = "gemma3:270m"
@@ -118,3 +118,53 @@ def _get(url: str) -> Any:
         return httpx.get(url, timeout=2).json()
     except httpx.TransportError:
         return None
+
+
+def ps_models(url: str) -> dict[str, dict[str, Any]]:
+    return {m["name"]: m for m in httpx.get(f"{url}/api/ps").json()["models"]}
+
+
+def router_states(url: str) -> dict[str, str]:
+    return {m["id"]: m["status"]["value"] for m in httpx.get(f"{url}/models").json()["data"]}
+
+
+def test_ollama_lifecycle_through_the_gateway(workers: Any, gateways: Any, redis: Redis,
+                                              catalogue: dict[str, dict[str, Any]]) -> None:
+    """The official ollama client and the router's endpoints against one catalogue worker:
+    /api/ps and /models true at every step; a cold model's first answer says its load."""
+    import ollama
+
+    workers.start("w1", models=catalogue, backend__slots=2)
+    gw = gateways.start(models=catalogue)
+    wait_until_healthy(gw)
+    client = ollama.Client(host=gw.url)
+    assert ps_models(gw.url) == {}
+    assert router_states(gw.url) == {Q4: "unloaded", Q8: "unloaded"}
+    # a first request for a cold model: its load is in load_duration, apart from the answer
+    answer = client.generate(model=Q8, prompt="Say hi.", options={"num_predict": 4, "temperature": 0})
+    assert answer.load_duration and answer.load_duration > 50_000_000, answer  # > 50 ms: a real load
+    again = client.generate(model=Q8, prompt="Say hi.", options={"num_predict": 4, "temperature": 0})
+    assert again.load_duration < answer.load_duration / 2, (answer.load_duration, again.load_duration)
+    wait_for(lambda: set(ps_models(gw.url)) == {Q8}, 5, "ps shows the loaded model")
+    shown = ps_models(gw.url)[Q8]
+    assert shown["workers"] == ["w1"] and shown["size"] > Path(catalogue[Q8]["path"]).stat().st_size
+    assert router_states(gw.url) == {Q4: "unloaded", Q8: "loaded"}
+    # an empty prompt loads (Ollama's preload); keep_alive 0 unloads
+    client.generate(model=Q4, prompt="")
+    wait_for(lambda: set(ps_models(gw.url)) == {Q4, Q8}, 5, "ps shows both")
+    client.generate(model=Q8, prompt="", keep_alive=0)
+    wait_for(lambda: set(ps_models(gw.url)) == {Q4}, 5, "the unloaded one gone from ps")
+    assert router_states(gw.url) == {Q4: "loaded", Q8: "unloaded"}
+    # the router's own calls
+    assert httpx.post(f"{gw.url}/models/load", json={"model": Q8}).json()["success"] is True
+    wait_for(lambda: router_states(gw.url)[Q8] == "loaded", 5, "loaded through the router")
+    httpx.post(f"{gw.url}/models/unload", json={"model": Q4}).raise_for_status()
+    wait_for(lambda: set(ps_models(gw.url)) == {Q8}, 5, "unloaded through the router")
+    # a request's keep_alive: the model goes once idle that long
+    client.generate(model=Q8, prompt="Say hi.", options={"num_predict": 2}, keep_alive="2s")
+    expires = ps_models(gw.url)[Q8]["expires_at"]
+    assert not expires.startswith("2318"), expires  # not "forever": about now + 2 s
+    wait_for(lambda: ps_models(gw.url) == {}, 10, "idle past keep_alive")
+    assert status(redis, "w1")["backend_stats"]["model_loads"] == 3  # Q8, Q4, Q8 again
+    bad = httpx.post(f"{gw.url}/api/generate", json={"model": Q4, "prompt": "x", "keep_alive": "soon"})
+    assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]

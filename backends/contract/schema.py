@@ -147,6 +147,9 @@ class GenerateRequest(BaseModel):
     reasoning_format: ReasoningFormat | None = None
     # variables the model's own (Jinja) chat template reads: enable_thinking, reasoning_effort...
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = Field(None, max_length=16)
+    # Ollama's keep_alive, in seconds (-1: for good): how long the model stays loaded once idle,
+    # from this request on (a catalogue model: backends/shelf.py); None: as it was
+    keep_alive: float | None = Field(None, ge=-1)
 
     @field_validator("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty", mode="before")
@@ -360,6 +363,7 @@ class Timings(BaseModel):
     ttft_ms: float | None = None  # claimed -> first token
     total_ms: float | None = None  # claimed -> done
     tokens_per_s: float | None = None  # completion tokens / (first token -> done)
+    # and load_ms: its model's load, only when the job's start loaded it (before ttft_ms)
 
 
 class JobResultModel(BaseModel):
@@ -407,7 +411,7 @@ class JobResult(dict[str, Any]):
 def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_tokens: int,
                completion_tokens: int, worker: str | None, backend: str | None, attempt: int,
                cached_tokens: int = 0, queue_ms: float | None = None, ttft_ms: float | None = None,
-               total_ms: float | None = None, tokens_per_s: float | None = None,
+               total_ms: float | None = None, tokens_per_s: float | None = None, load_ms: float | None = None,
                **extra: Any) -> JobResultModel:
     """The one place a job's result is put together (times rounded to 0.1); `extra`: optional
     fields (e.g. `logprobs`)."""
@@ -421,7 +425,8 @@ def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_to
         backend=backend,
         attempt=attempt,
         timings=Timings(queue_ms=_round(queue_ms), ttft_ms=_round(ttft_ms), total_ms=_round(total_ms),
-                        tokens_per_s=_round(tokens_per_s)),
+                        tokens_per_s=_round(tokens_per_s),
+                        **({} if load_ms is None else {"load_ms": _round(load_ms)})),
         **extra,
     )
 

@@ -45,6 +45,7 @@ from dispatcher.gateway import (
     anthropic_api,
     batch_api,
     embeddings_api,
+    models_api,
     ollama_api,
     ollama_show,
     openai_api,
@@ -360,7 +361,10 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/api/embed", guarded(embeddings_api.ollama_embed), methods=["POST"]),
         Route("/api/embeddings", guarded(embeddings_api.ollama_embeddings), methods=["POST"]),
         Route("/api/tags", guarded(ollama_api.tags)),
-        Route("/api/ps", guarded(ollama_api.ps)),
+        Route("/api/ps", guarded(models_api.ps)),
+        Route("/models", guarded(models_api.router_models)),  # llama-server's router mode
+        Route("/models/load", guarded(models_api.router_load), methods=["POST"]),
+        Route("/models/unload", guarded(models_api.router_unload), methods=["POST"]),
         Route("/api/show", guarded(ollama_show.show), methods=["POST"]),
         Route("/api/version", ollama_api.version),  # Ollama clients probe it before anything else
         Route("/tokenize", guarded(tokenize_api.tokenize), methods=["POST"]),  # llama-server's

@@ -179,6 +179,7 @@ class Gateway:
                                 retry_for=5.0)
         self._fleets: dict[str, AsyncFleet] = {settings.pool: self.fleet}
         self.models = settings.model_pools()  # the configured names: name -> pool
+        self.catalogue_pools = set(model_pools(settings.models).values())  # loaded and unloaded by workers
         # pool -> its model's Ollama-style name, as its live workers last said (kept when they go)
         self.model_names: dict[str, str] = {}
         # pool -> the last model card read of its workers; a catalogue model's from its file at first

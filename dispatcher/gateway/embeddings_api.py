@@ -17,11 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from backends.contract.embed import REJECTED, decode_vector, embed_fields
-from dispatcher.gateway.core import ApiError, Gateway, cancel_all, field_named, shown
-from dispatcher.gateway.following import collect
+from dispatcher.gateway.core import ApiError, Gateway, shown
 from dispatcher.gateway.ollama_api import LOAD_OPTIONS
-from dispatcher.gateway.openai_api import read_body, submit, timed_out
-from dispatcher.gateway.responses import unless_client_leaves
+from dispatcher.gateway.openai_api import read_body, run_one
 
 OPENAI_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 OLLAMA_FIELDS = {"model", "input", "truncate", "dimensions", "options", "keep_alive"}
@@ -90,29 +88,6 @@ async def embed(request: Request, body: dict[str, Any],
                        code="invalid_value")
     return await run_one(request, pool, embed_fields(body["input"], **fields), REJECTED, "embedding",
                          param="input")
-
-
-async def run_one(request: Request, pool: str, fields: dict[str, Any], rejected: str, what: str, *,
-                  param: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Run one job of `fields` to its end (embeddings, text jobs): its result and the response
-    headers. 400 for a worker's failure starting with `rejected` (naming `param`, else the field
-    its reason starts with), 422 for another failure, 504 past gateway.request_timeout."""
-    gw: Gateway = request.app.state.gateway
-    jobs, headers = await submit(request, pool, [fields])
-    finals = await unless_client_leaves(request, collect(jobs, gw.settings.gateway.request_timeout),
-                                        lambda: cancel_all(jobs))
-    if finals is None:
-        raise ApiError(499, "the client left", headers=headers)  # nobody reads this
-    if late := timed_out(finals, headers):
-        raise late
-    error = finals[0].error
-    if error is not None:
-        if error.startswith(rejected):
-            reason = error.removeprefix(rejected)
-            raise ApiError(400, reason, param=param or field_named(reason), code="invalid_request",
-                           headers=headers)
-        raise ApiError(422, f"{what} failed: {error}", code="job_failed", headers=headers)
-    return finals[0].result or {}, headers
 
 
 def refuse_unknown(body: dict[str, Any], allowed: set[str], api: str) -> None:

@@ -16,28 +16,26 @@ fleet's workers decide that; sampling options this gateway cannot honour are a 4
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from backends.contract.keys import UNLOADED_KEY, worker_key
+from backends.contract.catalogue import duration_seconds
 from backends.contract.tools import AnswerReader
 from dispatcher.gateway.core import (
     ApiError,
     Gateway,
     JobUpdate,
-    Served,
     cancel_all,
-    shown,
     unsupported,
 )
 from dispatcher.gateway.following import collect, follow
-from dispatcher.gateway.ollama_show import UNKNOWN_DETAILS, listed_cards
+from dispatcher.gateway.models_api import keep_alive_field, listed, load, model_entry, unload
+from dispatcher.gateway.ollama_show import listed_cards
 from dispatcher.gateway.openai_api import check_limits, read_body, submit, timed_out
 from dispatcher.gateway.openai_bodies import answers_in_json
 from dispatcher.gateway.openai_tools import tool_fields
@@ -77,70 +75,13 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-EPOCH = "1970-01-01T00:00:00Z"
-# Ollama's expires_at of a model kept loaded for good (keep_alive < 0: now + the longest Go
-# duration, ~292 years; `ollama ps` shows "Forever"): a worker holds its model until it stops
-FOREVER = timedelta(microseconds=(2**63 - 1) // 1000)
-
-
-def _model_entry(name: str, card: dict[str, Any]) -> dict[str, Any]:
-    """A model of /api/tags from its pool's card (the fields stay, empty, without one)."""
-    return {"name": name, "model": name, "modified_at": str(card.get("modified_at") or EPOCH),
-            "size": _count(card.get("size")), "digest": str(card.get("digest") or ""),
-            "details": {**UNKNOWN_DETAILS, **(card.get("details") or {})}}
-
-
-def _count(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
-def _listed(gw: Gateway, request: Request) -> list[Served]:
-    return sorted(gw.served_for(request.state.caller), key=lambda m: m.name)
-
-
 async def tags(request: Request) -> Response:
     """The caller's models, one entry each under the name its listings use (Ollama: the models it
     has, loaded or not)."""
     gw: Gateway = request.app.state.gateway
-    models = _listed(gw, request)
+    models = listed(gw, request)
     cards = await listed_cards(gw, [m.pool for m in models])
-    return JSONResponse({"models": [_model_entry(m.name, cards[m.pool]) for m in models]})
-
-
-async def ps(request: Request) -> Response:
-    """The caller's models with at least one live worker that no operator unloaded since their
-    last request (Ollama: the models loaded in memory). `size` is the RAM the pool's live workers
-    hold (their RSS, summed), `context_length` the tokens one request may hold there."""
-    gw: Gateway = request.app.state.gateway
-    running = [m for m in _listed(gw, request) if gw.live_workers.get(m.pool)]
-    pools = list(dict.fromkeys(m.pool for m in running))
-    if not pools:
-        return JSONResponse({"models": []})
-    members = {pool: list(gw.pool_members.get(pool, [])) for pool in pools}
-    async with gw.fleet.redis.pipeline(transaction=False) as pipe:
-        pipe.hmget(UNLOADED_KEY, pools)
-        for pool in pools:
-            for name in members[pool]:
-                pipe.hget(worker_key(name), "rss_mb")
-        replies = await pipe.execute()
-    unloaded = {pool for pool, mark in zip(pools, replies[0], strict=True) if mark is not None}
-    rss = iter(replies[1:])
-    ram = {pool: sum(_mib(next(rss)) for _ in members[pool]) for pool in pools}
-    cards = await listed_cards(gw, pools)
-    expires = (datetime.now(UTC) + FOREVER).isoformat().replace("+00:00", "Z")
-    return JSONResponse({"models": [
-        {**_model_entry(m.name, cards[m.pool]), "size": ram[m.pool], "expires_at": expires, "size_vram": 0,
-         "context_length": _count(cards[m.pool].get("context_length"))}
-        for m in running if m.pool not in unloaded]})
-
-
-def _mib(raw: object) -> int:
-    """A status hash's `rss_mb` (JSON) in bytes."""
-    try:
-        value = json.loads(raw) if isinstance(raw, str | bytes) else 0
-    except ValueError:
-        return 0
-    return int(value * 2**20) if isinstance(value, int | float) and value > 0 else 0
+    return JSONResponse({"models": [model_entry(m.name, cards[m.pool]) for m in models]})
 
 
 async def version(request: Request) -> Response:
@@ -155,25 +96,10 @@ async def chat(request: Request) -> Response:
     return await _run(request, chat=True)
 
 
-GO_PART = r"(\d+(?:\.\d*)?|\.\d+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h)"  # a Go duration's number and unit
-GO_DURATION = re.compile(f"(?:{GO_PART})+")
-
-
 def zero_duration(keep_alive: object) -> bool:
     """Whether `keep_alive` is zero, as Ollama reads it (a number of seconds, or a Go duration
     such as "0", "0s", "0m"): the request then unloads the model."""
-    if isinstance(keep_alive, bool):
-        return False
-    if isinstance(keep_alive, int | float):
-        return keep_alive == 0
-    if not isinstance(keep_alive, str):
-        return False
-    text = keep_alive.strip().lstrip("+-")
-    try:
-        return float(text) == 0  # "0", "0.0": seconds
-    except ValueError:
-        pass
-    return bool(GO_DURATION.fullmatch(text)) and all(float(n) == 0 for n in re.findall(GO_PART, text))
+    return duration_seconds(keep_alive) == 0
 
 
 def job_fields(body: dict[str, Any], chat: bool, thinks: bool = False) -> dict[str, Any] | None:
@@ -299,14 +225,13 @@ async def _run(request: Request, chat: bool) -> Response:
     pool = gw.pool_for(model, caller)
     fields = job_fields(body, chat, thinks=pool in gw.thinking_pools)
     reply = OllamaReply(str(model), chat, started, tools=bool(fields and answers_in_json(fields)))
-    if fields is None:  # Ollama loads the model, or with keep_alive 0 unloads it, and answers at once
-        unload = zero_duration(body.get("keep_alive"))
-        if unload and not gw.may_unload(caller):
-            raise ApiError(403, f"model '{shown(model)}' is shared by this fleet's callers: unloading it "
-                           "(keep_alive 0) needs an operator's key (gateway.admin_keys)",
-                           code="admin_key_required")
-        await gw.set_unloaded(pool, unload)
-        return JSONResponse(reply.final(None, "", done_reason="unload" if unload else "load"))
+    if fields is None:  # Ollama loads the model, or with keep_alive 0 unloads it
+        if zero_duration(body.get("keep_alive")):
+            await unload(request, pool, model)
+            return JSONResponse(reply.final(None, "", done_reason="unload"))
+        took = await load(request, pool)
+        return JSONResponse({**reply.final(None, "", done_reason="load"), "load_duration": int(took * 1e9)})
+    fields.update(keep_alive_field(body, gw, request))
     check_limits(gw, [fields], 1, tokens_field="options.num_predict")
     jobs, headers = await submit(request, pool, [fields])
     timeout = gw.settings.gateway.request_timeout
@@ -367,7 +292,8 @@ class OllamaReply:
         out.update({
             "done_reason": "length" if result.get("finish_reason") == "length" else "stop",
             "total_duration": time.monotonic_ns() - self.started_ns,
-            "load_duration": int((timings.get("queue_ms") or 0.0) * 1e6),  # the wait for a free slot
+            # the wait for a free slot, and for the model's load when the job's start loaded it
+            "load_duration": int(((timings.get("queue_ms") or 0.0) + (timings.get("load_ms") or 0.0)) * 1e6),
             "prompt_eval_count": usage.get("prompt_tokens", 0),
             "prompt_eval_duration": int(ttft_ms * 1e6),
             "eval_count": usage.get("completion_tokens", 0),

@@ -22,6 +22,7 @@ from dispatcher.gateway.core import (
     Gateway,
     JobUpdate,
     cancel_all,
+    field_named,
     ollama_route,
 )
 from dispatcher.gateway.following import collect, follow
@@ -161,3 +162,26 @@ async def answer(request: Request, jobs: list[AsyncFleetJob], timeout: float, he
         e.headers.update(headers)
         raise
     return JSONResponse(body, headers=headers)
+
+
+async def run_one(request: Request, pool: str, fields: dict[str, Any], rejected: str, what: str, *,
+                  param: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Run one job of `fields` to its end (embeddings, text jobs): its result and the response
+    headers. 400 for a worker's failure starting with `rejected` (naming `param`, else the field
+    its reason starts with), 422 for another failure, 504 past gateway.request_timeout."""
+    gw: Gateway = request.app.state.gateway
+    jobs, headers = await submit(request, pool, [fields])
+    finals = await unless_client_leaves(request, collect(jobs, gw.settings.gateway.request_timeout),
+                                        lambda: cancel_all(jobs))
+    if finals is None:
+        raise ApiError(499, "the client left", headers=headers)  # nobody reads this
+    if late := timed_out(finals, headers):
+        raise late
+    error = finals[0].error
+    if error is not None:
+        if error.startswith(rejected):
+            reason = error.removeprefix(rejected)
+            raise ApiError(400, reason, param=param or field_named(reason), code="invalid_request",
+                           headers=headers)
+        raise ApiError(422, f"{what} failed: {error}", code="job_failed", headers=headers)
+    return finals[0].result or {}, headers

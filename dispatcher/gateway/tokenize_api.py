@@ -19,8 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from backends.contract.text_ops import REJECTED, TOKENIZE_FIELDS, TextOp, text_fields
 from dispatcher.gateway.core import ApiError, Gateway, unsupported
-from dispatcher.gateway.embeddings_api import run_one
-from dispatcher.gateway.openai_api import job_fields, read_body
+from dispatcher.gateway.openai_api import job_fields, read_body, run_one
 
 API = "llama-server"
 

@@ -25,6 +25,7 @@ from backends.contract.keys import (
     MODEL_HOLD_MS,
     MODEL_HOLDERS_TTL,
     MODEL_LOADING_MS,
+    UNLOADED_KEY,
     fair_key,
     model_holders_key,
     model_loading_key,
@@ -118,6 +119,12 @@ class ModelClaims:
         if holding == self._announced and now < self._holders_at:
             return
         self._holders_at = now + HOLDERS_EVERY
+        if holding:  # an operator's unload (Ollama's keep_alive 0, the router's /models/unload)
+            marks = self.redis.hmget(UNLOADED_KEY, sorted(holding))
+            for pool, mark in zip(sorted(holding), marks, strict=True):
+                if mark is not None:
+                    self.shelf.unload_asked(pool, float(mark))
+            holding = {p for p in self.pools if self.shelf.holds(p)}
         until = int(time.time() * 1000) + MODEL_HOLD_MS
         with self.redis.pipeline(transaction=False) as pipe:
             for pool in holding:

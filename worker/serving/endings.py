@@ -94,7 +94,8 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
         completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens, worker=worker,
         backend=str(done.extra.get("backend", backend)), attempt=job.attempt, queue_ms=queue_ms,
         ttft_ms=ttft_ms, total_ms=(now - job.claimed_at) * 1000,
-        tokens_per_s=done.completion_tokens / gen_s if gen_s > 0 else None, **extra,
+        tokens_per_s=done.completion_tokens / gen_s if gen_s > 0 else None,
+        load_ms=load_ms if isinstance(load_ms := done.extra.get("load_ms"), float) else None, **extra,
     ).model_dump()
 
 
