@@ -172,9 +172,9 @@ class ModelShelf:
         return model
 
     def unload(self, name: str, why: str) -> None:
-        model = self.held.pop(name)
-        model.engine.close()
+        self.held[name].engine.close()
         give_back_heap()
+        del self.held[name]  # after: a status that no longer lists the model shows its RAM given back
         self.unloads += 1
         log.info("unloaded model %s (%s)", name, why)
 
@@ -254,7 +254,8 @@ class ModelShelf:
 
     def stats(self) -> dict[str, object]:
         now = time.monotonic()
-        return {"models": [self.described(m, now) for m in self.held.values()],
+        # read by the heartbeat thread while the loop loads and unloads: a copy taken at once
+        return {"models": [self.described(m, now) for m in list(self.held.values())],
                 "memory_budget_mb": self.budget_mb, "model_loads": self.loads, "model_unloads": self.unloads}
 
     def described(self, model: Loaded, now: float) -> dict[str, Any]:

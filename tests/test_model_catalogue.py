@@ -9,6 +9,9 @@ worker up."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,13 @@ def loaded(redis: Redis, name: str) -> list[str]:
     return sorted(m["name"] for m in models)
 
 
+def fleet_status(redis_url: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "ecosystem.cli", "status", "--pool", "gemma3-270m"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "FLEET_REDIS_URL": redis_url, "COLUMNS": "120"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def run(fleet: Fleet, n: int, tag: str) -> list[Any]:
     jobs = [fleet.submit(f"{tag} {i}: say something.", max_tokens=8, temperature=0.0) for i in range(n)]
     return [job.result(timeout=120) for job in jobs]
@@ -77,8 +87,11 @@ def test_one_worker_serves_two_models_and_unloads_the_idle_one(workers: Any, red
     wait_for(lambda: loaded(redis, "w1") == [Q4, Q8], 10, "both loaded")
     stats = status(redis, "w1")["backend_stats"]
     assert stats["model_loads"] == 2, stats  # one load a model, not one a job
+    shown = fleet_status(redis_url)
+    assert "models loaded" in shown and Q4 in shown and Q8 in shown, shown
     # the Q8 copy is idle past its keep_alive of 3 s: unloaded, its RAM given back
     wait_for(lambda: loaded(redis, "w1") == [Q4], 20, "q8 unloaded")
+    time.sleep(1.2)  # the next beat's RSS
     rss_after = status(redis, "w1")["rss_mb"]
     assert abs(rss_after - rss_q4) <= 0.05 * rss_q4, (rss_idle, rss_q4, rss_after)
 

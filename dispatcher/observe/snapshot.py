@@ -139,7 +139,9 @@ def snapshot(redis: Redis, pool: str, with_counters: bool = False) -> dict[str, 
 def snapshot_plan(pool: str, with_counters: bool = False) -> Plan[dict[str, Any]]:
     """Everything `fleet status` shows (JSON-ready)."""
     now = time.time()
-    ws = [w for w in (yield from workers_plan(with_counters)) if w.get("pool", pool) == pool]
+    # a catalogue worker serves one pool a model
+    ws = [w for w in (yield from workers_plan(with_counters))
+          if pool in (w.get("pools") or [w.get("pool", pool)])]
     qs = yield from queues_plan(pool, now)
     counters = yield from pool_counters_plan(pool)
     return {"pool": pool, "at": round(now, 3), "workers": ws, "queues": qs,

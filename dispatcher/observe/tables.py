@@ -73,6 +73,24 @@ def workers_table(snap: dict[str, Any]) -> Table:
     return t
 
 
+def models_table(snap: dict[str, Any]) -> Table | None:
+    """The catalogue models each worker holds now (None when no worker holds any)."""
+    rows = [(w, m) for w in snap["workers"] for m in (w.get("backend_stats") or {}).get("models") or []
+            if isinstance(m, dict)]
+    if not rows:
+        return None
+    t = _table("models loaded", ("worker", "left"), ("model", "left"), ("RAM", "right"), ("running", "right"),
+               ("idle expiry", "right"), ("load", "right"))
+    now = snap.get("at") or time.time()
+    for w, m in rows:
+        expires = m.get("expires_at")
+        left = ("pinned" if m.get("pinned") else "never" if not isinstance(expires, int | float)
+                else duration(max(0.0, expires - now)))
+        t.add_row(str(w.get("name")), str(m.get("name")), f"{num(m.get('memory_mb'))}M",
+                  num(m.get("running")), left, f"{num(m.get('load_seconds'), 2)}s")
+    return t
+
+
 def progress_bar(done: int, total: int | None, width: int = 12) -> str:
     if not total:
         return f"{done} tok"
@@ -127,9 +145,7 @@ def status_view(snap: dict[str, Any], header: str | None = None) -> RenderableTy
     if header:
         parts.append(Text(header, style="bold"))
     parts.append(workers_table(snap))
-    running = running_jobs_table(snap)
-    if running is not None:
-        parts.append(running)
+    parts += [t for t in (models_table(snap), running_jobs_table(snap)) if t is not None]
     parts += [queues_table(snap), totals_text(snap)]
     return Group(*parts)
 

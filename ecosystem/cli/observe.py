@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from backends.contract.catalogue import model_pools
 from backends.contract.redact import redact_url
 from backends.contract.retry import OUTAGE_ERRORS
 from dispatcher.observe import snapshot, tables
@@ -27,10 +28,13 @@ def header(pool: str, redis_url: str) -> str:
 @click.option("--watch", is_flag=True, help="redraw in place until Ctrl-C")
 @click.option("--interval", type=click.FloatRange(0.2, 60), default=1.0, show_default=True,
               help="seconds between redraws with --watch")
+@click.option("--pool", "pool", default=None, help="the pool to show (a catalogue model's: its pool); "
+              "default: the config's pool, or with a model catalogue its first model's")
 @friendly_errors
-def status(config: str | None, as_json: bool, watch: bool, interval: float) -> None:
-    """Workers (state, slots, tok/s, CPU, RSS, backend health, jobs) and queues, with totals."""
+def status(config: str | None, as_json: bool, watch: bool, interval: float, pool: str | None) -> None:
+    """Workers (state, slots, tok/s, CPU, RSS, backend health, jobs, models loaded), queues, totals."""
     s, redis = settings_and_redis(config)
+    s.pool = pool or next(iter(model_pools(s.models).values()), s.pool)
     if as_json:
         click.echo(json.dumps(snapshot.snapshot(redis, s.pool)))
         return
