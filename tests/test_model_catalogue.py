@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,8 @@ def loaded(redis: Redis, name: str) -> list[str]:
 
 def fleet_status(redis_url: str) -> str:
     done = subprocess.run([sys.executable, "-m", "ecosystem.cli", "status", "--pool", "gemma3-270m"],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "FLEET_REDIS_URL": redis_url, "COLUMNS": "120"})
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "FLEET_REDIS_URL": redis_url, "COLUMNS": "120"})
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -181,3 +183,40 @@ def test_ollama_lifecycle_through_the_gateway(workers: Any, gateways: Any, redis
     assert status(redis, "w1")["backend_stats"]["model_loads"] == 3  # Q8, Q4, Q8 again
     bad = httpx.post(f"{gw.url}/api/generate", json={"model": Q4, "prompt": "x", "keep_alive": "soon"})
     assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+
+
+def test_open_webui_call_sequence_with_two_models(workers: Any, gateways: Any,
+                                                  catalogue: dict[str, dict[str, Any]]) -> None:
+    """Open WebUI against an Ollama base URL, in its order, over a catalogue of two models that
+    no worker has loaded yet: version, tags, show per model, ps, a streamed chat with keep_alive
+    to each model, ps (both, with their expiries), the unload of one, ps again."""
+    workers.start("w1", models=catalogue, backend__slots=2)
+    gw = gateways.start(models=catalogue)
+    wait_until_healthy(gw)
+    with httpx.Client(base_url=gw.url, timeout=60) as http:
+        assert http.get("/api/version").json()["version"]
+        wait_for(lambda: all(m["digest"] for m in http.get("/api/tags").json()["models"]), 60, "digests")
+        tags = http.get("/api/tags").json()["models"]
+        assert [m["name"] for m in tags] == [Q4, Q8] and all(m["digest"] for m in tags)
+        assert tags[0]["details"]["quantization_level"] == "Q4_K_M"
+        assert tags[1]["details"]["quantization_level"] == "Q8_0" and tags[0]["size"] < tags[1]["size"]
+        for m in tags:
+            show = http.post("/api/show", json={"model": m["model"]}).json()
+            assert show["details"] == m["details"] and show["model_info"]["general.basename"] == "gemma-3"
+        assert http.get("/api/ps").json()["models"] == []  # nothing loaded: a catalogue loads on demand
+        for model, keep in ((Q4, "5m"), (Q8, "1h")):
+            body = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "stream": True,
+                    "keep_alive": keep, "options": {"num_predict": 6, "temperature": 0}}
+            lines = [json.loads(x) for x in http.post("/api/chat", json=body).text.splitlines() if x.strip()]
+            assert lines[-1]["done"] and all(x["model"] == model for x in lines)
+            assert "".join(x["message"]["content"] for x in lines)
+        ps = {m["name"]: m for m in http.get("/api/ps").json()["models"]}
+        assert set(ps) == {Q4, Q8}
+        left = {n: (datetime.fromisoformat(m["expires_at"]) - datetime.now(UTC)).total_seconds()
+                for n, m in ps.items()}
+        assert 240 < left[Q4] <= 300 and 3500 < left[Q8] <= 3600, left  # each request's keep_alive
+        assert ps[Q8]["digest"] == tags[1]["digest"] and ps[Q8]["size_vram"] == 0
+        unload = http.post("/api/generate", json={"model": Q8, "keep_alive": 0, "prompt": ""}).json()
+        assert unload["done_reason"] == "unload"
+        wait_for(lambda: [m["name"] for m in http.get("/api/ps").json()["models"]] == [Q4], 5, "unloaded")
+        assert [m["name"] for m in http.get("/api/tags").json()["models"]] == [Q4, Q8]

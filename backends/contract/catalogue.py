@@ -11,8 +11,11 @@ Keep-alive durations are read as Ollama reads them (a number of seconds, or a Go
 
 from __future__ import annotations
 
+import json
 import re
+import time
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -95,3 +98,18 @@ def model_pools(models: dict[str, ModelEntry]) -> dict[str, str]:
                              "entry's `pool`")
         pools[name] = pool
     return pools
+
+
+def live_copies(raw: dict[bytes, bytes]) -> dict[str, dict[str, Any]]:
+    """A pool's copies entries (model_copies_key) that are not stale: worker -> its copy."""
+    now_ms = time.time() * 1000
+    out = {}
+    for worker, value in raw.items():
+        try:
+            entry = json.loads(value)
+        except ValueError:
+            continue
+        until = entry.get("until") if isinstance(entry, dict) else None
+        if isinstance(until, int | float) and until > now_ms:
+            out[worker.decode() if isinstance(worker, bytes) else str(worker)] = entry
+    return out

@@ -174,11 +174,12 @@ CAPACITY_LIVE_MS = 2000  # an entry older than this is a worker that is full, bu
 CAPACITY_TTL = 60  # seconds the hash outlives the pool's last claim
 
 
-def model_holders_key(pool: str) -> str:
-    """zset worker name -> until when (ms) it holds the pool's model loaded: a worker that does
-    not hold it leaves the pool's jobs to those that do (worker/claiming/models.py). Refreshed by
-    the holders' claims, TTL MODEL_HOLDERS_TTL."""
-    return f"fleet:model:{pool}:holders"
+def model_copies_key(pool: str) -> str:
+    """hash worker name -> JSON of its loaded copy of the pool's model (RAM, expiry, context,
+    `until`: ms after which the entry is stale): who holds the model now, written by the holders'
+    claims as they load, unload or every MODEL_HOLD_MS / 5 (worker/claiming/models.py); a worker
+    that does not hold the model leaves its jobs to those that do. TTL MODEL_COPIES_TTL."""
+    return f"fleet:model:{pool}:copies"
 
 
 def model_loading_key(pool: str) -> str:
@@ -187,8 +188,8 @@ def model_loading_key(pool: str) -> str:
     return f"fleet:model:{pool}:loading"
 
 
-MODEL_HOLDERS_TTL = 10  # seconds
-MODEL_HOLD_MS = 5000  # a holder entry not refreshed this long is a worker that unloaded or died
+MODEL_COPIES_TTL = 10  # seconds
+MODEL_HOLD_MS = 5000  # a copy's entry not refreshed this long is a worker that unloaded or died
 MODEL_LOADING_MS = 120_000  # the longest a load may keep others off a cold model
 
 

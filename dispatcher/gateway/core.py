@@ -34,6 +34,7 @@ from backends.contract.replies import as_str
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT, PRIORITIES
 from backends.gguf import GgufError, file_card
+from backends.model import cached_digest, file_digest
 from dispatcher.aio import AsyncFleet, AsyncFleetJob
 from dispatcher.gateway.settings import ServeSettings
 from dispatcher.plans import run_async
@@ -165,7 +166,8 @@ def catalogue_cards(settings: ServeSettings) -> dict[str, dict[str, Any]]:
     for name, pool in model_pools(settings.models).items():
         entry = settings.models[name]
         try:
-            cards[pool] = {**file_card(entry.path), "context_length": entry.n_ctx_per_seq or 0}
+            cards[pool] = {**file_card(entry.path), "context_length": entry.n_ctx_per_seq or 0,
+                           "digest": cached_digest(entry.path) or ""}
         except (OSError, GgufError) as e:
             log.warning("model %s: no card from %s (%s)", name, entry.path, e)
     return cards
@@ -190,18 +192,34 @@ class Gateway:
         self.redis_up = False
         self._keys = caller_keys(settings.gateway)
         self._refresher: asyncio.Task[None] | None = None
+        self._digests: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         with contextlib.suppress(*OUTAGE_ERRORS):  # Redis away at start: the gateway waits for it
             await self.fleet.check_server()  # too old a Redis stops the gateway here, not at a request
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever(), name="fleet-gateway-refresh")
+        self._digests = asyncio.create_task(self._learn_digests(), name="fleet-gateway-digests")
+
+    async def _learn_digests(self) -> None:
+        """The sha256 of each catalogue file not yet cached, read on a thread (a large file takes
+        seconds; listings show none meanwhile), unless a worker published its card first."""
+        for name, pool in model_pools(self.settings.models).items():
+            card = self.cards.get(pool)
+            if card is not None and not card.get("digest"):
+                try:
+                    digest = await asyncio.to_thread(file_digest, self.settings.models[name].path)
+                except OSError as e:
+                    log.warning("model %s: cannot read its file's digest (%s)", name, e)
+                    continue
+                self.cards[pool] = {**self.cards[pool], "digest": self.cards[pool].get("digest") or digest}
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._digests):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.fleet.aclose()
 
     # -- state of the fleet ---------------------------------------------------------------------

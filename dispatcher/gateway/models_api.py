@@ -20,8 +20,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from backends.contract.catalogue import duration_seconds
-from backends.contract.keys import UNLOADED_KEY, model_loading_key, worker_key
+from backends.contract.catalogue import duration_seconds, live_copies
+from backends.contract.keys import UNLOADED_KEY, model_copies_key, model_loading_key, worker_key
 from backends.contract.text_ops import REJECTED, text_fields
 from dispatcher.gateway.core import ApiError, Gateway, Served, shown
 from dispatcher.gateway.ollama_show import UNKNOWN_DETAILS, listed_cards
@@ -53,29 +53,28 @@ def iso(at: datetime) -> str:
 
 
 async def copies(gw: Gateway, pools: list[str]) -> tuple[set[str], dict[str, list[dict[str, Any]]]]:
-    """The pools an operator unloaded, and per pool what its live workers hold: one dict per
-    worker ({"worker", "rss_mb"}) for a one-model pool, one per loaded copy for a catalogue model
-    (the worker's entry of `backend_stats.models`)."""
-    members = {pool: list(gw.pool_members.get(pool, [])) for pool in pools}
+    """The pools an operator unloaded, and per pool the copies of its model loaded now: for a
+    catalogue model its holders' entries (model_copies_key: RAM, expiry, context), written as they
+    load and unload; for another pool one per live worker ({"worker", "rss_mb"})."""
     async with gw.fleet.redis.pipeline(transaction=False) as pipe:
         pipe.hmget(UNLOADED_KEY, pools)
         for pool in pools:
-            for name in members[pool]:
-                pipe.hmget(worker_key(name), ["rss_mb", "backend_stats"])
+            if pool in gw.catalogue_pools:
+                pipe.hgetall(model_copies_key(pool))
+            else:
+                for name in gw.pool_members.get(pool, []):
+                    pipe.hget(worker_key(name), "rss_mb")
         replies = await pipe.execute()
     unloaded = {pool for pool, mark in zip(pools, replies[0], strict=True) if mark is not None}
-    status = iter(replies[1:])
+    answers = iter(replies[1:])
     held: dict[str, list[dict[str, Any]]] = {}
     for pool in pools:
-        for name in members[pool]:
-            rss, stats = (_json(x) for x in next(status))
-            if pool not in gw.catalogue_pools:
-                held.setdefault(pool, []).append({"worker": name, "rss_mb": rss})
-                continue
-            loaded = stats.get("models") if isinstance(stats, dict) else None
-            for model in loaded if isinstance(loaded, list) else []:
-                if isinstance(model, dict) and model.get("pool") == pool:
-                    held.setdefault(pool, []).append({"worker": name, **model})
+        if pool in gw.catalogue_pools:
+            live = live_copies(next(answers))
+            held[pool] = [{"worker": name, **entry} for name, entry in sorted(live.items())]
+        else:
+            members = gw.pool_members.get(pool, [])
+            held[pool] = [{"worker": name, "rss_mb": _json(next(answers))} for name in members]
     return unloaded, held
 
 

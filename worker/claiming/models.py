@@ -8,12 +8,14 @@ lock, and only while its memory budget allows the load (evicting idle models if 
 some worker holds a model, the others leave its jobs to it; a hot model gets more copies by
 pinning it on more workers (`pinned`), not by every idle worker loading it for one burst.
 
-The holders of each model are a zset per pool (backends/contract/keys.py model_holders_key),
-refreshed by the holders' claims.
+Who holds each model is a hash per pool (backends/contract/keys.py model_copies_key), written
+by the holders' claims: the gateway's `/api/ps` reads it too.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -21,13 +23,14 @@ from collections.abc import Sequence
 from redis import Redis
 
 from backends.base import Backend
+from backends.contract.catalogue import live_copies
 from backends.contract.keys import (
+    MODEL_COPIES_TTL,
     MODEL_HOLD_MS,
-    MODEL_HOLDERS_TTL,
     MODEL_LOADING_MS,
     UNLOADED_KEY,
     fair_key,
-    model_holders_key,
+    model_copies_key,
     model_loading_key,
     queue_key,
     queue_names,
@@ -60,12 +63,14 @@ class PoolClaims:
 class ModelClaims:
     """A catalogue worker's claims, loaded models first (see the module's docstring)."""
 
-    def __init__(self, redis: Redis, claimer: Claimer, shelf: ModelShelf, name: str) -> None:
+    def __init__(self, redis: Redis, claimer: Claimer, shelf: ModelShelf, name: str,
+                 changed: threading.Event) -> None:
         self.redis, self.claimer, self.shelf, self.name = redis, claimer, shelf, name
+        self.changed = changed
         self.pools = list(shelf.pool_model)
         self.queues = [q for p in self.pools for q in queue_names(p)]
         self.wake_keys = [k for p in self.pools for k in (wake_key(p), worker_wake_key(p, name))]
-        self._announced: set[str] = set()  # pools this worker's holder entries name
+        self._announced: dict[str, tuple[float, float]] = {}  # pool -> (loaded at, keep_alive) announced
         self._holders_at = 0.0
         self._cold_at = 0.0
 
@@ -88,18 +93,17 @@ class ModelClaims:
         cold = [p for p in self.pools if not self.shelf.holds(p)]
         if not cold:
             return []
-        now_ms = int(time.time() * 1000)
         with self.redis.pipeline(transaction=False) as pipe:
             for pool in cold:
                 for queue in queue_names(pool):
                     pipe.llen(queue_key(queue))
                     pipe.zcard(fair_key(queue))
-                pipe.zcount(model_holders_key(pool), now_ms, "+inf")
+                pipe.hgetall(model_copies_key(pool))
             replies = pipe.execute()
         per = 2 * len(queue_names(cold[0])) + 1
         for i, pool in enumerate(cold):
             counts = replies[i * per:(i + 1) * per]
-            waiting, holders = any(counts[:-1]), counts[-1]
+            waiting, holders = any(counts[:-1]), live_copies(counts[-1])
             if not waiting or holders or not self.shelf.can_load(self.shelf.pool_model[pool]):
                 continue
             if not self.redis.set(model_loading_key(pool), self.name, nx=True, px=MODEL_LOADING_MS):
@@ -112,51 +116,55 @@ class ModelClaims:
         return []
 
     def _announce(self) -> None:
-        """Holder entries for the models held now (refreshed every HOLDERS_EVERY, at once when
-        the set changes); a model's loading lock goes once it is loaded."""
-        holding = {p for p in self.pools if self.shelf.holds(p)}
+        """This worker's entries in its models' copies (at once when what it holds changes, else
+        every HOLDERS_EVERY); a model's loading lock goes once it is loaded; an operator's unload
+        mark is acted on."""
         now = time.monotonic()
-        if holding == self._announced and now < self._holders_at:
+        state = {m.pool: (m.loaded_at, m.keep_alive) for m in self.shelf.held.values()}
+        if state == self._announced and now < self._holders_at:
             return
         self._holders_at = now + HOLDERS_EVERY
-        if holding:  # an operator's unload (Ollama's keep_alive 0, the router's /models/unload)
-            marks = self.redis.hmget(UNLOADED_KEY, sorted(holding))
-            for pool, mark in zip(sorted(holding), marks, strict=True):
+        if state:  # an operator's unload (Ollama's keep_alive 0, the router's /models/unload)
+            pools = sorted(state)
+            for pool, mark in zip(pools, self.redis.hmget(UNLOADED_KEY, pools), strict=True):
                 if mark is not None:
                     self.shelf.unload_asked(pool, float(mark))
-            holding = {p for p in self.pools if self.shelf.holds(p)}
-        until = int(time.time() * 1000) + MODEL_HOLD_MS
+            state = {m.pool: (m.loaded_at, m.keep_alive) for m in self.shelf.held.values()}
+        until, wall = int(time.time() * 1000) + MODEL_HOLD_MS, time.monotonic()
         with self.redis.pipeline(transaction=False) as pipe:
-            for pool in holding:
-                pipe.zadd(model_holders_key(pool), {self.name: until})
-                pipe.zremrangebyscore(model_holders_key(pool), "-inf", until - 2 * MODEL_HOLD_MS)
-                pipe.expire(model_holders_key(pool), MODEL_HOLDERS_TTL)
-                if pool not in self._announced:
-                    pipe.delete(model_loading_key(pool))
-            for pool in self._announced - holding:
-                pipe.zrem(model_holders_key(pool), self.name)
+            for model in list(self.shelf.held.values()):
+                entry = {**self.shelf.described(model, wall), "until": until}
+                pipe.hset(model_copies_key(model.pool), self.name, json.dumps(entry))
+                pipe.expire(model_copies_key(model.pool), MODEL_COPIES_TTL)
+                if model.pool not in self._announced:
+                    pipe.delete(model_loading_key(model.pool))
+            for pool in set(self._announced) - set(state):
+                pipe.hdel(model_copies_key(pool), self.name)
             pipe.execute()
-        self._announced = holding
+        if set(state) != set(self._announced):
+            self.changed.set()  # `fleet status` shows the change at once
+        self._announced = state
 
     def forget(self) -> None:
         """This worker holds nothing any more (it is stopping)."""
         with self.redis.pipeline(transaction=False) as pipe:
             for pool in self._announced:
-                pipe.zrem(model_holders_key(pool), self.name)
+                pipe.hdel(model_copies_key(pool), self.name)
             pipe.execute()
-        self._announced = set()
+        self._announced = {}
 
 
-def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backend
-                ) -> PoolClaims | ModelClaims:
-    """The claims of a worker over `backend`: a shelf of catalogue models claims by model."""
+def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backend,
+                changed: threading.Event | None = None) -> PoolClaims | ModelClaims:
+    """The claims of a worker over `backend`: a shelf of catalogue models claims by model;
+    `changed` is set when the models it holds change (the heartbeat then writes the status)."""
     pool, weights, slots, placement = (settings.pool, settings.gateway.tenant_weights(), backend.slots,
                                        settings.placement)
     if isinstance(backend, ModelShelf):
         pools = list(backend.pool_model)
         claimer = Claimer(redis, name, [q for p in pools for q in queue_names(p)], weights=weights,
                           slots=slots, pool=pools[0], placement=placement, pools=pools)
-        return ModelClaims(redis, claimer, backend, name)
+        return ModelClaims(redis, claimer, backend, name, changed or threading.Event())
     claimer = Claimer(redis, name, queue_names(pool), weights=weights, slots=slots, pool=pool,
                       placement=placement)
     return PoolClaims(claimer, pool, name)

@@ -83,7 +83,8 @@ class FleetWorker:
         self.name = name
         self.link = link or RedisLink()
         # the pool's queues, or each catalogue model's (worker/claiming/models.py)
-        self.claims = make_claims(redis, name, settings, backend)
+        self.jobs_ended = threading.Event()  # tells the heartbeat to refresh the status now
+        self.claims = make_claims(redis, name, settings, backend, self.jobs_ended)
         self.claimer, self.queues = self.claims.claimer, self.claims.queues
         hooks = job_hooks(settings) if hooks is None else hooks
         self.writes = AttemptWriter(redis, name, backend.name, settings.result_ttl, hooks)
@@ -98,7 +99,6 @@ class FleetWorker:
         self.counters = WorkerCounters()
         self.outcomes: Counter[str] = Counter()  # jobs this loop let go of, by outcome (burst summary)
         self.stopping = threading.Event()
-        self.jobs_ended = threading.Event()  # tells the heartbeat to refresh the status now
         self._drain_deadline: float | None = None
         self._reconcile_at = time.monotonic() + self.settings.reconcile_interval
         self.engine_hold = EngineHold()  # after an engine failure: pause claiming (read by the heartbeat)
