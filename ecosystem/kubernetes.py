@@ -32,6 +32,7 @@ from urllib.parse import unquote, urlsplit
 import yaml
 from redis import Redis
 
+from backends.contract.catalogue import model_pools
 from backends.contract.connect import is_sentinel_url, parse_sentinel_url
 from backends.contract.keys import queue_key, queue_name
 from backends.contract.redact import redact_url
@@ -51,6 +52,7 @@ SECRET = f"{APP}-redis"
 GATEWAY_SECRET = f"{APP}-gateway"
 CACHE_DIR = "/var/cache/llama-fleet"  # FLEET_CACHE_DIR: the embedded model is assembled here
 RUN_AS = 10001  # any non-root uid: the image needs no user of its own
+COLD_START_WAIT = 300  # seconds a request waits for its model's first worker (pod start + model load)
 PER_HOST_KEYS = ("redis_url", "name", "cpus", "numa_node", "health_file")  # not for the ConfigMap
 
 
@@ -76,11 +78,18 @@ def render_kubernetes(plan: Plan, settings: FleetSettings, config: dict[str, Any
         "configmap.yaml": _configmap(config),
         "secret.yaml": _secret(settings.redis_url, options.show_secrets),
         "gateway-secret.yaml": _gateway_secret(settings, options.show_secrets),
-        "worker-deployment.yaml": _worker_deployment(plan, settings, cores, slots, options),
-        "gateway-deployment.yaml": _gateway_deployment(options),
+        "gateway-deployment.yaml": _gateway_deployment(options, cold_start=bool(settings.models)),
         "gateway-service.yaml": _gateway_service(),
-        "scaledobject.yaml": _scaled_object(settings, cores, options),
     }
+    if not settings.models:
+        docs["worker-deployment.yaml"] = _worker_deployment(plan, settings, cores, slots, options)
+        docs["scaledobject.yaml"] = _scaled_object(settings, cores, options)
+    # a model catalogue: a Deployment and a ScaledObject per model, each scaled on its own pool's
+    # queues, from zero unless the model is pinned
+    for name, pool in model_pools(settings.models).items():
+        docs[f"worker-{pool}-deployment.yaml"] = _worker_deployment(plan, settings, cores, slots, options,
+                                                                    name)
+        docs[f"scaledobject-{pool}.yaml"] = _scaled_object(settings, cores, options, name)
     files = {name: _yaml(doc) for name, doc in docs.items()}
     kustomization: dict[str, Any] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
@@ -216,8 +225,18 @@ def _exec_probe(*args: str, period: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
+def _worker_name(model: str | None, settings: FleetSettings) -> str:
+    return f"{APP}-worker" if model is None else f"{APP}-worker-{model_pools(settings.models)[model]}"
+
+
+def _worker_labels(model: str | None, settings: FleetSettings) -> dict[str, str]:
+    pool = None if model is None else model_pools(settings.models)[model]
+    return {**_labels("worker"), **({"llama-fleet/pool": pool} if pool else {})}
+
+
 def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: int,
-                       options: KubernetesOptions) -> dict[str, Any]:
+                       options: KubernetesOptions, model: str | None = None) -> dict[str, Any]:
+    """The workers of the pool, or (`model`) those serving that one catalogue model."""
     memory = options.memory_mib or worker_memory_mib(settings.backend)
     resources = {"cpu": str(cores), "memory": f"{memory}Mi"}
     volume, mount = _config_volume()
@@ -234,6 +253,7 @@ def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: i
         {"name": "FLEET_BACKEND__SLOTS", "value": str(slots)},
         # read by KEDA's scaler from the scale target's container (passwordFromEnv)
         _secret_env("REDIS_PASSWORD", "redis-password"),
+        *([{"name": "FLEET_SERVE_MODELS", "value": json.dumps([model])}] if model is not None else []),
     ]
     if is_sentinel_url(settings.redis_url):
         env.append(_secret_env("REDIS_SENTINEL_PASSWORD", "sentinel-password"))
@@ -254,14 +274,15 @@ def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: i
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(f"{APP}-worker", "worker"),
+        "metadata": {"name": _worker_name(model, settings), "labels": _worker_labels(model, settings)},
         "spec": {
-            "replicas": max(options.min_workers, len(plan.workers)),
-            "selector": {"matchLabels": _labels("worker")},
+            "replicas": _min_replicas(model, settings, options) if model else max(options.min_workers,
+                                                                                  len(plan.workers)),
+            "selector": {"matchLabels": _worker_labels(model, settings)},
             # a new pod loads its model before an old one drains
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": _labels("worker")},
+                "metadata": {"labels": _worker_labels(model, settings)},
                 "spec": {"terminationGracePeriodSeconds": grace, "securityContext": _pod_security(),
                          "automountServiceAccountToken": False, "containers": [container],
                          "volumes": [volume, tmp, cache]},
@@ -270,14 +291,17 @@ def _worker_deployment(plan: Plan, settings: FleetSettings, cores: int, slots: i
     }
 
 
-def _gateway_deployment(options: KubernetesOptions) -> dict[str, Any]:
+def _gateway_deployment(options: KubernetesOptions, cold_start: bool = False) -> dict[str, Any]:
+    """`cold_start`: models scale from zero, so a request waits for its model's first worker (the
+    queued job is what KEDA starts it for)."""
     volume, mount = _config_volume()
     tmp, tmp_mount = _scratch("tmp", "/tmp")
+    waits = [{"name": "FLEET_GATEWAY__COLD_START_WAIT", "value": str(COLD_START_WAIT)}] if cold_start else []
     container = {
         "name": "gateway",
         "image": options.image,
         "command": ["fleet", "serve", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)],
-        "env": [*_shared_env(), _secret_env("FLEET_GATEWAY__API_KEYS", "api-keys", GATEWAY_SECRET)],
+        "env": [*_shared_env(), _secret_env("FLEET_GATEWAY__API_KEYS", "api-keys", GATEWAY_SECRET), *waits],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
         "volumeMounts": [mount, tmp_mount],
@@ -330,24 +354,33 @@ def _host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _scaled_object(settings: FleetSettings, cores: int, options: KubernetesOptions) -> dict[str, Any]:
+def _min_replicas(model: str, settings: FleetSettings, options: KubernetesOptions) -> int:
+    """A catalogue model scales from zero, but for a pinned one (kept loaded somewhere)."""
+    return options.min_workers if settings.models[model].pinned else 0
+
+
+def _scaled_object(settings: FleetSettings, cores: int, options: KubernetesOptions,
+                   model: str | None = None) -> dict[str, Any]:
     target = scale_target(settings, cores, options)
     kind, connection = _trigger_connection(settings.redis_url)
+    pool = settings.pool if model is None else model_pools(settings.models)[model]
     triggers: list[dict[str, Any]] = []
     for priority in PRIORITIES:
         triggers.append({
             "type": kind,
             "name": f"q_{priority}",
-            "metadata": {**connection, "listName": queue_key(queue_name(settings.pool, priority)),
+            "metadata": {**connection, "listName": queue_key(queue_name(pool, priority)),
                          "listLength": str(target), "activationListLength": "0"},
         })
+    name = _worker_name(model, settings)
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": _meta(f"{APP}-worker", "worker"),
+        "metadata": {"name": name, "labels": _worker_labels(model, settings)},
         "spec": {
-            "scaleTargetRef": {"name": f"{APP}-worker"},
-            "minReplicaCount": options.min_workers,
+            "scaleTargetRef": {"name": name},
+            "minReplicaCount": (options.min_workers if model is None
+                                else _min_replicas(model, settings, options)),
             "maxReplicaCount": options.max_workers,
             "pollingInterval": 15,
             "cooldownPeriod": 300,  # a worker costs a model load: do not flap

@@ -198,3 +198,34 @@ def test_a_render_without_gateway_keys_says_the_gateway_is_open(tmp_path: Path) 
     assert "gateway.api_keys is empty" in result.output
     secret = yaml.safe_load((tmp_path / "k8s" / "gateway-secret.yaml").read_text())
     assert secret["stringData"]["api-keys"] == "[]"
+
+
+def test_a_model_catalogue_renders_a_worker_set_per_model_scaling_from_zero(tmp_path: Path) -> None:
+    """Each catalogue model: its own Deployment (serving only it) and ScaledObject on its own
+    pool's queues, from zero replicas unless pinned; the gateway waits for a cold model's first
+    worker instead of refusing the request."""
+    models = {"gemma3:270m": {"path": "/models/a.gguf", "pinned": True},
+              "coder:1b": {"path": "/models/b.gguf", "keep_alive": "10m"}}
+    docs = render(tmp_path, models=models)
+    assert "worker-deployment.yaml" not in docs and "scaledobject.yaml" not in docs
+    for doc in docs.values():
+        if doc["apiVersion"].startswith("keda.sh"):
+            jsonschema.validate(doc, scaled_object_schema())
+        elif doc["kind"] != "Kustomization":
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    for pool, model, minimum in (("gemma3-270m", "gemma3:270m", 1), ("coder-1b", "coder:1b", 0)):
+        so = docs[f"scaledobject-{pool}.yaml"]
+        deployment = docs[f"worker-{pool}-deployment.yaml"]
+        assert so["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+        assert so["spec"]["minReplicaCount"] == minimum  # a pinned model keeps a worker
+        assert [t["metadata"]["listName"] for t in so["spec"]["triggers"]] == [
+            f"rq:queue:{pool}:high", f"rq:queue:{pool}:default", f"rq:queue:{pool}:low"]
+        assert deployment["spec"]["selector"]["matchLabels"]["llama-fleet/pool"] == pool
+        env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert json.loads(env["FLEET_SERVE_MODELS"]) == [model]
+        # the worker this env makes serves that one model
+        assert load_settings(None, models=models, serve_models=[model]).catalogue_served() == [model]
+    gateway = docs["gateway-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
+    waits = {e["name"]: e.get("value") for e in gateway["env"]}
+    assert float(waits["FLEET_GATEWAY__COLD_START_WAIT"]) > 0
+    assert sorted(docs["kustomization.yaml"]["resources"]) == sorted(n for n in docs if n != "kustomization.yaml")

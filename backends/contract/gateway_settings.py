@@ -77,6 +77,9 @@ class GatewaySettings(BaseModel):
     models: dict[str, str] = Field(default_factory=dict,
                                    description="model name -> pool; empty: the fleet's pool, by its name")
     request_timeout: float = Field(900.0, gt=0, description="seconds a request waits for its jobs")
+    cold_start_wait: float = Field(0.0, ge=0, description="seconds a request for a catalogue model that "
+                                   "no live worker serves waits in its queue for one to start (scale "
+                                   "from zero: `fleet up`, KEDA) before a 503 says none came; 0: 503 at once")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds open requests get at shutdown")
     # what the gateway refuses (docs/gateway.md): bounds an unauthenticated client cannot exceed
     max_body_bytes: int = Field(8 * MIB, ge=1024, description="largest request body (JSON routes); 413")

@@ -329,7 +329,8 @@ class BodyMeter:
 async def health(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     workers = sum(gw.live_workers.values())
-    ok = gw.redis_up and workers > 0
+    # models that scale from zero: a request starts their workers, so none running is no failure
+    ok = gw.redis_up and (workers > 0 or any(gw.cold_start(pool) for pool in gw.catalogue_pools))
     reason = None if ok else ("Redis unreachable" if not gw.redis_up else "no live worker")
     return JSONResponse({"status": "ok" if ok else "unavailable", "redis": gw.redis_up, "workers": workers,
                          "pools": gw.live_workers, "reason": reason}, status_code=200 if ok else 503)

@@ -376,7 +376,7 @@ class Gateway:
             await self.refresh()  # a worker may have come up since the last look
             if not self.redis_up:
                 raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable")
-            if not self.live_workers.get(pool):
+            if not self.live_workers.get(pool) and not self.cold_start(pool):
                 raise ApiError(503, f"no live worker serves pool '{pool}'", code="no_workers")
         fleet = self.fleet_for(pool)
         try:
@@ -402,7 +402,27 @@ class Gateway:
         except OUTAGE_ERRORS:
             await self._undo(caller.tenant, tenant, ids, jobs)
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
+        if not self.live_workers.get(pool):  # scale from zero: the queued jobs start a worker
+            await self.wait_for_worker(pool, jobs)
         return jobs
+
+    def cold_start(self, pool: str) -> bool:
+        """Whether a request for `pool` may wait for a worker to start: a catalogue model with
+        `cold_start_wait` (its queue's depth is what starts one: `fleet up`, KEDA)."""
+        return pool in self.catalogue_pools and self.settings.gateway.cold_start_wait > 0
+
+    async def wait_for_worker(self, pool: str, jobs: list[AsyncFleetJob]) -> None:
+        """After enqueueing for a pool no live worker serves: wait up to `cold_start_wait` for
+        one; if none comes, the jobs are cancelled (nothing stays queued) and it is a 503."""
+        deadline = time.monotonic() + self.settings.gateway.cold_start_wait
+        while not self.live_workers.get(pool) and time.monotonic() < deadline:
+            await asyncio.sleep(REFRESH_INTERVAL / 4)
+            await self.refresh()
+        if not self.live_workers.get(pool):
+            await cancel_all(jobs)
+            raise ApiError(503, f"no worker serving pool '{pool}' started within "
+                           f"{self.settings.gateway.cold_start_wait:g}s (gateway.cold_start_wait)",
+                           code="no_workers")
 
     async def _admit(self, name: str, tenant: TenantSettings | None, ids: list[str]) -> None:
         """Reserve the jobs under the tenant's limits (429 naming the limit, OpenAI's shape; 400
