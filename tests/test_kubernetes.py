@@ -221,11 +221,13 @@ def test_a_model_catalogue_renders_a_worker_set_per_model_scaling_from_zero(tmp_
         assert [t["metadata"]["listName"] for t in so["spec"]["triggers"]] == [
             f"rq:queue:{pool}:high", f"rq:queue:{pool}:default", f"rq:queue:{pool}:low"]
         assert deployment["spec"]["selector"]["matchLabels"]["llama-fleet/pool"] == pool
-        env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
         assert json.loads(env["FLEET_SERVE_MODELS"]) == [model]
         # the worker this env makes serves that one model
         assert load_settings(None, models=models, serve_models=[model]).catalogue_served() == [model]
     gateway = docs["gateway-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
     waits = {e["name"]: e.get("value") for e in gateway["env"]}
     assert float(waits["FLEET_GATEWAY__COLD_START_WAIT"]) > 0
-    assert sorted(docs["kustomization.yaml"]["resources"]) == sorted(n for n in docs if n != "kustomization.yaml")
+    resources = docs["kustomization.yaml"]["resources"]
+    assert sorted(resources) == sorted(n for n in docs if n != "kustomization.yaml")
