@@ -40,6 +40,7 @@ class RenderOptions:
     user: str | None = None  # systemd User=
     generated_by: str = "fleet ecosystem"
     supervisor_socket: str | None = None  # supervisord: default <run_dir>/supervisor.sock
+    autostart: bool = True  # supervisord: False leaves the workers stopped (`fleet up --scale-from-zero`)
 
     @property
     def stop_timeout(self) -> int:
@@ -142,13 +143,13 @@ def _sv(value: str) -> str:
     return value.replace("%", "%%")
 
 
-def _sv_program(name: str, command: str, run: str, settings: list[str]) -> list[str]:
+def _sv_program(name: str, command: str, run: str, settings: list[str], autostart: bool = True) -> list[str]:
     return [
         "",
         f"[program:{name}]",
         f"command={command}",
         *settings,
-        "autostart=true",
+        f"autostart={'true' if autostart else 'false'}",
         "autorestart=true",
         "stopsignal=TERM",
         "redirect_stderr=true",
@@ -199,7 +200,7 @@ def render_supervisord(plan: Plan, options: RenderOptions, services: tuple[Servi
             "stopasgroup=true",
             "killasgroup=true",
         ]
-        out += _sv_program(w.name, command, run, settings)
+        out += _sv_program(w.name, command, run, settings, options.autostart)
     for svc in services:
         settings = [f"priority={svc.priority}", "startsecs=1", f"stopwaitsecs={svc.stop_timeout}"]
         out += _sv_program(svc.name, _sv(shlex.join(svc.command)), run, settings)

@@ -46,6 +46,7 @@ SOCKET_MAX = 100  # a unix socket path must fit sun_path (108 bytes)
 POLL = 0.25
 FAILED_STARTS = 3  # a worker that exits this many times before it is up fails `fleet up`
 REDIS_PROGRAM = "redis"
+AUTOSCALE_PROGRAM = "autoscale"
 PR_SET_PDEATHSIG = 1
 
 
@@ -156,11 +157,13 @@ class Launch:
     process: subprocess.Popen[bytes] | None = None
     procs: dict[str, psutil.Process] = field(default_factory=dict)  # program -> its process
     stop_requested: bool = False
+    scale_from_zero: bool = False  # the workers start stopped; `fleet autoscale` starts them
 
     @classmethod
     def prepare(cls, run: RunDir, plan: Plan, options: RenderOptions, redis_url: str,
-                appendfsync: str = "everysec") -> Launch:
-        """Check nothing runs here yet, decide about Redis, write the configs."""
+                appendfsync: str = "everysec", autoscale: tuple[str, ...] = ()) -> Launch:
+        """Check nothing runs here yet, decide about Redis, write the configs. `autoscale`: the
+        arguments of `fleet autoscale` (the workers then start stopped: scale from zero)."""
         if state := run.running():
             raise UpError(
                 f"a fleet is already up from {run.root} (supervisord pid {state['pid']}): "
@@ -177,9 +180,13 @@ class Launch:
             run.redis_data.mkdir(exist_ok=True)
             _write_private(run.redis_conf, private.config(run.redis_data))
             services = (Service(REDIS_PROGRAM, (redis_server_binary(), str(run.redis_conf))),)
-        options = replace(options, run_dir=_sv(run.root), supervisor_socket=_sv(run.socket))
+        options = replace(options, run_dir=_sv(run.root), supervisor_socket=_sv(run.socket),
+                          autostart=not autoscale)
+        if autoscale:
+            command = (*options.command, "autoscale", "--supervisor-socket", str(run.socket), *autoscale)
+            services = (*services, Service(AUTOSCALE_PROGRAM, command, priority=2))
         run.conf.write_text(render_supervisord(plan, options, services))
-        return cls(run, plan, redis_url, private, options.stop_timeout)
+        return cls(run, plan, redis_url, private, options.stop_timeout, scale_from_zero=bool(autoscale))
 
     @property
     def programs(self) -> list[str]:
@@ -257,8 +264,10 @@ class Launch:
                             f"{self.run.program_log(info['name'])} ends:\n"
                             f"{tail(self.run.program_log(info['name']))}"
                         )
-            rows = self._registered()
-            if rows is not None:
+            if self.scale_from_zero:  # up once the autoscaler runs: the workers start on demand
+                if any(i["name"] == AUTOSCALE_PROGRAM and i["statename"] == "RUNNING" for i in infos):
+                    return []
+            elif (rows := self._registered()) is not None:
                 return rows
             if time.monotonic() > deadline:
                 states = ", ".join(f"{i['name']} {i['statename']}" for i in infos) or "none reported"
@@ -269,12 +278,8 @@ class Launch:
 
     def process_info(self) -> list[dict[str, Any]]:
         """supervisord's view of its programs (empty while its socket is not up yet)."""
-        from supervisor.xmlrpc import SupervisorTransport
-
-        transport = SupervisorTransport(None, None, f"unix://{self.run.socket}")
-        proxy: Any = xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
         try:
-            infos: list[dict[str, Any]] = proxy.supervisor.getAllProcessInfo()
+            infos: list[dict[str, Any]] = supervisor_proxy(self.run.socket).supervisor.getAllProcessInfo()
         except (OSError, xmlrpc.client.Error):
             return []
         for info in infos:
@@ -323,6 +328,14 @@ class Launch:
                 if _alive(proc):
                     proc.kill()
         return [f"{name} (pid {proc.pid})" for name, proc in sorted(left.items())]
+
+
+def supervisor_proxy(socket: Path) -> Any:
+    """supervisord's XML-RPC interface on its unix socket."""
+    from supervisor.xmlrpc import SupervisorTransport
+
+    transport = SupervisorTransport(None, None, f"unix://{socket}")
+    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
 
 
 def _write_private(path: Path, text: str) -> None:

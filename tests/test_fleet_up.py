@@ -235,3 +235,49 @@ def test_private_redis_config_and_a_long_run_dir(tmp_path: Path) -> None:
     long = RunDir(tmp_path / ("x" * 120))
     assert len(str(long.socket)) <= 100 and long.socket != long.root / "supervisor.sock"
     assert RunDir(Path("/tmp/r")).socket == Path("/tmp/r/supervisor.sock")
+
+
+def test_fleet_up_scales_a_catalogue_model_from_zero(run_dir: Path) -> None:
+    """`fleet up --scale-from-zero`: no worker runs until a request for a catalogue model arrives
+    (through the gateway, which waits for one: gateway.cold_start_wait); the autoscaler starts a
+    worker on the queued job, which loads the model; once the model went after its keep_alive and
+    the worker has been idle --idle-stop seconds, it stops; the next request starts one again."""
+    import ollama
+    from redis import Redis
+
+    from backends.model import default_model_path, requantized
+    from dispatcher import status as fleet_status
+    from ecosystem.local.processes import start_gateway
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    model = "gemma3:270m-q8"
+    models = json.dumps({model: {"path": str(requantized(default_model_path(), "Q8_0")), "keep_alive": 1}})
+    env = fleet_env(url, FLEET_MODELS=models)
+    up = subprocess.run(fleet("up", "--daemon", "--workers", "1", "--scale-from-zero", "--idle-stop", "2",
+                              "--run-dir", str(run_dir)), env=env, cwd=ROOT, capture_output=True, text=True,
+                        timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    gateway = None
+    try:
+        redis = Redis.from_url(url)
+        assert fleet_status.workers(redis) == []  # from zero
+        gateway = start_gateway(url, run_dir / "gateway", models=json.loads(models),
+                                gateway__cold_start_wait=120)
+        started = time.monotonic()
+        answer = ollama.Client(host=gateway.url).generate(model=model, prompt="Say hi.",
+                                                          options={"num_predict": 4, "temperature": 0})
+        cold = time.monotonic() - started
+        assert answer.done and answer.response, answer
+        assert answer.load_duration and answer.load_duration > 0  # the model's load is in it
+        assert [w["name"] for w in fleet_status.workers(redis)] == ["worker-0"]
+        # the model goes after keep_alive 1 s, the worker after 2 s more: back to zero
+        wait_for(lambda: fleet_status.workers(redis) == [], 60, "the idle worker to stop")
+        again = Fleet(url, pool="gemma3-270m-q8").submit(prompt="Hello", max_tokens=4).result(timeout=120)
+        assert again["worker"] == "worker-0" and again["timings"]["load_ms"] > 0
+        print(f"cold start through the gateway: {cold:.1f}s")
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        down = subprocess.run(fleet("down", "--run-dir", str(run_dir)), env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert down.returncode == 0, down.stderr

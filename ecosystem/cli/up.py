@@ -10,11 +10,14 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from backends.contract.catalogue import model_pools
+from backends.contract.connect import redis_from_url
 from backends.contract.redact import redact_url
+from ecosystem.autoscale import Autoscaler
 from ecosystem.cli.ecosystem import make_plan, plan_options, plan_settings
 from ecosystem.private_redis import RedisSetupError
 from ecosystem.render import RenderOptions, default_command
-from ecosystem.up import Interrupted, Launch, RunDir, UpError, down
+from ecosystem.up import Interrupted, Launch, RunDir, UpError, down, supervisor_proxy
 
 run_dir_option = click.option(
     "--run-dir",
@@ -51,6 +54,11 @@ def _note(text: str) -> None:
     help="appendfsync of the private Redis: `always` loses no acknowledged enqueue in a crash "
     "(slower writes); everysec may lose the last second.",
 )
+@click.option("--scale-from-zero", is_flag=True, help="With a model catalogue: the workers start "
+              "stopped; one starts when a model's queue has jobs and none serves it, and stops once "
+              "it has held no model for --idle-stop seconds (`fleet autoscale`).")
+@click.option("--idle-stop", type=click.FloatRange(0), default=60.0, show_default=True,
+              help="With --scale-from-zero: seconds a worker without a model or job keeps running.")
 def up_command(
     config: str | None,
     daemon: bool,
@@ -58,6 +66,8 @@ def up_command(
     start_timeout: float,
     redis_fsync: str,
     sysfs_root: Path | None,
+    scale_from_zero: bool,
+    idle_stop: float,
     **plan_args: Any,
 ) -> None:
     """Run the planned workers here under supervisord (and a private Redis when none answers at a
@@ -65,6 +75,11 @@ def up_command(
     if sysfs_root is not None:
         raise click.BadParameter("fleet up places workers on this machine only", param_hint="--sysfs-root")
     settings, cfg = plan_settings(config)
+    if scale_from_zero and not settings.catalogue_served():
+        raise click.BadParameter("needs a model catalogue (`models`) the workers serve",
+                                 param_hint="--scale-from-zero")
+    autoscale = (("--idle-stop", str(idle_stop), *(("--config", str(cfg)) if cfg else ()))
+                 if scale_from_zero else ())
     the_plan = make_plan(settings=settings, sysfs_root=None, **plan_args)
     run = _run_dir(run_dir)
     options = RenderOptions(
@@ -75,7 +90,7 @@ def up_command(
         generated_by="fleet up",
     )
     try:
-        launch = Launch.prepare(run, the_plan, options, settings.redis_url, redis_fsync)
+        launch = Launch.prepare(run, the_plan, options, settings.redis_url, redis_fsync, autoscale)
     except (UpError, RedisSetupError) as e:
         raise click.ClickException(str(e)) from None
     url = redact_url(settings.redis_url)
@@ -151,6 +166,24 @@ def down_command(run_dir: Path | None, timeout: float | None) -> None:
     )
 
 
+@click.command("autoscale")
+@click.option("--config", type=click.Path(dir_okay=False), help="worker-config.json")
+@click.option("--supervisor-socket", type=click.Path(path_type=Path), required=True,
+              help="the unix socket of the supervisord running the workers")
+@click.option("--idle-stop", type=click.FloatRange(0), default=60.0, show_default=True,
+              help="seconds a worker without a model or job keeps running")
+@click.option("--interval", type=click.FloatRange(0.1, 60), default=1.0, show_default=True)
+def autoscale_command(config: str | None, supervisor_socket: Path, idle_stop: float, interval: float) -> None:
+    """Start and stop `fleet up --scale-from-zero`'s workers by the catalogue models' queues
+    (supervisord runs it beside them)."""
+    settings, _ = plan_settings(config)
+    pools = model_pools(settings.models)
+    served = [pools[m] for m in settings.catalogue_served()]
+    _note(f"autoscale: {len(served)} model pool(s), idle stop {idle_stop:g}s")
+    Autoscaler(redis_from_url(settings.redis_url), supervisor_proxy(supervisor_socket), served,
+               idle_stop).run(interval)
+
+
 def register(cli: click.Group) -> None:
-    for command in (up_command, down_command):
+    for command in (up_command, down_command, autoscale_command):
         cli.add_command(command)
