@@ -205,10 +205,16 @@ class ModelShelf:
 
     # -- the loop's side --------------------------------------------------------------------------
 
-    def engine_for(self, queue: str) -> ModelView:
-        """The engine of the model whose pool `queue` is, loaded now if it is not."""
+    def engine_for(self, queue: str) -> ModelView | Unloadable:
+        """The engine of the model whose pool `queue` is, loaded now if it is not; a model that
+        cannot load gives an engine refusing the job with the reason (the loop ends or requeues it
+        as it does any job the engine refuses)."""
         loads = self.loads
-        model = self.load(self.model_of(queue))
+        try:
+            model = self.load(self.model_of(queue))
+        except (JobRejected, BackendUnavailable) as e:
+            log.warning("%s", e)
+            return Unloadable(e)
         model.last_used = time.monotonic()
         return ModelView(self, model, model.load_seconds * 1000 if self.loads > loads else None)
 
@@ -303,3 +309,23 @@ class ModelView:
         if not isinstance(self.engine, TextOps):
             raise JobRejected(f"model {self.model.name!r}'s engine does not answer text jobs")
         return self.engine.text_op(request)
+
+
+class Unloadable:
+    """The engine of a model that could not be loaded: every job it is given fails with why (a
+    bad file: JobRejected) or goes back to its queue (no room now: BackendUnavailable)."""
+
+    def __init__(self, error: JobRejected | BackendUnavailable) -> None:
+        self.error, self.name, self.slots = error, "unloaded", 0
+
+    def admit(self, job_id: str, request: GenerateRequest) -> None:
+        raise self.error
+
+    def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
+        return False
+
+    def speaks(self, request: GenerateRequest) -> bool:
+        return False
+
+    def text_op(self, request: TextRequest) -> dict[str, object]:
+        raise self.error

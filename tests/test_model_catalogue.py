@@ -220,3 +220,32 @@ def test_open_webui_call_sequence_with_two_models(workers: Any, gateways: Any,
         assert unload["done_reason"] == "unload"
         wait_for(lambda: [m["name"] for m in http.get("/api/ps").json()["models"]] == [Q4], 5, "unloaded")
         assert [m["name"] for m in http.get("/api/tags").json()["models"]] == [Q4, Q8]
+
+
+def test_a_memory_budget_evicts_the_idle_model(workers: Any, redis_url: str, redis: Redis,
+                                               catalogue: dict[str, dict[str, Any]]) -> None:
+    """A budget with room for one model (each ~450-500 MB with its slots' KV): the next model's
+    load unloads the idle one; a file that is no model fails its job with the reason."""
+    models = {**catalogue, "broken": {"path": __file__}}
+    workers.start("w1", models=models, backend__slots=2, memory_budget_mb=700)
+    run(Fleet(redis_url, pool="gemma3-270m"), 2, "q4")
+    wait_for(lambda: loaded(redis, "w1") == [Q4], 10, "q4 loaded")
+    run(Fleet(redis_url, pool="gemma3-270m-q8"), 2, "q8")
+    wait_for(lambda: loaded(redis, "w1") == [Q8], 10, "q8 in place of q4")
+    stats = status(redis, "w1")["backend_stats"]
+    assert (stats["model_loads"], stats["model_unloads"]) == (2, 1)
+    assert sum(m["memory_mb"] for m in stats["models"]) <= 700
+    job = Fleet(redis_url, pool="broken").submit("hi", max_tokens=2)
+    with pytest.raises(Exception, match="could not be loaded"):
+        job.result(timeout=60)
+
+
+def test_dedicated_workers_serve_only_their_models(workers: Any, redis_url: str, redis: Redis,
+                                                   catalogue: dict[str, dict[str, Any]]) -> None:
+    """serve_models: today's dedicated pools, from one catalogue."""
+    workers.start("q4-only", models=catalogue, serve_models=[Q4], backend__slots=2)
+    workers.start("q8-only", models=catalogue, serve_models=[Q8], backend__slots=2)
+    q4 = run(Fleet(redis_url, pool="gemma3-270m"), 4, "q4")
+    q8 = run(Fleet(redis_url, pool="gemma3-270m-q8"), 4, "q8")
+    assert {r["worker"] for r in q4} == {"q4-only"} and {r["worker"] for r in q8} == {"q8-only"}
+    assert status(redis, "q4-only")["pools"] == ["gemma3-270m"]

@@ -15,6 +15,7 @@ by the holders' claims: the gateway's `/api/ps` reads it too.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter
@@ -41,6 +42,7 @@ from backends.shelf import ModelShelf
 from worker.claiming.claim import Claimer
 from worker.settings import FleetSettings
 
+log = logging.getLogger("fleet.worker")
 HOLDERS_EVERY = 1.0  # seconds between refreshes of this worker's holder entries
 COLD_EVERY = 0.1  # seconds between looks at cold models' queues while this worker is busy
 
@@ -73,6 +75,7 @@ class ModelClaims:
         self._announced: dict[str, tuple[float, float]] = {}  # pool -> (loaded at, keep_alive) announced
         self._holders_at = 0.0
         self._cold_at = 0.0
+        self._too_big: set[str] = set()  # models this worker can never load (warned)
 
     def claim(self, free: int, limits: Sequence[int], held: Counter[str]) -> list[tuple[bytes, str]]:
         self.shelf.unload_idle()  # the loop claims when idle too: keep_alive holds without jobs
@@ -104,7 +107,12 @@ class ModelClaims:
         for i, pool in enumerate(cold):
             counts = replies[i * per:(i + 1) * per]
             waiting, holders = any(counts[:-1]), live_copies(counts[-1])
-            if not waiting or holders or not self.shelf.can_load(self.shelf.pool_model[pool]):
+            model = self.shelf.pool_model[pool]
+            if waiting and model not in self._too_big and self.shelf.need_mb(model) > self.shelf.budget_mb:
+                self._too_big.add(model)  # said once: its jobs wait for a worker with room for it
+                log.warning("model %s needs ~%d MB, more than this worker's budget (%d MB): its jobs are "
+                            "left to other workers", model, self.shelf.need_mb(model), self.shelf.budget_mb)
+            if not waiting or holders or not self.shelf.can_load(model):
                 continue
             if not self.redis.set(model_loading_key(pool), self.name, nx=True, px=MODEL_LOADING_MS):
                 continue  # another worker is loading it: its jobs are that worker's
