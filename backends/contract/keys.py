@@ -179,13 +179,13 @@ def model_copies_key(pool: str) -> str:
     `until`: ms after which the entry is stale): who holds the model now, written by the holders'
     claims as they load, unload or every MODEL_HOLD_MS / 5 (worker/claiming/models.py); a worker
     that does not hold the model leaves its jobs to those that do. TTL MODEL_COPIES_TTL."""
-    return f"fleet:model:{pool}:copies"
+    return f"fleet:copies:{pool}"
 
 
 def model_loading_key(pool: str) -> str:
     """The worker loading the pool's model now (SET NX, PX MODEL_LOADING_MS): a burst for a cold
     model loads it on one worker, not on every idle one."""
-    return f"fleet:model:{pool}:loading"
+    return f"fleet:loading:{pool}"
 
 
 MODEL_COPIES_TTL = 10  # seconds
