@@ -91,10 +91,12 @@ def test_one_worker_serves_two_models_and_unloads_the_idle_one(workers: Any, red
     assert stats["model_loads"] == 2, stats  # one load a model, not one a job
     shown = fleet_status(redis_url)
     assert "models loaded" in shown and Q4 in shown and Q8 in shown, shown
+    rss_both = status(redis, "w1")["rss_mb"]
     # the Q8 copy is idle past its keep_alive of 3 s: unloaded, its RAM given back
     wait_for(lambda: loaded(redis, "w1") == [Q4], 20, "q8 unloaded")
     time.sleep(1.2)  # the next beat's RSS
     rss_after = status(redis, "w1")["rss_mb"]
+    print(f"RSS MB: idle {rss_idle}, Q4 loaded {rss_q4}, both {rss_both}, Q8 unloaded {rss_after}")
     assert abs(rss_after - rss_q4) <= 0.05 * rss_q4, (rss_idle, rss_q4, rss_after)
 
 
@@ -112,6 +114,16 @@ def test_a_burst_for_a_cold_model_loads_it_on_one_worker(workers: Any, redis_url
     run(Fleet(redis_url, pool="gemma3-270m-q8"), 8, "again")
     time.sleep(1.5)
     assert sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2")) == 1
+    # bursts for both models at once: the cold one is loaded once too, and each job ran on a
+    # worker holding its model
+    q4 = [Fleet(redis_url, pool="gemma3-270m").submit(f"q4 {i}", max_tokens=8) for i in range(8)]
+    q8 = [Fleet(redis_url, pool="gemma3-270m-q8").submit(f"q8 {i}", max_tokens=8) for i in range(8)]
+    done4, done8 = [j.result(timeout=120) for j in q4], [j.result(timeout=120) for j in q8]
+    time.sleep(1.5)
+    holders = {name: loaded(redis, name) for name in ("w1", "w2")}
+    assert sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2")) == 2, holders
+    assert {r["worker"] for r in done8} == {n for n, held in holders.items() if Q8 in held}
+    assert {r["worker"] for r in done4} == {n for n, held in holders.items() if Q4 in held}
 
 
 def test_listings_are_true_with_no_worker_up(gateways: Any, redis: Redis,

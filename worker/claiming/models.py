@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from redis import Redis
+from redis.client import Pipeline
 
 from backends.base import Backend
 from backends.contract.catalogue import live_copies
@@ -54,6 +55,9 @@ class PoolClaims:
         self.claimer = claimer
         self.queues = queue_names(pool)
         self.wake_keys = [wake_key(pool), worker_wake_key(pool, name)]
+
+    def refresh(self, pipe: Pipeline) -> None:
+        pass
 
     def forget(self) -> None:
         pass
@@ -106,7 +110,9 @@ class ModelClaims:
         per = 2 * len(queue_names(cold[0])) + 1
         for i, pool in enumerate(cold):
             counts = replies[i * per:(i + 1) * per]
-            waiting, holders = any(counts[:-1]), live_copies(counts[-1])
+            # this worker's own entry, should a beat have raced an unload, is no holder
+            holders = {w for w in live_copies(counts[-1]) if w != self.name}
+            waiting = any(counts[:-1])
             model = self.shelf.pool_model[pool]
             if waiting and model not in self._too_big and self.shelf.need_mb(model) > self.shelf.budget_mb:
                 self._too_big.add(model)  # said once: its jobs wait for a worker with room for it
@@ -138,20 +144,26 @@ class ModelClaims:
                 if mark is not None:
                     self.shelf.unload_asked(pool, float(mark))
             state = {m.pool: (m.loaded_at, m.keep_alive) for m in self.shelf.held.values()}
-        until, wall = int(time.time() * 1000) + MODEL_HOLD_MS, time.monotonic()
         with self.redis.pipeline(transaction=False) as pipe:
-            for model in list(self.shelf.held.values()):
-                entry = {**self.shelf.described(model, wall), "until": until}
-                pipe.hset(model_copies_key(model.pool), self.name, json.dumps(entry))
-                pipe.expire(model_copies_key(model.pool), MODEL_COPIES_TTL)
-                if model.pool not in self._announced:
-                    pipe.delete(model_loading_key(model.pool))
+            self.refresh(pipe)
+            for pool in set(state) - set(self._announced):
+                pipe.delete(model_loading_key(pool))
             for pool in set(self._announced) - set(state):
                 pipe.hdel(model_copies_key(pool), self.name)
             pipe.execute()
         if set(state) != set(self._announced):
             self.changed.set()  # `fleet status` shows the change at once
         self._announced = state
+
+    def refresh(self, pipe: Pipeline) -> None:
+        """Queue this worker's entries for the models it holds now, good for MODEL_HOLD_MS: the
+        loop's claims on a change, and every beat the heartbeat, so a worker busy with a full
+        engine (which claims nothing) still says it holds its models."""
+        until, now = int(time.time() * 1000) + MODEL_HOLD_MS, time.monotonic()
+        for model in list(self.shelf.held.values()):  # the loop may load or unload meanwhile
+            entry = {**self.shelf.described(model, now), "until": until}
+            pipe.hset(model_copies_key(model.pool), self.name, json.dumps(entry))
+            pipe.expire(model_copies_key(model.pool), MODEL_COPIES_TTL)
 
     def forget(self) -> None:
         """This worker holds nothing any more (it is stopping)."""

@@ -153,6 +153,7 @@ class Heartbeat(threading.Thread):
             if self.card is not None:
                 pipe.set(model_card_key(fw.name), self.card, px=self.ttl_ms)
             pipe.sadd(WORKERS_SET, fw.name)
+            fw.claims.refresh(pipe)  # records the claims keep alive (the models a worker holds)
             self.facts.on_beat(pipe)
             self.rq_worker.heartbeat(timeout=ttl_s + 60, pipeline=pipe)
             ttl = fw.settings.job_timeout + 60
