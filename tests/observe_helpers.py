@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -61,3 +63,13 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+             f"--user-data-dir={profile}"]
+    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120)

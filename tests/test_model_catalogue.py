@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -261,3 +262,29 @@ def test_dedicated_workers_serve_only_their_models(workers: Any, redis_url: str,
     q8 = run(Fleet(redis_url, pool="gemma3-270m-q8"), 4, "q8")
     assert {r["worker"] for r in q4} == {"q4-only"} and {r["worker"] for r in q8} == {"q8-only"}
     assert status(redis, "q4-only")["pools"] == ["gemma3-270m"]
+
+
+def test_the_dashboard_shows_each_workers_models(workers: Any, redis_url: str, redis: Redis, tmp_path: Path,
+                                                catalogue: dict[str, dict[str, Any]]) -> None:
+    """`fleet dashboard` over a catalogue fleet, rendered by headless Chromium: the worker's row
+    names the model it holds, with its RAM."""
+    from tests.observe_helpers import chromium
+    from tests.real_servers import free_port
+
+    workers.start("w1", models=catalogue, backend__slots=2)
+    run(Fleet(redis_url, pool="gemma3-270m-q8"), 1, "q8")
+    wait_for(lambda: loaded(redis, "w1") == [Q8], 10, "q8 loaded")
+    port = free_port()
+    env = {**os.environ, "FLEET_REDIS_URL": redis_url, "FLEET_MODELS": json.dumps(catalogue)}
+    server = subprocess.Popen([sys.executable, "-m", "ecosystem.cli", "dashboard", "--port", str(port)],
+                              env=env, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        wait_for(lambda: _get(url + "api/status"), 30, "the dashboard")
+        dom = chromium("--virtual-time-budget=4000", "--dump-dom", url, profile=tmp_path / "profile").stdout
+        row = re.search(r'<tr data-worker="w1">.*?</tr>', dom, re.S)
+        assert row is not None, dom[-2000:]
+        assert re.search(rf'<div class="model">{re.escape(Q8)} \d+M</div>', row.group(0)), row.group(0)
+    finally:
+        server.terminate()
+        server.wait(10)

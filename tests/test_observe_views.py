@@ -23,9 +23,7 @@ from dispatcher import Fleet
 from dispatcher.observe.dashboard import dashboard_app
 from ecosystem.local.processes import free_port
 from tests.harness import ROOT, wait_for
-from tests.observe_helpers import cli_env, collect
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+from tests.observe_helpers import chromium, cli_env, collect
 
 
 class Load(threading.Thread):
@@ -91,13 +89,6 @@ def test_status_watch_redraws_in_place_under_tmux(redis_url: str, workers, tmp_p
             assert shot.count("workers") == 2, shot  # redrawn in place, not scrolled: one header + totals
     finally:
         subprocess.run([*tmux, "kill-server"], check=False)
-
-
-def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-             f"--user-data-dir={profile}"]
-    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.timeout(600)

@@ -87,6 +87,12 @@ class ModelEntry(BaseModel):
         return self.pool or model_pool(name)
 
 
+def shown_pool(pool: str, models: dict[str, ModelEntry]) -> str:
+    """The pool the status views show by default: the fleet's, or with a catalogue (whose workers
+    serve the models' pools, not the fleet's) its first model's."""
+    return next(iter(model_pools(models).values()), pool)
+
+
 def model_pools(models: dict[str, ModelEntry]) -> dict[str, str]:
     """Catalogue name -> its pool. Two models in one pool would take each other's jobs: refused."""
     pools: dict[str, str] = {}

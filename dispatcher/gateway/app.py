@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backends.contract.catalogue import shown_pool
 from backends.contract.gateway_settings import GatewaySettings
 from backends.contract.retry import OUTAGE_ERRORS
 from dispatcher.gateway import (
@@ -393,7 +394,8 @@ def observability_routes(settings: ServeSettings, redis: Callable[[], AsyncRedis
     metrics = metrics_route(redis, settings.pool)
     callers = caller_keys(settings.gateway)
     operators = [key.decode() for key, caller in callers if caller.operator]
-    dashboard = dashboard_app(redis, settings.pool, show_prompts=settings.gateway.dashboard_prompts,
+    dashboard = dashboard_app(redis, shown_pool(settings.pool, settings.models),
+                              show_prompts=settings.gateway.dashboard_prompts,
                               authorize=bearer_check(operators) if callers else None)
     if callers:
         metrics = Route("/metrics", guarded(operators_only(metrics.endpoint)))

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from backends.contract.catalogue import model_pools
+from backends.contract.catalogue import shown_pool
 from backends.contract.redact import redact_url
 from backends.contract.retry import OUTAGE_ERRORS
 from dispatcher.observe import snapshot, tables
@@ -34,7 +34,7 @@ def header(pool: str, redis_url: str) -> str:
 def status(config: str | None, as_json: bool, watch: bool, interval: float, pool: str | None) -> None:
     """Workers (state, slots, tok/s, CPU, RSS, backend health, jobs, models loaded), queues, totals."""
     s, redis = settings_and_redis(config)
-    s.pool = pool or next(iter(model_pools(s.models).values()), s.pool)
+    s.pool = pool or shown_pool(s.pool, s.models)
     if as_json:
         click.echo(json.dumps(snapshot.snapshot(redis, s.pool)))
         return
@@ -90,10 +90,10 @@ def dashboard(config: str | None, host: str, port: int, show_prompts: bool) -> N
     gateway = load_serve_settings(config).gateway
     callers = caller_keys(gateway)
     operators = [key.decode() for key, caller in callers if caller.operator]
-    app = dashboard_app(redis, s.pool, with_metrics=True,
+    app = dashboard_app(redis, shown_pool(s.pool, s.models), with_metrics=True,
                         show_prompts=show_prompts or gateway.dashboard_prompts,
                         authorize=bearer_check(operators) if callers else None)
-    click.echo(f"dashboard on http://{host}:{port}/ (pool {s.pool})", err=True)
+    click.echo(f"dashboard on http://{host}:{port}/ (pool {shown_pool(s.pool, s.models)})", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 

@@ -84,11 +84,14 @@ function renderWorkers(s) {
       .join("");
     const health = w.backend_health || "ok";
     const node = w.numa_node === "" || w.numa_node === null || w.numa_node === undefined ? "" : "/n" + esc(w.numa_node);
+    // a catalogue worker's loaded models, each with its RAM
+    const models = ((w.backend_stats || {}).models || [])
+      .map((m) => `<div class="model">${esc(m.name)} ${num(m.memory_mb)}M</div>`).join("");
     return `<tr data-worker="${esc(w.name)}"><td>${esc(w.name)}</td><td class="${esc(w.state)}">${esc(w.state)}</td>` +
       `<td class="num">${esc(w.inflight)}/${esc(w.slots)}</td><td class="num">${num(w.tok_s, 1)}</td>` +
       `<td class="num">${num(w.tok_s_prefill)}</td><td class="num">${num(w.cpu_pct)}</td>` +
       `<td class="num">${num(w.rss_mb)}M</td><td>${esc(w.cpus || "all")}${node}</td>` +
-      `<td>${esc(w.backend)} <span class="${esc(health)}">${esc(health)}</span></td>` +
+      `<td>${esc(w.backend)} <span class="${esc(health)}">${esc(health)}</span>${models}</td>` +
       `<td class="num">${dur(s.at - (w.started_at || s.at))}</td><td>${jobs}</td></tr>`;
   });
   $("#workers tbody").innerHTML = rows.join("") || `<tr><td colspan="11">no live workers</td></tr>`;
