@@ -137,6 +137,11 @@ class ModelShelf:
 
     # -- loading and unloading --------------------------------------------------------------------
 
+    def fits(self, name: str) -> bool:
+        """Whether `name` could ever load here: the budget less what pinned models hold."""
+        pinned = sum(m.memory_mb for m in self.held.values() if m.pinned and m.name != name)
+        return self.need_mb(name) <= self.budget_mb - pinned
+
     def can_load(self, name: str) -> bool:
         """Whether `name` fits in the budget now, counting what idle unpinned models would free."""
         if name in self.held:

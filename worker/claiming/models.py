@@ -114,10 +114,11 @@ class ModelClaims:
             holders = {w for w in live_copies(counts[-1]) if w != self.name}
             waiting = any(counts[:-1])
             model = self.shelf.pool_model[pool]
-            if waiting and model not in self._too_big and self.shelf.need_mb(model) > self.shelf.budget_mb:
+            if waiting and model not in self._too_big and not self.shelf.fits(model):
                 self._too_big.add(model)  # said once: its jobs wait for a worker with room for it
-                log.warning("model %s needs ~%d MB, more than this worker's budget (%d MB): its jobs are "
-                            "left to other workers", model, self.shelf.need_mb(model), self.shelf.budget_mb)
+                log.warning("model %s needs ~%d MB, more than this worker's budget (%d MB) leaves beside its "
+                            "pinned models: its jobs are left to other workers", model,
+                            self.shelf.need_mb(model), self.shelf.budget_mb)
             if not waiting or holders or not self.shelf.can_load(model):
                 continue
             if not self.redis.set(model_loading_key(pool), self.name, nx=True, px=MODEL_LOADING_MS):
