@@ -3,7 +3,9 @@ llama.cpp, on the embedded model's vocabulary (loaded vocab-only: no weights): e
 grammar compiles, as a lazy grammar with its trigger patterns for tool_choice auto; it takes a
 valid call's text token by token and lets generation end after it; it refuses a call of a tool
 that is not offered, or one missing a required argument; before its trigger a lazy grammar lets
-any text through, and a required one lets nothing but a call (or a thought) start."""
+any text through, and a required one lets nothing but a call (or a thought) start; and the
+Python watch of a lazy grammar's trigger (backends/llamacpp/lazy_trigger.py) says it fired at the
+token where llama.cpp's grammar fires."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from backends.chat.tool_syntax import (
     ToolSyntax,
 )
 from backends.contract.tool_specs import NamedTool, Tool, ToolChoice
+from backends.llamacpp.lazy_trigger import TriggerWatch, mirrors
 from backends.llamacpp.model import tokenize
 from backends.llamacpp.tool_grammar import NativeGrammar, native_call_grammar, not_containing, prefixed
 from backends.model import default_model_path
@@ -243,3 +246,64 @@ def test_the_grammar_helpers() -> None:
         native_call_grammar(HERMES, TOOLS, "none", None)
     with pytest.raises(ValueError):
         native_call_grammar(HERMES, TOOLS, NamedTool(name="absent"), None)
+
+
+def fire_points(vocab: ll.llama_vocab_p, grammar: NativeGrammar, text: str) -> tuple[int | None, int | None]:
+    """Feed `text` token by token; the index of the token at which llama.cpp's lazy grammar fires
+    (from then on it refuses an end of generation: a call has begun) and the one at which the
+    Python watch says it does (backends/llamacpp/lazy_trigger.py)."""
+    buf = ctypes.create_string_buffer(256)
+
+    def piece(token: int) -> bytes:
+        n = ll.llama_token_to_piece(vocab, token, buf, 256, 0, True)
+        return buf.raw[:n]
+
+    sampler = compiled(vocab, grammar)
+    watch = TriggerWatch(grammar.triggers, piece)
+    fired: int | None = None
+    seen: int | None = None
+    try:
+        for i, token in enumerate(tokenize(vocab, text, special=True, add_special=False)):
+            assert allowed(sampler, token), (text, i)
+            ll.llama_sampler_accept(sampler, token)
+            if watch.accept(token):
+                seen = i
+            if fired is None and not allowed(sampler, ll.llama_vocab_eos(vocab)):
+                fired = i
+        return fired, seen
+    finally:
+        ll.llama_sampler_free(sampler)
+
+
+@pytest.mark.parametrize("syntax", list(SYNTAXES.values()), ids=lambda s: s.name)
+def test_the_trigger_watch_fires_at_the_token_llama_cpp_fires_at(vocab: ll.llama_vocab_p,
+                                                                 syntax: ToolSyntax) -> None:
+    """A job under a lazy grammar drafts until its trigger, seen from Python: the watch must say
+    the grammar fired at exactly the token where llama.cpp's does, whatever words came before
+    and however the trigger's text splits into tokens."""
+    assert mirrors(syntax.triggers)
+    grammar = native_call_grammar(syntax, TOOLS, "auto", None)
+    call = call_text(syntax, "get_weather", PARIS)
+    starts = ["", "Sure ", "Let me check {this}: ", "<tool <tool_ca [TOOL x ", "spaces  \n\n "]
+    for start in starts if syntax is not LLAMA3 else [""]:  # Llama 3's bare call starts the answer
+        text = start + (BEFORE[syntax] or "") + call
+        fired, seen = fire_points(vocab, grammar, text)
+        assert fired is not None and fired == seen, (text, fired, seen)
+    if syntax is LLAMA3:
+        for text in [" \n" + call, "Words first. <|python_tag|>" + call]:
+            fired, seen = fire_points(vocab, grammar, text)
+            assert fired is not None and fired == seen, (text, fired, seen)
+    if syntax.thought is not None:  # the prompt opened a thought: a required call after its end
+        grammar = native_call_grammar(syntax, TOOLS, "required", None, thought_open=True)
+        close = syntax.thought[1]
+        text = "Still thinking <tool_call> {a} " + close + "\n" + call_text(syntax, "get.time", {})
+        fired, seen = fire_points(vocab, grammar, text)
+        assert fired is not None and fired == seen, (text, fired, seen)
+
+
+def test_trigger_patterns_read_apart_are_not_mirrored() -> None:
+    assert mirrors([r"<tool_call>", r'^\s*(\{\s*"name")', r"(<\|channel\|>(?:a|b) to=)", "\uff5ctool\\\\_x"])
+    for pattern in ["a.b", r"^\{$", r"\u1234", r"(?<=x)y", r"\bword", "(unclosed"]:
+        assert not mirrors([pattern]), pattern
+    with pytest.raises(ValueError):
+        TriggerWatch(["a.b"], lambda t: b"")

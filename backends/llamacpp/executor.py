@@ -19,9 +19,10 @@ from collections.abc import Sequence
 import llama_cpp as ll
 
 from backends.base import JobRejected
+from backends.llamacpp.candidates import Candidates, TopCandidates
 from backends.llamacpp.kv import Drop, KvOp, Remove, Restore, Save, Stash, Unstash
 from backends.llamacpp.model import LoadedModel
-from backends.llamacpp.sampling import Candidates, SequenceSampler, TopCandidates
+from backends.llamacpp.sampling import SequenceSampler
 from backends.llamacpp.scheduler import DecodeCall, StepPlan
 from backends.llamacpp.state import ActiveJob, Sampled
 
@@ -172,25 +173,30 @@ class Executor:
     def _sample_rows(self, seq_id: int, draft: Sequence[int] | None, out: Sampled) -> None:
         """The sequence's next token; with a draft, the row after each draft token too while the
         token sampled before is that draft token (draft row i fed draft token i, speculation.py).
-        The rows after a mismatch or an end of generation say nothing: they are not sampled."""
+        The rows after a mismatch or an end of generation say nothing: they are not sampled; nor
+        are those after the token at which a lazy grammar fired (they were sampled without it):
+        every row sampled is accepted into the grammar, and a grammar cannot be rolled back."""
         sampler = self._samplers[seq_id]
         assert sampler is not None
         row, ctx, model = self._logits_row[seq_id], self._ctx, self.model
+        waits = sampler.grammar_waits
         try:
             tok = sampler.sample(ctx, row)
             piece = None if model.is_eog(tok) else model.piece(tok)
             rows = [(tok, piece)]
             if draft:
                 for i, proposed in enumerate(draft, 1):
-                    if tok != proposed or piece is None:
+                    if tok != proposed or piece is None or (waits and not sampler.grammar_waits):
                         break
                     tok = sampler.sample(ctx, row + i)
                     piece = None if model.is_eog(tok) else model.piece(tok)
                     rows.append((tok, piece))
-        except JobRejected as e:  # its grammar has no way on (a job with a grammar never drafts)
+        except JobRejected as e:  # its grammar has no way on (a job drafts only while it waits)
             out.rejected[seq_id] = str(e)
             return
         out.rows[seq_id] = rows
+        if waits and not sampler.grammar_waits:
+            out.triggered.add(seq_id)
         if sampler.grammar_complete:
             out.grammar_complete.add(seq_id)
 

@@ -264,9 +264,10 @@ class LoadedModel:
             size = n + 1
         raise JobRejected("chat template output did not fit")
 
-    def piece(self, token: int) -> bytes:
-        """A token's text; control tokens are empty unless preserved (`preserve`)."""
-        special = token in self.preserved
+    def piece(self, token: int, *, control: bool = False) -> bytes:
+        """A token's text; control tokens are empty unless preserved (`preserve`) or `control`
+        (their text as llama.cpp's grammar reads it: its vocabulary's pieces render them all)."""
+        special = control or token in self.preserved
         n = ll.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
         if n < 0:
             big = ctypes.create_string_buffer(-n)

@@ -36,6 +36,8 @@ from llama_cpp.llama_grammar import JSON_GBNF
 from backends.base import JobRejected
 from backends.contract.schema import LOGIT_BIAS_BAN, AnswerDialect, Sampling
 from backends.contract.schema_limits import SchemaTooComplex
+from backends.llamacpp.candidates import Candidates, TopCandidates
+from backends.llamacpp.lazy_trigger import TriggerWatch, mirrors
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.schema_grammar import GrammarTooLarge, check_gbnf, json_schema_to_gbnf
 
@@ -44,7 +46,6 @@ log = logging.getLogger("fleet.engine")
 PENALTY_LAST_N = 64  # llama-server's default window for repeat/frequency/presence penalties
 GREEDY_PENALTY_TOP_K = 64  # greedy with penalties looks at the best 64 only (see sampler_chain)
 SHORTLIST = 1024  # candidates a rejected pick is re-sampled from first
-TOP_CAPACITY = 4096  # most candidates TopCandidates hands a top-k chain
 GrammarFormat = str | dict[str, Any]
 # The grammar compile's stack: llama.cpp needs ~440 bytes per nested group; the limits allow
 # ~1,100 (~0.5 MiB), so 64 MiB leaves a wide margin wherever the worker runs (only pages touched
@@ -220,90 +221,6 @@ def grammar_allows(grammar: ll.llama_sampler_p, tok: int) -> bool:
     return bool(one.logit != -math.inf)
 
 
-class Candidates:
-    """A reusable llama_token_data array over the whole vocabulary, filled from a logits row with
-    numpy (what llama_sampler_sample does in C), for jobs that need the grammar between steps."""
-
-    def __init__(self, n_vocab: int) -> None:
-        self.n_vocab = n_vocab
-        self._data = (ll.llama_token_data * n_vocab)()
-        self._view = np.ctypeslib.as_array(self._data)  # fields id, logit, p
-        self._ids = np.arange(n_vocab, dtype=np.int32)
-        self.array = ll.llama_token_data_array(self._data, n_vocab, -1, False)
-
-    def fill(self, logits: np.ndarray) -> ll.llama_token_data_array:
-        self._view["id"] = self._ids  # samplers sort and cut the array in place: refill it all
-        self._view["logit"] = logits
-        self._view["p"] = 0.0
-        return self._reset(self.n_vocab)
-
-    def fill_best(self, logits: np.ndarray, n: int) -> ll.llama_token_data_array:
-        """Only the n best logits (in no order)."""
-        best = np.argpartition(logits, -n)[-n:]
-        self._view["id"][:n] = best
-        self._view["logit"][:n] = logits[best]
-        self._view["p"][:n] = 0.0
-        return self._reset(n)
-
-    def passing(self) -> int:
-        """How many candidates of the array have not been ruled out (logit -inf)."""
-        return int(np.count_nonzero(self._view["logit"][: self.array.size] != -np.inf))
-
-    def _reset(self, size: int) -> ll.llama_token_data_array:
-        self.array.size = size
-        self.array.selected = -1
-        self.array.sorted = False
-        return self.array
-
-    def selected(self) -> tuple[int, float]:
-        picked = self._data[self.array.selected]
-        return int(picked.id), float(picked.logit)
-
-
-class TopCandidates:
-    """What a chain that starts with top-k can pick from, found in place with numpy: every token
-    whose logit lies within a margin of the best, the margin chosen (by halving or doubling it) so
-    that at least k and at most `capacity` tokens pass. The k best are then all in the array, so
-    the chain's top-k keeps exactly the tokens, in the same order, that it keeps from the whole
-    vocabulary, and its seeded draw is the same. llama_sampler_sample copies every logit into a
-    candidate struct first (0.2-0.6 ms a row on a 262k vocabulary: per sequence, per step); this
-    costs a few passes of numpy over the row (0.08 ms)."""
-
-    def __init__(self, capacity: int = TOP_CAPACITY) -> None:
-        self.capacity = capacity
-        self._data = (ll.llama_token_data * capacity)()
-        self._view = np.ctypeslib.as_array(self._data)  # fields id, logit, p
-        self.array = ll.llama_token_data_array(self._data, 0, -1, False)
-
-    def fill(self, logits: np.ndarray, k: int) -> ll.llama_token_data_array | None:
-        """None when no margin lets k to `capacity` tokens through (a flat row): sample in C."""
-        best = float(logits.max())
-        if not math.isfinite(best):
-            return None
-        margin, too_few, too_many = 8.0, 0.0, math.inf
-        for _ in range(12):
-            passing = logits >= best - margin
-            n = int(np.count_nonzero(passing))
-            if n < k:
-                too_few = margin
-            elif n > self.capacity:
-                too_many = margin
-            else:
-                ids = np.flatnonzero(passing)
-                self._view["id"][:n] = ids
-                self._view["logit"][:n] = logits[ids]
-                self._view["p"][:n] = 0.0
-                self.array.size = n
-                self.array.selected = -1
-                self.array.sorted = False
-                return self.array
-            margin = margin * 2 if too_many == math.inf else (too_few + too_many) / 2
-        return None
-
-    def selected(self) -> int:
-        return int(self._data[self.array.selected].id)
-
-
 # -- one sequence ----------------------------------------------------------------------------------
 
 
@@ -326,8 +243,16 @@ class SequenceSampler:
                             else compile_dialect(model, s.dialect))
             self._one = ll.llama_token_data(0, 1.0, 0.0)
             self._one_array = ll.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
+        # a lazy grammar whose trigger Python sees (lazy_trigger.py): until it fires, a pick is
+        # the chain's alone (the grammar's apply() changes nothing yet), so the job may draft
+        self.watch = (TriggerWatch(s.dialect.triggers, lambda t: model.piece(t, control=True))
+                      if self.lazy and self.grammar is not None and s.dialect is not None
+                      and mirrors(s.dialect.triggers) else None)
+        if self.grammar is not None:
             for tok in prompt[len(prompt) - resumed:] if resumed else ():  # checked by grammar_takes
                 ll.llama_sampler_accept(self.grammar, tok)
+                if self.watch is not None:
+                    self.watch.accept(tok)
         self.top_logprobs = s.top_logprobs
         self.keeps = chain_keeps(s)
         # with penalties the chain remembers what it accepts, so it may only see the final pick;
@@ -336,7 +261,8 @@ class SequenceSampler:
         self.logprobs: list[dict[str, Any]] = []  # one entry per sampled token, when asked
         self.grammar_complete = False  # the grammar's text is whole: nothing but whitespace may follow
         self.rejections = 0  # picks the grammar refused (each one cost a full-vocabulary filter)
-        self.greedy_alone = s.temperature <= 0 and s.is_plain()  # the chain is one greedy sampler
+        self.greedy = s.temperature <= 0 and not s.has_penalties()  # the chain is one greedy sampler
+        self.greedy_alone = self.greedy and s.is_plain()
         self.top = top if self.keeps is not None and self.keeps > 1 else None  # the chain starts with top-k
         # min_tokens / ignore_eos: the end-of-generation tokens' logits are set to -inf in the row
         # itself (what llama-server's logit bias does), before any path reads it, while fewer than
@@ -356,8 +282,13 @@ class SequenceSampler:
         if self.greedy_alone:
             # llama_sampler_sample would first copy all 262k logits into candidate structs
             # (~0.35 ms per sequence); greedy takes the first maximum, as np.argmax does
-            return int(self._logits(ctx, row).argmax())
-        tok = self._sample_top(ctx, row) if self.grammar is None else self._sample_constrained(ctx, row)
+            tok = int(self._logits(ctx, row).argmax())
+        elif self.grammar is None:
+            tok = self._sample_top(ctx, row)
+        elif self.grammar_waits:
+            tok = self._sample_waiting(ctx, row)
+        else:
+            tok = self._sample_constrained(ctx, row)
         if self.top_logprobs is not None:
             self.logprobs.append(self._logprob_entry(self._logits(ctx, row), tok))
         return tok
@@ -386,6 +317,19 @@ class SequenceSampler:
                 return tok
         return int(ll.llama_sampler_sample(self.chain, ctx, row))
 
+    @property
+    def grammar_waits(self) -> bool:
+        """A lazy grammar still waits for its trigger, and Python sees when it fires."""
+        return self.watch is not None and not self.watch.fired
+
+    def _sample_waiting(self, ctx: ll.llama_context_p, row: int) -> int:
+        """The chain's pick, as a job without a grammar makes it, accepted into the grammar (which
+        scans for its trigger). Should llama.cpp fire where the watch did not, the grammar now
+        refuses an end of generation (mid-call): the watch gives way, and the grammar is checked."""
+        tok = int(self._logits(ctx, row).argmax()) if self.greedy else self._sample_top(ctx, row)
+        self._into_grammar(tok)
+        return tok
+
     def _sample_constrained(self, ctx: ll.llama_context_p, row: int) -> int:
         assert self.grammar is not None and self.candidates is not None
         if self.remembers:
@@ -401,10 +345,23 @@ class SequenceSampler:
                 raise JobRejected("the grammar allows no further token")
         if self.remembers:
             ll.llama_sampler_accept(self.chain, tok)
-        if not self.model.is_eog(tok):  # an end-of-generation token ends the job, not the grammar
-            ll.llama_sampler_accept(self.grammar, tok)
-            self.grammar_complete = not self.lazy and self._whole(tok)
+        self._into_grammar(tok)
         return tok
+
+    def _into_grammar(self, tok: int) -> None:
+        """Accept a pick into the grammar (an end of generation ends the job, not the grammar);
+        while a lazy grammar waits, its watch looks for the trigger in it."""
+        assert self.grammar is not None
+        if self.model.is_eog(tok):
+            return
+        watch = self.watch
+        waited = watch is not None and not watch.fired
+        ll.llama_sampler_accept(self.grammar, tok)
+        if watch is None or not waited:
+            self.grammar_complete = not self.lazy and self._whole(tok)
+        elif not watch.accept(tok) and not self._grammar_allows(self.model.eog_token):
+            log.warning("a lazy grammar fired where its trigger watch did not; drafts stop")
+            watch.fired = True
 
     def _resample(self, logits: np.ndarray) -> tuple[int, float]:
         """Sample from the candidates the grammar allows (the picked one was refused)."""

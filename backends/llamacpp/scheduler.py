@@ -43,7 +43,7 @@ from backends.llamacpp.invariance import FA_TILE_ROWS, SPLIT_KV_CELLS, reusable_
 from backends.llamacpp.kv import KvBookkeeper, KvOp, common_prefix
 from backends.llamacpp.pacing import MIN_ROWS, PrefillPace
 from backends.llamacpp.runs import cheapest_runs
-from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room
+from backends.llamacpp.speculation import NgramIndex, StepCosts, draft_room, may_draft
 from backends.llamacpp.state import ActiveJob, Sampled, WaitingJob
 from backends.llamacpp.updates import CallUpdate, advance
 
@@ -176,7 +176,7 @@ class Scheduler:
                 self.deferred_admissions += 1
                 break  # running jobs will free KV cells; the job keeps its place in line
             job = ActiveJob.start(waiting, seq_id, need)
-            if self.draft_max and waiting.sampling.is_plain():  # see speculation.py
+            if self.draft_max and may_draft(waiting.sampling):  # see speculation.py
                 job.ngrams = NgramIndex(job.tokens)
             self.kv.reuse_prefix(job, self.active.values())
             self.waiting.pop(held)  # not before: a fault above must find the job in line
@@ -246,8 +246,9 @@ class Scheduler:
                 continue
             before = job.generated
             draft = call.drafts.get(seq_id, ())
+            fired = seq_id in sampled.triggered  # its rows end where its lazy grammar fired
             job.n_past += 1
-            kept = advance(job, got, draft, seq_id in whole, n_ctx, events)
+            kept = advance(job, got, draft[:len(got) - 1] if fired else draft, seq_id in whole, n_ctx, events)
             self.tokens_generated += job.generated - before
             if draft:
                 self.draft_tokens += len(draft)
@@ -256,6 +257,8 @@ class Scheduler:
                     job.ngrams.record(len(draft), kept)
                 if kept < len(draft):
                     self.kv.drop_tail(job)
+            if fired:
+                job.ngrams = None  # its grammar applies now: one token at a time
             if job.done is not None:
                 out.finished.append(job)
         if call.prompts and not call.decoders and call.span is None and len(call.prompts) == 1:

@@ -29,6 +29,9 @@ speculation, alone or batched, bit for bit.
 
 Only plain jobs draft (`Sampling.is_plain`): a grammar, the penalties' history and the logprobs
 advance with every token, so those jobs decode one token at a time (simple, and surely right).
+But for a lazy grammar (a model's own calls, tool_choice auto) before its trigger: it constrains
+nothing yet, so such a job drafts until the token at which it fires (lazy_trigger.py), its
+draft kept only that far, and decodes one token at a time from there (`may_draft`).
 
 How many to draft is decided per step from two records: the job's own acceptance (p: the chance
 a draft token is kept, decayed over its recent drafted steps) and what decoders' calls of each
@@ -49,7 +52,9 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 
+from backends.contract.schema import Sampling
 from backends.llamacpp.invariance import TILED_MM_ROWS
+from backends.llamacpp.lazy_trigger import mirrors
 
 NGRAM_MAX = 4  # longest suffix looked up
 NGRAM_MIN = 2  # a single repeated token predicts too little to pay for its rows
@@ -136,6 +141,15 @@ class NgramIndex:
                     start = self._first[key]
                 return toks[start:start + k]
         return []
+
+
+def may_draft(s: Sampling) -> bool:
+    """A plain job, or one that is plain but for a lazy grammar whose trigger Python sees."""
+    if s.is_plain():
+        return True
+    lazy = s.format is None and s.dialect is not None and s.dialect.lazy and s.dialect.gbnf is not None
+    return (lazy and s.dialect is not None and s.top_logprobs is None and not s.has_penalties()
+            and mirrors(s.dialect.triggers))
 
 
 def draft_room(n_ids: int, k_max: int) -> int:

@@ -65,9 +65,13 @@ class ActiveJob:
 class Sampled:
     """What a call's rows gave (executor -> scheduler), by sequence id. A job's rows: its next
     token, then one per draft row verified, each with its bytes (None: an end of generation).
-    The executor samples the row after a draft token only while the token before equals it and
-    is no end of generation; which of them the job keeps is the scheduler's rule (updates.py)."""
+    The executor samples the row after a draft token only while the token before equals it, is
+    no end of generation and did not fire a lazy grammar; which of them the job keeps is the
+    scheduler's rule (updates.py)."""
 
     rows: dict[int, list[tuple[int, bytes | None]]] = field(default_factory=dict)
     grammar_complete: set[int] = field(default_factory=set)  # after the job's only row (no drafts)
     rejected: dict[int, str] = field(default_factory=dict)  # the job's grammar had no way on: no rows
+    # the job's lazy grammar fired at its last row: its draft is kept only that far, and it
+    # drafts no more (lazy_trigger.py)
+    triggered: set[int] = field(default_factory=set)
