@@ -34,9 +34,9 @@ from redis import Redis
 
 from backends.contract.catalogue import model_pools
 from backends.contract.connect import is_sentinel_url, parse_sentinel_url
-from backends.contract.keys import queue_key, queue_name
+from backends.contract.keys import queue_key, queue_name, tenant_queue_name
 from backends.contract.redact import redact_url
-from backends.contract.schema import PRIORITIES
+from backends.contract.schema import DEFAULT_TENANT, PRIORITIES
 from backends.llamacpp_settings import LlamaCppSettings
 from dispatcher import status as fleet_status
 from ecosystem.planner import Plan
@@ -365,13 +365,18 @@ def _scaled_object(settings: FleetSettings, cores: int, options: KubernetesOptio
     kind, connection = _trigger_connection(settings.redis_url)
     pool = settings.pool if model is None else model_pools(settings.models)[model]
     triggers: list[dict[str, Any]] = []
+    # a tenant's jobs wait in a list of its own (keys.tenant_queue_name): each configured tenant's
+    # lists count too, or a tenant's request would never start a worker from zero
+    tenants = [None, *sorted(t for t in settings.gateway.tenants if t != DEFAULT_TENANT)]
     for priority in PRIORITIES:
-        triggers.append({
-            "type": kind,
-            "name": f"q_{priority}",
-            "metadata": {**connection, "listName": queue_key(queue_name(pool, priority)),
-                         "listLength": str(target), "activationListLength": "0"},
-        })
+        for i, tenant in enumerate(tenants):
+            triggers.append({
+                "type": kind,
+                "name": f"q_{priority}" + (f"_t{i}" if tenant else ""),
+                "metadata": {**connection,
+                             "listName": queue_key(tenant_queue_name(queue_name(pool, priority), tenant)),
+                             "listLength": str(target), "activationListLength": "0"},
+            })
     name = _worker_name(model, settings)
     return {
         "apiVersion": "keda.sh/v1alpha1",

@@ -231,3 +231,18 @@ def test_a_model_catalogue_renders_a_worker_set_per_model_scaling_from_zero(tmp_
     assert float(waits["FLEET_GATEWAY__COLD_START_WAIT"]) > 0
     resources = docs["kustomization.yaml"]["resources"]
     assert sorted(resources) == sorted(n for n in docs if n != "kustomization.yaml")
+
+
+def test_tenants_queues_count_toward_scaling(tmp_path: Path) -> None:
+    """A tenant's jobs wait in lists of their own: the ScaledObject counts each configured
+    tenant's lists, so a tenant's request starts a worker from zero too."""
+    tenants = {"acme": {"api_keys": ["k-acme"]}, "beta": {"api_keys": ["k-beta"]}}
+    docs = render(tmp_path, gateway={"tenants": tenants})
+    so = docs["scaledobject.yaml"]
+    jsonschema.validate(so, scaled_object_schema())
+    lists = [t["metadata"]["listName"] for t in so["spec"]["triggers"]]
+    for priority in ("high", "default", "low"):
+        queue = f"rq:queue:llm:{priority}"
+        assert {queue, f"{queue}:acme", f"{queue}:beta"} <= set(lists)
+    names = [t["name"] for t in so["spec"]["triggers"]]
+    assert so["spec"]["advanced"]["scalingModifiers"]["formula"] == " + ".join(names) and len(set(names)) == 9
