@@ -126,12 +126,25 @@ class ScaleSuggestion:
                 "ttft_target_s": self.ttft_target_s, "suggested_workers": self.suggested_workers}
 
 
+def scaled_lists(settings: FleetSettings, pool: str) -> list[tuple[str, str]]:
+    """(trigger name, Redis list) of every list whose jobs count toward the pool's workers: its
+    priorities' queues, and each configured tenant's (keys.tenant_queue_name), or a tenant's
+    request would never start a worker from zero."""
+    tenants = [None, *sorted(t for t in settings.gateway.tenants if t != DEFAULT_TENANT)]
+    return [(f"q_{priority}" + (f"_t{i}" if tenant else ""),
+             queue_key(tenant_queue_name(queue_name(pool, priority), tenant)))
+            for priority in PRIORITIES for i, tenant in enumerate(tenants)]
+
+
 def suggest_scale(redis: Redis, settings: FleetSettings, cores: int | None, ttft_target: float,
                   tokens_per_s: float | None, min_workers: int, max_workers: int) -> ScaleSuggestion:
     """The worker count the pool's queue depth calls for, by the ScaledObject's formula. `cores`
     per worker: None takes the live workers' mean, else 2."""
     snap = fleet_status.snapshot(redis, settings.pool)
-    queued = sum(int(q["depth"]) for q in snap["queues"])
+    with redis.pipeline(transaction=False) as pipe:  # the lists the ScaledObject counts
+        for _, key in scaled_lists(settings, settings.pool):
+            pipe.llen(key)
+        queued = sum(int(n) for n in pipe.execute())
     live = snap["workers"]
     if cores is None:
         threads = [int(w.get("threads") or 0) for w in live if w.get("threads")]
@@ -364,19 +377,10 @@ def _scaled_object(settings: FleetSettings, cores: int, options: KubernetesOptio
     target = scale_target(settings, cores, options)
     kind, connection = _trigger_connection(settings.redis_url)
     pool = settings.pool if model is None else model_pools(settings.models)[model]
-    triggers: list[dict[str, Any]] = []
-    # a tenant's jobs wait in a list of its own (keys.tenant_queue_name): each configured tenant's
-    # lists count too, or a tenant's request would never start a worker from zero
-    tenants = [None, *sorted(t for t in settings.gateway.tenants if t != DEFAULT_TENANT)]
-    for priority in PRIORITIES:
-        for i, tenant in enumerate(tenants):
-            triggers.append({
-                "type": kind,
-                "name": f"q_{priority}" + (f"_t{i}" if tenant else ""),
-                "metadata": {**connection,
-                             "listName": queue_key(tenant_queue_name(queue_name(pool, priority), tenant)),
-                             "listLength": str(target), "activationListLength": "0"},
-            })
+    lists = scaled_lists(settings, pool)
+    per_list = {"listLength": str(target), "activationListLength": "0"}
+    triggers = [{"type": kind, "name": name, "metadata": {**connection, "listName": key, **per_list}}
+                for name, key in lists]
     name = _worker_name(model, settings)
     return {
         "apiVersion": "keda.sh/v1alpha1",
@@ -392,7 +396,7 @@ def _scaled_object(settings: FleetSettings, cores: int, options: KubernetesOptio
             "advanced": {
                 # HPA: replicas = ceil(sum of the pool's queues / target) = sizing.workers_needed
                 "scalingModifiers": {
-                    "formula": " + ".join(t["name"] for t in triggers),
+                    "formula": " + ".join(name for name, _ in lists),
                     "target": str(target),
                     "metricType": "AverageValue",
                 },

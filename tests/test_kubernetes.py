@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from click.testing import CliRunner
+from redis import Redis
 
 from dispatcher.gateway.settings import load_serve_settings
 from ecosystem.cli import cli
@@ -132,6 +133,11 @@ def test_scale_suggest_uses_the_scaled_objects_formula(redis_url: str, tmp_path:
     row = json.loads(result.output)
     target = math.floor(2 * 95 / 128 * 5)  # 7 queued jobs per worker
     assert row["queued"] == 100 and row["target_per_worker"] == target
+    # a configured tenant's jobs, in a list of their own, count as the ScaledObject counts them
+    Redis.from_url(redis_url).rpush("rq:queue:llm:default:acme", *[f"t{i}" for i in range(5)])
+    tenants = {"acme": {"api_keys": ["k"]}}
+    config.write_text(json.dumps({"redis_url": redis_url, "gateway": {"tenants": tenants}}))
+    assert json.loads(CliRunner().invoke(cli, args, catch_exceptions=False).output)["queued"] == 105
     assert row["suggested_workers"] == workers_needed(100, target, 1, 50) == math.ceil(100 / target) == 15
 
 
