@@ -23,6 +23,10 @@ class LlamaServerSettings(HttpSettings):
     """`backend.type: llama-server`; the context per job is the server's (`-c` / `--parallel`)."""
 
     type: Literal["llama-server"] = "llama-server"
+    tool_format: Literal["native", "generic"] = Field(
+        "native", description="chats with tools go to the server as sent (its --jinja template renders "
+        "them, its parser reads the calls back) where its template renders tools; generic: "
+        "llama-fleet's JSON tool format, as on a server without --jinja")
 
 
 class OllamaSettings(HttpSettings):

@@ -12,20 +12,29 @@ otherwise the backend builds the chat's tokens itself with every message as text
 rendered by the server around placeholders, as the in-process engine does; five more calls) and
 sends them to /completion, which streams raw text: the chat endpoint's parsing of the answer
 (reasoning split off, a JSON answer's fences) does not apply to such a chat.
+
+A chat with tools goes to a server with Jinja as sent, in its model's own dialect, where the
+server's template renders tools (backends/llama_server_native.py); its parsed deltas stream as the
+answer JSON. Such a chat is checked for control-token text in every text the template renders
+(tools, calls, thoughts too); one that holds any is lowered to the generic tool format here and
+goes the way above, its answer the generic format's JSON, which producers read alike.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
 from httpx_sse import connect_sse
 
-from backends.base import BackendUnavailable, Done, Event, JobRejected, Token
+from backends.base import BackendUnavailable, Event, JobRejected
+from backends.chat.openai_deltas import DeltaAnswer
 from backends.chat.placeholders import message_stand_in, place
-from backends.contract.schema import LOGIT_BIAS_BAN, FinishReason, GenerateRequest, Sampling
+from backends.contract import tools
+from backends.contract.schema import LOGIT_BIAS_BAN, GenerateRequest, Sampling
 from backends.contract.text_ops import TOKENIZE_FIELDS, TextRequest, out_of_vocabulary, too_many
 from backends.http_pool import (
     STATUS_ERRORS,
@@ -35,8 +44,18 @@ from backends.http_pool import (
     error_message,
     sampler_fields,
 )
-from backends.http_settings import HttpSettings
+from backends.http_settings import HttpSettings, LlamaServerSettings
+from backends.llama_server_chunks import ChatChunkReader, CompletionChunkReader
+from backends.llama_server_native import (
+    PROBE_CHAT,
+    ServerDialect,
+    answer_calls,
+    openai_message,
+    rendered_texts,
+    tool_fields,
+)
 
+log = logging.getLogger(__name__)
 # between the texts of one /tokenize call, which tokenizes each text alone and passes numbers through
 _SEP = -1
 
@@ -52,18 +71,30 @@ class LlamaServerBackend(HttpStreamBackend):
         super().__init__(settings, "llama-server", transport)
         self.server_slots = 0
         self.n_vocab: int | None = None  # read at the first detokenize
+        self.dialect = ServerDialect()
+        # a plain HttpSettings (tests, scripts) has no tool_format: the model's default
+        self.tool_format = settings.tool_format if isinstance(settings, LlamaServerSettings) else "native"
         self._start()
 
     def _discover_slots(self) -> int:
-        self.server_slots = self._server_slots()
+        props = self._props()
+        self.server_slots = self._server_slots(props)
+        self.dialect = self._read_dialect(props)
         return min(self.server_slots, self.settings.parallel or self.server_slots)
 
-    def _server_slots(self) -> int:
-        """The server's `--parallel`: total_slots from /props, else the length of /slots."""
+    def _props(self) -> dict[str, Any]:
         try:
             props = self._ask("GET", "/props")
-            if props.status_code == 200 and isinstance(props.json().get("total_slots"), int):
-                return max(1, int(props.json()["total_slots"]))
+            body = props.json() if props.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError) as e:
+            raise BackendUnavailable(f"{self.what}: cannot read its /props: {e}") from e
+        return body if isinstance(body, dict) else {}
+
+    def _server_slots(self, props: dict[str, Any]) -> int:
+        """The server's `--parallel`: total_slots from /props, else the length of /slots."""
+        if isinstance(props.get("total_slots"), int):
+            return max(1, int(props["total_slots"]))
+        try:
             slots = self._ask("GET", "/slots")
             if slots.status_code == 200 and isinstance(slots.json(), list):
                 return max(1, len(slots.json()))
@@ -71,8 +102,24 @@ class LlamaServerBackend(HttpStreamBackend):
             raise BackendUnavailable(f"{self.what}: cannot read its slot count: {e}") from e
         raise BackendUnavailable(f"{self.what}: neither /props nor /slots gives a slot count")
 
+    def _read_dialect(self, props: dict[str, Any]) -> ServerDialect:
+        """Whether the server renders with Jinja and its template renders tools (a chat offering
+        one tool, rendered by /apply-template: llama_server_native's docstring)."""
+        try:
+            answer = self._ask("POST", "/apply-template", json=PROBE_CHAT)
+            rendered = answer.json() if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as e:
+            # it answered /health and /props: its jobs will say what is wrong; tools go generic
+            log.warning("%s: cannot tell whether it renders tools (%s): generic tool format", self.what, e)
+            return ServerDialect()
+        return ServerDialect.read(props, answer.status_code, rendered)
+
+    def speaks(self, request: GenerateRequest) -> bool:
+        return self.dialect.speaks(request, self.tool_format)
+
     def stats(self) -> dict[str, object]:
-        return {**super().stats(), "server_slots": self.server_slots}
+        return {**super().stats(), "server_slots": self.server_slots, "jinja": self.dialect.jinja,
+                "native_tools": self.dialect.tools and self.tool_format == "native"}
 
     # -- one job ------------------------------------------------------------------------------------
 
@@ -81,13 +128,21 @@ class LlamaServerBackend(HttpStreamBackend):
         reader: ChatChunkReader | CompletionChunkReader
         path = "/completion"
         if request.messages is not None:
-            body = chat_body(request, s)
-            contents = [m.content for m in request.messages]
-            if self._read_as_text(contents):
+            native = self.speaks(request)
+            texts = rendered_texts(request) if native else [m.content for m in request.messages]
+            if self._read_as_text(texts):
+                body = chat_body(request, s, native=native)
                 path = "/v1/chat/completions"
-                reader = ChatChunkReader(job.job_id, request.top_logprobs)
+                # in the server's dialect, what it parsed streams as the answer JSON
+                in_json = native and tools.answers_in_json(request)
+                answer = DeltaAnswer(job.job_id, answer_calls(request)) if in_json else None
+                reader = ChatChunkReader(job.job_id, request.top_logprobs, answer)
             else:
-                body = prompt_body(self._chat_tokens(body, contents), request, s)
+                if native:  # the server would read control tokens in it: the generic format, as text
+                    request = tools.lower(request)[0]
+                assert request.messages is not None
+                contents = [m.content for m in request.messages]
+                body = prompt_body(self._chat_tokens(chat_body(request, s), contents), request, s)
                 reader = CompletionChunkReader(job.job_id, request.top_logprobs)
             if job.cancelled.is_set():  # cancelled while its chat was prepared
                 return
@@ -221,7 +276,7 @@ class LlamaServerBackend(HttpStreamBackend):
                 return {"content": self._post("/detokenize", {"tokens": request.tokens})["content"]}
             chat = request.chat
             assert chat is not None
-            body = chat_body(chat, chat.sampling(self.settings.sampling))
+            body = chat_body(chat, chat.sampling(self.settings.sampling), native=self.speaks(chat))
             return {"prompt": self._post("/apply-template", body)["prompt"]}
         except StreamFailure as e:
             raise (BackendUnavailable if e.retryable else JobRejected)(e.message) from None
@@ -291,15 +346,22 @@ def prompt_body(prompt: str | list[int], request: GenerateRequest, s: Sampling) 
     return body
 
 
-def chat_body(request: GenerateRequest, s: Sampling) -> dict[str, Any]:
-    """A chat job's `/v1/chat/completions` request."""
-    return {
+def chat_body(request: GenerateRequest, s: Sampling, *, native: bool = False) -> dict[str, Any]:
+    """A chat job's `/v1/chat/completions` request; `native`: with its tools, in the server's
+    own dialect. Thoughts stay in the text unless the request asks them apart (the server's own
+    default would split them off)."""
+    body = {
         **common_fields(s),
         **structured_fields(request),
-        "messages": [m.model_dump(exclude_none=True) for m in request.messages or []],
+        "messages": [openai_message(m) for m in request.messages or []],
         "max_tokens": s.max_tokens,
         "stream_options": {"include_usage": True},
+        "reasoning_format": request.reasoning_format or "none",
+        **(tool_fields(request) if native else {}),
     }
+    if request.chat_template_kwargs:
+        body["chat_template_kwargs"] = request.chat_template_kwargs
+    return body
 
 
 def _split_at_sep(tokens: list[int]) -> list[list[int]]:
@@ -310,104 +372,3 @@ def _split_at_sep(tokens: list[int]) -> list[list[int]]:
         else:
             out[-1].append(t)
     return out
-
-
-def cache_hits(timings: object) -> int:
-    """The prompt tokens llama-server found in its cache and did not prefill: its timings'
-    `cache_n`, on both endpoints (the chat endpoint's usage.prompt_tokens_details.cached_tokens
-    says the same)."""
-    return int(timings.get("cache_n") or 0) if isinstance(timings, dict) else 0
-
-
-class LogprobsCollector:
-    """Per-token log-probabilities from llama-server's chunks, kept in OpenAI's chat shape
-    ([{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]) for the result."""
-
-    def __init__(self, top: int | None) -> None:
-        self.top = top or 0
-        self.tokens: list[dict[str, Any]] = []
-
-    def add(self, entries: object) -> None:
-        for e in entries if isinstance(entries, list) else []:
-            tops = e.get("top_logprobs") or []
-            self.tokens.append({"token": e.get("token", ""), "logprob": e.get("logprob"),
-                                "bytes": e.get("bytes"),
-                                "top_logprobs": [{k: t.get(k) for k in ("token", "logprob", "bytes")}
-                                                 for t in tops[: self.top]]})
-
-    def extra(self) -> dict[str, Any]:
-        return {"logprobs": self.tokens} if self.tokens else {}
-
-
-class CompletionChunkReader:
-    """Reads `/completion` SSE chunks: {"content", "stop": false} ... then {"stop": true, ...usage}."""
-
-    def __init__(self, job_id: str, top_logprobs: int | None = None) -> None:
-        self.job_id = job_id
-        self.done: Done | None = None
-        self.logprobs = LogprobsCollector(top_logprobs)
-
-    def feed(self, chunk: dict[str, Any]) -> Iterator[Event]:
-        self.logprobs.add(chunk.get("completion_probabilities"))
-        if chunk.get("content"):
-            yield Token(self.job_id, chunk["content"])
-        if chunk.get("stop"):
-            stop_type = chunk.get("stop_type")
-            finish: FinishReason = "length" if stop_type == "limit" or chunk.get("truncated") else "stop"
-            self.done = Done(
-                self.job_id,
-                finish,
-                prompt_tokens=int(chunk.get("tokens_evaluated") or 0),
-                completion_tokens=int(chunk.get("tokens_predicted") or 0),
-                cached_tokens=cache_hits(chunk.get("timings")),
-                extra={
-                    "timings": chunk.get("timings", {}),
-                    "stop_type": stop_type,
-                    "stopping_word": chunk.get("stopping_word", ""),
-                    "tokens_cached": chunk.get("tokens_cached", 0),
-                    **self.logprobs.extra(),
-                },
-            )
-
-    def finish(self) -> None:
-        """The stream ended without a `stop: true` chunk: it was cut (leaves `done` unset)."""
-
-
-class ChatChunkReader:
-    """Reads `/v1/chat/completions` chunks: deltas, a chunk with finish_reason, then a usage chunk."""
-
-    def __init__(self, job_id: str, top_logprobs: int | None = None) -> None:
-        self.job_id = job_id
-        self.done: Done | None = None
-        self.logprobs = LogprobsCollector(top_logprobs)
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] = {}
-        self.timings: dict[str, Any] = {}
-
-    def feed(self, chunk: dict[str, Any]) -> Iterator[Event]:
-        for choice in chunk.get("choices") or []:
-            self.logprobs.add((choice.get("logprobs") or {}).get("content"))
-            text = (choice.get("delta") or {}).get("content")
-            if text:
-                yield Token(self.job_id, text)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        if chunk.get("timings"):
-            self.timings = chunk["timings"]
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-            self.finish()
-
-    def finish(self) -> None:
-        """At [DONE] or the usage chunk; without a finish_reason the stream was cut."""
-        if self.finish_reason is None:
-            return
-        self.done = Done(
-            self.job_id,
-            "length" if self.finish_reason == "length" else "stop",
-            prompt_tokens=int(self.usage.get("prompt_tokens") or 0),
-            completion_tokens=int(self.usage.get("completion_tokens") or 0),
-            cached_tokens=cache_hits(self.timings),
-            extra={"timings": self.timings, "server_finish_reason": self.finish_reason,
-                   **self.logprobs.extra()},
-        )

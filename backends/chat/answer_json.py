@@ -15,15 +15,19 @@ key, so the reader needs no other mode. `json.loads` of the whole would keep onl
 last value: read the text with the reader.
 
 `JsonScan` follows a JSON value's text as it arrives, for the parsers that must find where a
-call's arguments end. Importable without llama_cpp.
+call's arguments end; `CallLedger` keeps the calls an answer made, for every reader of a model's
+calls (its own syntax, or a server's parsed deltas). Importable without llama_cpp.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from backends.contract.tools import arguments_text, call_id, call_key
 
 KEYS = {"reasoning": "reasoning", "content": "response", "call": "tool_calls"}
 
@@ -60,6 +64,34 @@ class Piece:
     def extend(self, other: Piece) -> None:
         for kind, value in other.parts:
             self.add(kind, value)
+
+
+class CallLedger:
+    """The calls of one answer as they are read: each gets its id from the job id and how many
+    calls were kept before it (so the stream and the result agree); a call repeating an earlier
+    one word for word is dropped and marks the answer `repeated` (small models loop on a call)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.calls: list[dict[str, str]] = []
+        self.repeated = False
+        self._seen: set[str] = set()
+
+    def add(self, out: Piece, name: str, arguments: Any) -> None:
+        """Keep a call (`arguments`: parsed JSON, or JSON text some models were taught to write)
+        and add it to `out`, unless it repeats one."""
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):
+                arguments = json.loads(arguments)
+        key = call_key(name, arguments)
+        if key in self._seen:
+            self.repeated = True
+            return
+        self._seen.add(key)
+        call = {"id": call_id(self.job_id, len(self.calls)), "name": name,
+                "arguments": arguments_text(arguments)}
+        self.calls.append(call)
+        out.add("call", call)
 
 
 class AnswerJsonWriter:

@@ -23,17 +23,15 @@ an error. Each delta is read once (linear in the text). A call repeated word for
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.chat.answer_json import JsonScan, Piece
+from backends.chat.answer_json import CallLedger, JsonScan, Piece
 from backends.chat.reasoning import THINK, HarmonySplitter, Segment, ThoughtSplitter, partial_suffix
 from backends.contract.tool_specs import TOOL_NAME
-from backends.contract.tools import arguments_text, call_id, call_key
 
 
 def regex_escape(text: str) -> str:
@@ -139,10 +137,7 @@ class NativeAnswerParser:
 
     def __init__(self, syntax: ToolSyntax | None, reasoning_format: str, job_id: str,
                  starts_inside_thought: bool = False, *, read_calls: bool = True) -> None:
-        self.job_id = job_id
-        self.calls: list[dict[str, str]] = []
-        self.repeated = False  # a call repeated an earlier one word for word, and was dropped
-        self._seen: set[str] = set()
+        self.ledger = CallLedger(job_id)
         self._read_calls = read_calls and syntax is not None
         self._split: ThoughtSplitter | HarmonySplitter
         self._reader: _CallReader | None = None
@@ -152,7 +147,16 @@ class NativeAnswerParser:
         markers = syntax.thought if syntax is not None and syntax.thought else THINK
         self._split = ThoughtSplitter(reasoning_format, markers=markers, starts_inside=starts_inside_thought)
         if syntax is not None and self._read_calls:
-            self._reader = _CallReader(syntax, self._add_call)
+            self._reader = _CallReader(syntax, self.ledger.add)
+
+    @property
+    def calls(self) -> list[dict[str, str]]:
+        return self.ledger.calls
+
+    @property
+    def repeated(self) -> bool:
+        """A call repeated an earlier one word for word, and was dropped."""
+        return self.ledger.repeated
 
     def feed(self, delta: str) -> Piece:
         out = Piece()
@@ -174,25 +178,11 @@ class NativeAnswerParser:
                 if not self._read_calls:
                     continue  # a call nobody offered: dropped, as llama.cpp drops one
                 try:
-                    self._add_call(out, _valid_name(seg.name), json.loads(seg.text, strict=False))
+                    self.ledger.add(out, _valid_name(seg.name), json.loads(seg.text, strict=False))
                 except (ValueError, _Malformed):
                     out.add("content", seg.text)
             else:
                 out.add("content" if seg.kind == "text" else seg.kind, seg.text)
-
-    def _add_call(self, out: Piece, name: str, arguments: Any) -> None:
-        if isinstance(arguments, str):  # arguments as JSON text (some models were taught so)
-            with contextlib.suppress(ValueError):
-                arguments = json.loads(arguments)
-        key = call_key(name, arguments)
-        if key in self._seen:
-            self.repeated = True
-            return
-        self._seen.add(key)
-        call = {"id": call_id(self.job_id, len(self.calls)), "name": name,
-                "arguments": arguments_text(arguments)}
-        self.calls.append(call)
-        out.add("call", call)
 
 
 # -- reading calls -------------------------------------------------------------------------------

@@ -51,12 +51,16 @@ def answers_in_json(request: GenerateRequest) -> bool:
     return calls_tools(request) or request.reasoning_format not in (None, "none")
 
 
+def touches_tools(request: GenerateRequest) -> bool:
+    """Whether tools are offered, or the chat holds calls or their results."""
+    return bool(request.tools) or any(m.role == "tool" or m.tool_calls for m in request.messages or [])
+
+
 def lower(request: GenerateRequest) -> tuple[GenerateRequest, bool]:
     """The request an engine runs: roles system/user/assistant only, the tools in the system
     message and the answer's schema as `format` (unchanged for a chat without tools); and whether
     its answer is in the generic format."""
-    touched = any(m.role == "tool" or m.tool_calls for m in request.messages or [])
-    if not request.tools and not touched:
+    if not touches_tools(request):
         if not answers_in_json(request):
             return request, False
         # thoughts asked apart of an engine that does not read its model's: the words as answer JSON

@@ -161,8 +161,11 @@ def start_llama_server(
     extra_args: Sequence[str] = (),
     cpus: Sequence[int] = (),
 ) -> LlamaServer:
-    """`llama-server -m MODEL -np PARALLEL -c CTX -t THREADS --slots [EXTRA_ARGS]` on 127.0.0.1 (a
-    free port unless given); the log goes to log_dir. Waits for /health unless `wait` is False.
+    """`llama-server -m MODEL -np PARALLEL -c CTX -t THREADS --slots --jinja [EXTRA_ARGS]` on
+    127.0.0.1 (a free port unless given); the log goes to log_dir. Waits for /health unless `wait`
+    is False. `--jinja` (the pinned llama.cpp's default, said so that another build does the same)
+    comes before EXTRA_ARGS: a `--chat-template-file` there is read as Jinja only after it, and a
+    `--no-jinja` there turns it off.
     `cpus`: the cores it may run on, set before it starts (its threads inherit the mask; pinning
     a running server would move its main thread only)."""
     port = port or free_port()
@@ -170,7 +173,8 @@ def start_llama_server(
     log = log_dir / f"llama-server-{port}.log"
     args = [str(llama_server_binary()), "-m", str(model or default_model_path()),
             "--parallel", str(parallel), "-c", str(ctx), "-t", str(threads),
-            "--host", "127.0.0.1", "--port", str(port), "--slots", *peer_flags(), *extra_args]
+            "--host", "127.0.0.1", "--port", str(port), "--slots", "--jinja", *peer_flags(),
+            *extra_args]
     with log.open("ab") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                    preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
