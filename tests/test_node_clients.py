@@ -1,6 +1,7 @@
 """Node clients, unchanged, against a real `fleet serve` on a real worker and the real model: the
 `openai` npm client (chat, streamed and not) and the Vercel AI SDK (`ai` with
-`@ai-sdk/openai-compatible`: generateText, streamText), and tool calls from both.
+`@ai-sdk/openai-compatible`: generateText, streamText; with `@ai-sdk/anthropic` on the Messages
+API: the same, and its tool loop), and tool calls from each.
 tests/node/clients.mjs runs one function per case; scripts/setup installs its packages (npm ci
 from tests/node/package-lock.json)."""
 
@@ -64,3 +65,23 @@ def test_tool_calls_from_node(workers, gateways) -> None:
     ai = seen["ai-tool"]
     assert ai["calls"] >= 1 and ai["steps"] == 2, ai  # a call, then an answer with its result
     assert isinstance(ai["firstCall"]["city"], str)
+
+
+def test_vercel_ai_sdk_anthropic_provider_on_the_messages_api(workers, gateways) -> None:
+    """`createAnthropic({baseURL: <gateway>/v1})`: generateText and streamText give the text the
+    openai client gets (greedy, the same job), ending at max_tokens; its tool loop (a zod schema,
+    toolChoice required) calls the tool, sends the tool_result back and gets an answer."""
+    workers.start("w1", backend__slots=2)
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    seen = run_node(gw.url, "openai-chat", "anthropic-generate", "anthropic-stream", "anthropic-tool")
+    text = seen["openai-chat"]["text"]
+    for name in ("anthropic-generate", "anthropic-stream"):
+        assert seen[name]["text"] == text and seen[name]["finish"] == "length", (name, seen[name])
+        assert seen[name]["tokens"] == 8, (name, seen[name])
+    assert seen["anthropic-stream"]["parts"] > 1  # it streamed
+    loop = seen["anthropic-tool"]
+    assert loop["calls"] >= 1 and loop["steps"] == 2 and loop["firstFinish"] == "tool-calls", loop
+    first = loop["firstCall"]
+    assert isinstance(first["city"], str) and first["unit"] in ("celsius", "fahrenheit")
+    assert all(i.startswith("toolu_") for i in loop["callIds"]) and loop["finish"] in ("stop", "length")

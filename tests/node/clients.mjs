@@ -1,5 +1,6 @@
 // Node clients against a running `fleet serve`: the `openai` npm client and the Vercel AI SDK
-// (`ai` + `@ai-sdk/openai-compatible`), unchanged, as a Node application would use them.
+// (`ai` + `@ai-sdk/openai-compatible` on chat completions, `@ai-sdk/anthropic` on the Messages
+// API), unchanged, as a Node application would use them.
 //
 //   FLEET_BASE_URL=http://127.0.0.1:8000 node tests/node/clients.mjs openai-chat ai-stream ...
 //
@@ -7,9 +8,11 @@
 // prints one JSON line {"case", ...what it saw} that tests/test_node_clients.py compares across
 // cases. A new case (a tool call, say) is one more function and one more entry in CASES.
 
+import { createAnthropic } from "@ai-sdk/anthropic";
 import { createOpenAICompatible } from "@ai-sdk/openai-compatible";
 import { generateText, jsonSchema, streamText, tool } from "ai";
 import OpenAI from "openai";
+import { z } from "zod";
 
 const baseURL = `${process.env.FLEET_BASE_URL}/v1`;
 const apiKey = process.env.FLEET_API_KEY ?? "unused";
@@ -19,6 +22,8 @@ const PROMPT = "Write a sentence about the sea.";
 
 const openai = new OpenAI({ baseURL, apiKey, maxRetries: 0 });
 const fleet = createOpenAICompatible({ name: "llama-fleet", baseURL, apiKey, includeUsage: true });
+// the Messages API: the provider posts to `${baseURL}/messages` with x-api-key
+const claude = createAnthropic({ baseURL, apiKey });
 
 function check(condition, message) {
   if (!condition) throw new Error(message);
@@ -55,17 +60,17 @@ async function openaiChatStream() {
   return { text, finish, tokens, chunks };
 }
 
-async function aiGenerate() {
+async function generate(model) {
   const result = await generateText({
-    model: fleet(MODEL), prompt: PROMPT, maxOutputTokens: MAX_TOKENS, temperature: 0, maxRetries: 0,
+    model, prompt: PROMPT, maxOutputTokens: MAX_TOKENS, temperature: 0, maxRetries: 0,
   });
   return { text: result.text, finish: result.finishReason, tokens: result.usage.outputTokens };
 }
 
-async function aiStream() {
+async function stream(model) {
   const errors = [];
   const result = streamText({
-    model: fleet(MODEL), prompt: PROMPT, maxOutputTokens: MAX_TOKENS, temperature: 0, maxRetries: 0,
+    model, prompt: PROMPT, maxOutputTokens: MAX_TOKENS, temperature: 0, maxRetries: 0,
     onError: ({ error }) => errors.push(String(error)),
   });
   const parts = [];
@@ -100,16 +105,16 @@ async function openaiTool() {
   return { name: call.function.name, args, id: call.id, finish: choice.finish_reason };
 }
 
-async function aiTool() {
+async function toolLoop(model, inputSchema) {
   // the Vercel AI SDK's tool loop: the model calls the tool, the SDK runs it and sends the result
   // back, the model answers; toolChoice "required" only on the first step
   const calls = [];
   const result = await generateText({
-    model: fleet(MODEL), prompt: ASK, maxOutputTokens: 128, temperature: 0, maxRetries: 0,
+    model, prompt: ASK, maxOutputTokens: 128, temperature: 0, maxRetries: 0,
     tools: {
       get_weather: tool({
         description: "Weather in a city",
-        inputSchema: jsonSchema(WEATHER),
+        inputSchema,
         execute: async (input) => { calls.push(input); return { temperature: 21, sky: "clear" }; },
       }),
     },
@@ -119,17 +124,25 @@ async function aiTool() {
   });
   check(calls.length >= 1, "the tool never ran");
   check(typeof calls[0].city === "string", JSON.stringify(calls[0]));
+  const first = result.steps[0];
   return { calls: calls.length, firstCall: calls[0], steps: result.steps.length, text: result.text,
-           finish: result.finishReason };
+           finish: result.finishReason, firstFinish: first.finishReason,
+           callIds: first.toolCalls.map((c) => c.toolCallId) };
 }
+
+// the same tool as a zod schema (what the AI SDK's own examples use)
+const WEATHER_ZOD = z.object({ city: z.string(), unit: z.enum(["celsius", "fahrenheit"]) });
 
 const CASES = {
   "openai-chat": openaiChat,
   "openai-chat-stream": openaiChatStream,
-  "ai-generate": aiGenerate,
-  "ai-stream": aiStream,
+  "ai-generate": () => generate(fleet(MODEL)),
+  "ai-stream": () => stream(fleet(MODEL)),
   "openai-tool": openaiTool,
-  "ai-tool": aiTool,
+  "ai-tool": () => toolLoop(fleet(MODEL), jsonSchema(WEATHER)),
+  "anthropic-generate": () => generate(claude(MODEL)),
+  "anthropic-stream": () => stream(claude(MODEL)),
+  "anthropic-tool": () => toolLoop(claude(MODEL), WEATHER_ZOD),
 };
 
 const wanted = process.argv.slice(2);
