@@ -20,7 +20,7 @@ import contextlib
 import ctypes
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,8 @@ from backends.base import (
     BackendUnavailable,
     Bilingual,
     Done,
+    Embedder,
+    Embedding,
     Event,
     Failed,
     GenerateRequest,
@@ -288,6 +290,15 @@ class ModelView:
     def __init__(self, shelf: ModelShelf, model: Loaded, load_ms: float | None) -> None:
         self.shelf, self.model, self.engine, self.load_ms = shelf, model, model.engine, load_ms
         self.name, self.slots = model.engine.name, model.engine.slots
+        self.embeds_only = shelf.entries[model.name].embedding
+        if isinstance(self.engine, Embedder):  # only then is the view an Embedder
+            self.embed_batch = self.engine.embed_batch
+
+    def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
+        if self.model.name not in self.shelf.held or not isinstance(self.engine, Embedder):
+            raise BackendUnavailable(f"model {self.model.name!r} was unloaded")  # the job goes again
+        self.model.last_used = time.monotonic()
+        return self.engine.embed(texts, truncate)
 
     def _held(self, job_id: str) -> None:
         self.model.jobs.add(job_id)
@@ -296,13 +307,17 @@ class ModelView:
             self.shelf.load_ms[job_id] = self.load_ms
 
     def admit(self, job_id: str, request: GenerateRequest) -> None:
+        if self.embeds_only:
+            raise JobRejected(f"model {self.model.name!r} is an embedding model: it embeds (/v1/embeddings, "
+                              "/api/embed) and generates nothing")
         self.engine.admit(job_id, request)
         self._held(job_id)
         if request.keep_alive is not None:  # Ollama's rule: the last request's keep_alive holds
             self.model.keep_alive = request.keep_alive
 
     def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
-        resumed = isinstance(self.engine, Resumable) and self.engine.resume(job_id, request, delivered)
+        resumed = (not self.embeds_only and isinstance(self.engine, Resumable)
+                   and self.engine.resume(job_id, request, delivered))
         if resumed:
             self._held(job_id)
         return resumed

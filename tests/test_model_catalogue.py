@@ -309,3 +309,31 @@ def test_a_pinned_model_stays(workers: Any, gateways: Any, redis_url: str,
     time.sleep(2)
     assert loaded(redis, "w1") == [Q4] and job.status() == "queued"
     job.cancel()
+
+
+def test_an_embedding_entry_beside_generation_models(workers: Any, gateways: Any, redis: Redis,
+                                                     catalogue: dict[str, dict[str, Any]]) -> None:
+    """An embedding-only catalogue entry on the same worker as a chat model: /v1/embeddings on it
+    loads it and embeds (the official openai client), a chat for it is refused with the reason,
+    and the chat model generates beside it."""
+    import openai
+
+    embed = "embed:270m"
+    models = {**catalogue, embed: {"path": catalogue[Q4]["path"], "embedding": True}}
+    workers.start("w1", models=models, backend__slots=2)
+    gw = gateways.start(models=models)
+    wait_until_healthy(gw)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="none")
+    vectors = client.embeddings.create(model=embed, input=["a cat", "a dog", "a cat"]).data
+    assert len(vectors) == 3 and len(vectors[0].embedding) == 640  # gemma-3-270m's embedding length
+    assert vectors[0].embedding == vectors[2].embedding != vectors[1].embedding
+    assert loaded(redis, "w1") == [embed]
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.APIStatusError, match="embedding model") as refused:
+        client.chat.completions.create(model=embed, messages=hi, max_tokens=4)  # type: ignore[arg-type]
+    assert 400 <= refused.value.status_code < 500
+    chat = client.chat.completions.create(model=Q4, messages=hi, max_tokens=4)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content
+    wait_for(lambda: loaded(redis, "w1") == [embed, Q4], 5, "both loaded")
+    show = httpx.post(f"{gw.url}/api/show", json={"model": embed}).json()
+    assert show["capabilities"] == ["embedding"]

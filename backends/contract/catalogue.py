@@ -70,6 +70,8 @@ class ModelEntry(BaseModel):
     slots: int | None = Field(None, ge=1, le=256, description="jobs one copy runs at once")
     chat_template_file: Path | None = Field(None, description="a Jinja chat template instead of the GGUF's")
     pinned: bool = Field(False, description="loaded at a serving worker's start and never unloaded")
+    embedding: bool = Field(False, description="an embedding model: its jobs are embeddings, a generation "
+                            "job for it is refused")
     keep_alive: float = Field(KEEP_ALIVE, description="seconds an idle copy stays loaded (a number or a "
                               "Go duration such as \"5m\"); negative: for good")
     memory_mb: int | None = Field(None, ge=1, description="RAM one loaded copy takes; None: estimated "

@@ -167,7 +167,8 @@ def catalogue_cards(settings: ServeSettings) -> dict[str, dict[str, Any]]:
         entry = settings.models[name]
         try:
             cards[pool] = {**file_card(entry.path), "context_length": entry.n_ctx_per_seq or 0,
-                           "digest": cached_digest(entry.path) or ""}
+                           "digest": cached_digest(entry.path) or "",
+                           **({"capabilities": ["embedding"]} if entry.embedding else {})}
         except (OSError, GgufError) as e:
             log.warning("model %s: no card from %s (%s)", name, entry.path, e)
     return cards

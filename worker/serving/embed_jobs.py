@@ -44,6 +44,7 @@ log = logging.getLogger("fleet.worker")
 class _Job:
     id: str
     request: EmbedRequest
+    embedder: Embedder  # the engine of its model (a catalogue worker holds several)
     vectors: list[str] = field(default_factory=list)  # encoded, in input order
     tokens: int = 0
     taken: int = 0  # inputs handed to the engine so far
@@ -59,12 +60,15 @@ class EmbedQueue:
     def held(self) -> int:
         return len(self.jobs)
 
-    def add(self, job_id: str, request: EmbedRequest) -> None:
-        """Queue a started job; JobRejected when this worker's engine cannot embed (the
-        worker's setup, not the request: no REJECTED mark)."""
-        if self.embedder is None:
-            raise JobRejected(f"this worker's engine ({self.backend.name}) does not embed")
-        self.jobs[job_id] = _Job(job_id, request)
+    def add(self, job_id: str, request: EmbedRequest, engine: object = None) -> None:
+        """Queue a started job on `engine` (its model's, on a catalogue worker; None: the
+        worker's); JobRejected when that engine cannot embed (the worker's setup, not the
+        request: no REJECTED mark)."""
+        embedder = engine if isinstance(engine, Embedder) else self.embedder if engine is None else None
+        if embedder is None:
+            name = getattr(engine, "name", self.backend.name)
+            raise JobRejected(f"this worker's engine ({name}) does not embed")
+        self.jobs[job_id] = _Job(job_id, request, embedder)
 
     def cancel(self, job_id: str) -> bool:
         """True when it was an embedding job here: it ends cancelled at the next step."""
@@ -76,16 +80,18 @@ class EmbedQueue:
 
     def step(self) -> list[Event]:
         events, self._ended = self._ended, []
-        if not self.jobs or self.embedder is None:
+        if not self.jobs:
             return events
+        embedder = next(iter(self.jobs.values())).embedder  # the oldest job's model this turn
         batch: list[tuple[_Job, int]] = []  # (job, input index)
         for job in self.jobs.values():
-            while job.taken < len(job.request.input) and len(batch) < self.embedder.embed_batch:
+            while (job.embedder is embedder and job.taken < len(job.request.input)
+                   and len(batch) < embedder.embed_batch):
                 batch.append((job, job.taken))
                 job.taken += 1
         try:
-            out = self.embedder.embed([j.request.input[i] for j, i in batch],
-                                      [j.request.truncate for j, _ in batch])
+            out = embedder.embed([j.request.input[i] for j, i in batch],
+                                 [j.request.truncate for j, _ in batch])
         except InputRejected as e:
             job, index = batch[e.index]
             self._fail(events, job, f"{REJECTED}input {index} {e}")

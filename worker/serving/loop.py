@@ -306,7 +306,7 @@ class FleetWorker:
             if isinstance(request, TextRequest):  # answered now: a tokenizer call, no slot held
                 self._apply([answer_text(backend, job_id, request)], time.monotonic())
             elif isinstance(request, EmbedRequest):
-                self.embeds.add(job_id, request)
+                self.embeds.add(job_id, request, None if backend is self.backend else backend)
             elif isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, request):
                 self.counters.resumed += 1  # continues its last attempt's text (worker/claiming/handover.py)
             else:
