@@ -22,7 +22,7 @@ from backends.contract import tools
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend, model
 from backends.llamacpp.scheduler import DecodeCall
-from backends.llamacpp.state import Sampled
+from backends.llamacpp.state import ActiveJob, Sampled
 from backends.llamacpp_settings import LlamaCppSettings
 
 pytestmark = pytest.mark.timeout(900)
@@ -77,19 +77,26 @@ def run(b: LlamaCppBackend, body: dict[str, Any]) -> tuple[str, str, list[int], 
 
     scheduler.update = watched  # type: ignore[method-assign]
     try:
-        b.admit("j", request)
-        job = b.scheduler.active["j"]
-        text: list[str] = []
-        while True:
-            for ev in b.step(0.0):
-                if isinstance(ev, Token):
-                    text.append(ev.text)
-                elif isinstance(ev, Done):
-                    return "".join(text), ev.finish_reason, list(job.output), calls
-                elif isinstance(ev, Failed):
-                    raise AssertionError(ev)
+        text, finish, job = one_job(b, request)
+        return text, finish, list(job.output), calls
     finally:
         del scheduler.update
+
+
+def one_job(b: LlamaCppBackend, request: GenerateRequest) -> tuple[str, str, ActiveJob]:
+    """A job alone on the engine, to its end: its stream, its finish reason and its state (the
+    tokens it generated)."""
+    b.admit("j", request)
+    job = b.scheduler.active["j"]
+    text: list[str] = []
+    while True:
+        for ev in b.step(0.0):
+            if isinstance(ev, Token):
+                text.append(ev.text)
+            elif isinstance(ev, Done):
+                return "".join(text), ev.finish_reason, job
+            elif isinstance(ev, Failed):
+                raise AssertionError(ev)
 
 
 def test_a_plain_answer_drafts_and_reads_as_without_drafts(engines: dict[int, LlamaCppBackend]) -> None:

@@ -5,7 +5,8 @@ sampled answer picks. 100 required calls of the Hermes family are the soak run (
 
 DeepSeek R1's and gpt-oss's templates think first (R1's opens the thought in the prompt; gpt-oss's
 analysis channel may come before a call): the small model never ends its thought, so their calls
-are held token by token against the grammar in tests/test_tool_grammar.py instead."""
+are held token by token against the grammar in tests/test_tool_grammar.py instead (and
+tests/test_thought_budget.py ends R1's thought with a budget: its required call follows)."""
 
 from __future__ import annotations
 

@@ -145,6 +145,9 @@ class GenerateRequest(BaseModel):
     # text; "auto"/"deepseek" return them apart (the answer streams as the answer JSON, tools.py);
     # "deepseek-legacy" both. None: "none" (the producer decides how it reads the stream)
     reasoning_format: ReasoningFormat | None = None
+    # the most tokens a thinking model's thought may have: then the engine writes the thought's
+    # end marker and the answer follows (0: no thought; enable_thinking false). None: no limit
+    reasoning_budget: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
     # variables the model's own (Jinja) chat template reads: enable_thinking, reasoning_effort...
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = Field(None, max_length=16)
     # Ollama's keep_alive, in seconds (-1: for good): how long the model stays loaded once idle,
@@ -259,7 +262,8 @@ class GenerateRequest(BaseModel):
         bias = tuple(sorted((int(tok), b) for tok, b in (self.logit_bias or {}).items()))
         return Sampling(**d, seed=self.seed, stop=list(self.stop), format=self.format, top_logprobs=top,
                         min_tokens=min(self.min_tokens, d["max_tokens"]), ignore_eos=self.ignore_eos,
-                        logit_bias=bias, end_at_repeated_call=self.end_at_repeated_call)
+                        logit_bias=bias, end_at_repeated_call=self.end_at_repeated_call,
+                        reasoning_budget=self.reasoning_budget)
 
 
 def check_json_schema(schema: dict[str, Any]) -> None:
@@ -316,6 +320,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) by id; -100 bans the token
     end_at_repeated_call: bool = False  # a generic-format tool answer: it ends at a repeated call
     dialect: AnswerDialect | None = None  # the model's own calls and thoughts, read into answer JSON
+    reasoning_budget: int | None = None  # tokens a thought may have (None: no limit)
 
     def bans_eog(self) -> bool:
         """Whether end-of-generation tokens are masked for some of the job's tokens (they are

@@ -7,6 +7,7 @@ tool format (backends/contract/tools.py) before the engine sees it."""
 from __future__ import annotations
 
 from backends.base import JobRejected
+from backends.chat.reasoning import THINK
 from backends.chat.tool_syntax import ToolSyntax, detect
 from backends.contract import tools
 from backends.contract.schema import AnswerDialect, GenerateRequest
@@ -26,6 +27,10 @@ class ModelDialect:
         self.thinking = bool(jinja and jinja.template.caps.thinking)
         if self.own_syntax is not None:
             model.preserve(self.own_syntax.preserved)
+        # where a thought starts and ends, as the answer's reader finds it (a reasoning budget
+        # holds it: thought_budget.py); None: no markers (gpt-oss's channels, a plain template)
+        self.thought: tuple[str, str] | None = (
+            self.own_syntax.thought if self.own_syntax is not None else THINK if self.thinking else None)
 
     def speaks(self, request: GenerateRequest) -> bool:
         """Whether the engine takes the request as sent (its model's own template renders its

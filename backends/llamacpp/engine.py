@@ -46,6 +46,7 @@ from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.model import LoadedModel, load_weights
 from backends.llamacpp.sampling import check_format, check_logit_bias, compile_dialect, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
+from backends.llamacpp.thought_budget import thinking_off
 from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
 from backends.model_card import capabilities, gguf_card
@@ -95,6 +96,7 @@ class LlamaCppBackend:
                                  per_slot=self.per_slot)
         self.kv, self.scheduler = self._bookkeeping()
         self.dialect = ModelDialect(self.model, settings.tool_format)
+        self.executor.thought = self.dialect.thought
         self._finished: list[Event] = []
         self.grammar_rejections = 0
         self.faults = 0
@@ -130,6 +132,7 @@ class LlamaCppBackend:
     def admit(self, job_id: str, request: GenerateRequest) -> None:
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")  # before tokenizing: the worker checks first
+        request = thinking_off(request)
         tokens = self.model.prompt_tokens(request)
         sampling = request.sampling(self.settings.sampling)
         if (dialect := self.dialect.of(request, tokens)) is not None:
@@ -153,6 +156,7 @@ class LlamaCppBackend:
             raise RuntimeError("no free slot")
         if tools.answers_in_json(request) and self.dialect.speaks(request):
             return False  # its stream holds the answer JSON read from the text, not the text
+        request = thinking_off(request)
         sampling = request.sampling(self.settings.sampling)
         check_logit_bias(self.model, sampling)
         more = self.model.tokenize(delivered, special=False, add_special=False)

@@ -48,6 +48,7 @@ class Executor:
         self._samplers: list[SequenceSampler | None] = [None] * n_streams
         self._candidates: Candidates | None = None  # made for the first job with a grammar
         self._top = TopCandidates()  # sampling is one sequence at a time: one array serves all
+        self.thought: tuple[str, str] | None = None  # the template's thought markers (the engine's)
         self._logits_row = [-1] * n_streams  # per sequence id: its logits' row in the last batch
         # checkpoints of sequences' windowed layers (kv.py: Save, Restore), by (seq id, position)
         self._checkpoints: dict[tuple[int, int], ctypes.Array[ctypes.c_uint8]] = {}
@@ -145,7 +146,7 @@ class Executor:
         if job.sampling.constrained() and self._candidates is None:
             self._candidates = Candidates(self.model.n_vocab)
         self._samplers[job.seq_id] = SequenceSampler(self.model, job.sampling, job.tokens, self._candidates,
-                                                     self._top, resumed=job.resumed)
+                                                     self._top, resumed=job.resumed, thought=self.thought)
 
     def close_sequence(self, seq_id: int) -> None:
         sampler = self._samplers[seq_id]

@@ -15,6 +15,10 @@ output) and optional log-probabilities.
   re-filter first tries the SHORTLIST best logits (a few ms instead of 60-200 ms for 262k pieces):
   when at least as many of them pass as the chain keeps (its top-k; 1 for plain greedy), the
   chain picks exactly what it would pick from the whole filtered vocabulary; else the whole one.
+- A lazy grammar (a model's own calls) before its trigger changes no pick (its apply() returns at
+  once): the chain picks as for a job without a grammar, and the grammar takes the token, while a
+  Python watch sees when it fires (lazy_trigger.py: until then the job may draft).
+- A thought past its budget gets the template's end marker instead of a pick (thought_budget.py).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from backends.llamacpp.candidates import Candidates, TopCandidates
 from backends.llamacpp.lazy_trigger import TriggerWatch, mirrors
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.schema_grammar import GrammarTooLarge, check_gbnf, json_schema_to_gbnf
+from backends.llamacpp.thought_budget import thought_budget
 
 log = logging.getLogger("fleet.engine")
 
@@ -226,7 +231,8 @@ def grammar_allows(grammar: ll.llama_sampler_p, tok: int) -> bool:
 
 class SequenceSampler:
     def __init__(self, model: LoadedModel, s: Sampling, prompt: list[int],
-                 candidates: Candidates | None, top: TopCandidates | None = None, resumed: int = 0) -> None:
+                 candidates: Candidates | None, top: TopCandidates | None = None, resumed: int = 0,
+                 thought: tuple[str, str] | None = None) -> None:
         self.model = model
         self.chain = sampler_chain(s, model.n_vocab)
         if s.has_penalties():  # like llama-server: the prompt's tokens count towards the penalties
@@ -273,13 +279,17 @@ class SequenceSampler:
         # logit_bias is added to the row itself for the same reason: every path sees it (the
         # greedy argmax, TopCandidates, chains, grammars, drafts, logprobs)
         self.bias = bias_arrays(s)
+        # a thought held to its budget (thought_budget.py; `thought`: the template's markers)
+        self.budget = thought_budget(model, s.reasoning_budget, thought, prompt, resumed)
 
     def sample(self, ctx: ll.llama_context_p, row: int) -> int:
         if self.bias is not None:
             self._logits(ctx, row)[self.bias[0]] += self.bias[1]
         if self.eog_ids is not None:
             self._ban_eog(ctx, row)
-        if self.greedy_alone:
+        if (forced := self._forced()) is not None:
+            tok = self._take(forced)
+        elif self.greedy_alone:
             # llama_sampler_sample would first copy all 262k logits into candidate structs
             # (~0.35 ms per sequence); greedy takes the first maximum, as np.argmax does
             tok = int(self._logits(ctx, row).argmax())
@@ -291,6 +301,26 @@ class SequenceSampler:
             tok = self._sample_constrained(ctx, row)
         if self.top_logprobs is not None:
             self.logprobs.append(self._logprob_entry(self._logits(ctx, row), tok))
+        if self.budget is not None:
+            self.budget.accept(tok)
+        return tok
+
+    def _forced(self) -> int | None:
+        """The thought's end marker's next token once its budget is spent; a grammar that would
+        refuse it (a call begun inside the thought) keeps its say, and the budget gives way."""
+        tok = self.budget.forced() if self.budget is not None else None
+        if tok is not None and self.grammar is not None and not self.grammar_waits \
+                and not self._grammar_allows(tok):
+            assert self.budget is not None
+            self.budget.give_up()
+            return None
+        return tok
+
+    def _take(self, tok: int) -> int:
+        """A forced token, taken as if sampled: the chain (penalties) and the grammar see it."""
+        ll.llama_sampler_accept(self.chain, tok)
+        if self.grammar is not None:
+            self._into_grammar(tok)
         return tok
 
     def _ban_eog(self, ctx: ll.llama_context_p, row: int) -> None:

@@ -4,8 +4,8 @@ fields, and the job -> a Message object or its stream of events; errors in Anthr
 
 Tool shapes go through openai_tools.py (a tool_use block is an assistant's call, a tool_result
 a `tool` message), so a call is generated, read and identified exactly as on chat completions.
-Images, documents, extended thinking and server tools are a 400 naming them. Imports nothing
-from Starlette.
+Images, documents and server tools are a 400 naming them; `thinking` shows the thoughts apart
+and sets their budget (reasoning.py). Imports nothing from Starlette.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def prompt_fields(body: dict[str, Any], thinks: bool = False) -> dict[str, Any]:
     """What shapes the prompt the worker runs: the messages, the tools and how they may be used,
     the answer's format, whether the model thinks (`thinking`: the template's enable_thinking)."""
     fields: dict[str, Any] = _output_config(body.get("output_config"))
-    fields.update(reasoning_fields(thinks, enable=thinking_enabled(body)))
+    fields.update(reasoning_fields(thinks, enable=thinking_enabled(body), budget=thinking_budget(body)))
     fields.update(_tools(body))
     messages = _messages(body.get("messages"))
     if "system" in body:
@@ -114,7 +114,7 @@ def prompt_fields(body: dict[str, Any], thinks: bool = False) -> dict[str, Any]:
 
 def thinking_enabled(body: dict[str, Any]) -> bool | None:
     """Anthropic's `thinking`: {"type": "enabled", "budget_tokens": n} or {"type": "disabled"}
-    (None: not said). The budget is taken and not enforced: the template decides how long."""
+    (None: not said)."""
     thinking = body.get("thinking")
     if thinking is None:
         return None
@@ -123,6 +123,19 @@ def thinking_enabled(body: dict[str, Any]) -> bool | None:
         raise invalid("thinking", 'thinking must be {"type": "enabled", "budget_tokens": N} or '
                       '{"type": "disabled"}')
     return kind != "disabled"
+
+
+def thinking_budget(body: dict[str, Any]) -> tuple[object, str]:
+    """The thought's budget `thinking` sets, for reasoning_fields: budget_tokens where enabled
+    (the engine ends a thought that reaches it), 0 where disabled (no thought, even where the
+    template opens one anyway); none where adaptive or not said. Anthropic asks for 1,024 tokens
+    at least; a local model's budget may be smaller."""
+    thinking = body.get("thinking")
+    if thinking_enabled(body) is False:
+        return 0, "thinking"
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return thinking.get("budget_tokens"), "thinking.budget_tokens"
+    return None, "thinking"
 
 
 def _metadata(metadata: object) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dispatcher.gateway.openai_tools import (
     message_fields,
     tool_fields,
 )
-from dispatcher.gateway.reasoning import reasoning_fields
+from dispatcher.gateway.reasoning import BUDGET_FIELDS, budget_field, reasoning_fields
 
 # llama-server's and vLLM's extensions to OpenAI's bodies (the openai SDK sends them as extra_body)
 EXTENSION_FIELDS = ("ignore_eos", "min_tokens")
@@ -29,7 +29,7 @@ COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "seed", "max_
                  "top_p", "presence_penalty", "frequency_penalty", "logprobs", "user", "response_format",
                  "prompt_cache_key", "logit_bias", *EXTENSION_FIELDS}
 # llama-server's thinking fields (dispatcher/gateway/reasoning.py)
-REASONING_FIELDS = ("reasoning_format", "chat_template_kwargs", "reasoning_effort")
+REASONING_FIELDS = ("reasoning_format", "chat_template_kwargs", "reasoning_effort", *BUDGET_FIELDS)
 CHAT_FIELDS = COMMON_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
                                              *REASONING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
@@ -81,7 +81,7 @@ def job_fields(body: dict[str, Any], chat: bool, thinks: bool = False) -> tuple[
     if chat:
         fields.update(reasoning_fields(thinks, fmt=body.get("reasoning_format"),
                                        effort=body.get("reasoning_effort"),
-                                       kwargs=body.get("chat_template_kwargs")))
+                                       kwargs=body.get("chat_template_kwargs"), budget=budget_field(body)))
         return [{**fields, **tool_fields(body), "messages": _messages(body.get("messages"))}], n
     return [{**fields, "prompt": p} for p in _prompts(body.get("prompt"))], n
 
