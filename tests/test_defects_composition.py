@@ -164,3 +164,38 @@ def test_a_schema_no_finite_answer_satisfies_is_refused(workers: Any, gateways: 
         "next": {"$ref": "#/$defs/n"}}, "required": ["next"]}]}}, "$ref": "#/$defs/n"}
     fine = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": tree}}}
     assert httpx.post(f"{gw.url}/v1/chat/completions", json=fine, timeout=60).status_code == 200
+
+
+def test_a_tenants_request_for_a_catalogue_model_survives_its_workers_death(redis: Redis, workers: Any,
+                                                                            gateways: Gateways) -> None:
+    """The model catalogue with tenants and placement on: a tenant's request for a model that no
+    worker holds yet is loaded by one worker; that worker is killed mid-stream; the survivor
+    loads the model, finishes the job (attempt 2) and the tenant's places are given back. (Fake
+    engine: the shelf gives each model an engine of its own, the queue rules are the real ones.)"""
+    models = {"chat:1b": {"path": "/models/chat.gguf"}, "coder:1b": {"path": "/models/coder.gguf"}}
+    started = [workers.start(n, **FAKE, models=models, **SETTINGS) for n in ("w1", "w2")]
+    gw = gateways.start(models=models, **SETTINGS)
+    wait_until_healthy(gw)
+    answer: dict[str, Any] = {}
+
+    def ask() -> None:
+        answer["r"] = httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer key-gamma"},
+                                 json={"model": "coder:1b", "prompt": LONG, "max_tokens": 150}, timeout=120)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    key = "fleet:copies:coder-1b"
+    holder = wait_for(lambda: next((n.decode() for n in redis.hkeys(key)), None), 30, "a worker to load it")
+    assert redis.hlen(key) == 1  # loaded once
+    victim = {w.name: w for w in started}[holder]
+    time.sleep(0.5)  # mid-stream
+    os.kill(victim.process.pid, signal.SIGKILL)
+    victim.process.wait(10)
+    asking.join(120)
+    reply = answer["r"]
+    assert reply.status_code == 200, reply.text
+    survivor = next(w.name for w in started if w.name != holder)
+    assert reply.json()["choices"][0]["text"]
+    wait_for(lambda: [n.decode() for n in redis.hkeys(key)] == [survivor], 15, "the survivor to hold it")
+    wait_for(lambda: not redis.zcard(tenant_open_key("gamma")), 30, "the tenant's places to be given back")
+    assert not queue_violations(redis), queue_violations(redis)

@@ -37,6 +37,7 @@ from backends.contract.keys import (
     execution_key,
     inflight_key,
     job_key,
+    model_copies_key,
     rq_worker_key,
     started_registry_key,
     worker_key,
@@ -146,7 +147,8 @@ class Reaper:
                 pipe.execute()
 
     def _forget_rq_worker(self, name: str) -> None:
-        """Keep `rq info` truthful: a dead worker leaves RQ's worker registry now, not in a minute."""
+        """Keep `rq info` truthful: a dead worker leaves RQ's worker registry now, not in a minute;
+        and the models it held (a catalogue worker's copies entries, one per pool it served)."""
         rq_key = rq_worker_key(name)
         queues = (as_str(self.redis.hget(rq_key, "queues")) or "").split(",")
         with self.redis.pipeline(transaction=False) as pipe:
@@ -154,6 +156,8 @@ class Reaper:
             pipe.srem(REDIS_WORKER_KEYS, rq_key)
             for queue in filter(None, queues):
                 pipe.srem(WORKERS_BY_QUEUE_KEY % queue, rq_key)
+            for pool in {q.rsplit(":", 1)[0] for q in queues if q}:
+                pipe.hdel(model_copies_key(pool), name)
             pipe.execute()
 
     def _fail(self, job_id: str, queue: str, worker: str, used: int, died_on: str | None,
