@@ -327,7 +327,7 @@ def test_an_embedding_entry_beside_generation_models(workers: Any, gateways: Any
     vectors = client.embeddings.create(model=embed, input=["a cat", "a dog", "a cat"]).data
     assert len(vectors) == 3 and len(vectors[0].embedding) == 640  # gemma-3-270m's embedding length
     assert vectors[0].embedding == vectors[2].embedding != vectors[1].embedding
-    assert loaded(redis, "w1") == [embed]
+    wait_for(lambda: loaded(redis, "w1") == [embed], 5, "the embedding model loaded")  # the next beat
     hi = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.APIStatusError, match="embedding model") as refused:
         client.chat.completions.create(model=embed, messages=hi, max_tokens=4)  # type: ignore[arg-type]

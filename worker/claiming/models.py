@@ -131,20 +131,19 @@ class ModelClaims:
         return []
 
     def _announce(self) -> None:
-        """This worker's entries in its models' copies (at once when what it holds changes, else
-        every HOLDERS_EVERY); a model's loading lock goes once it is loaded; an operator's unload
-        mark is acted on."""
+        """When what this worker holds changes: its copies entries (the heartbeat refreshes them
+        in between), a loaded model's loading lock released. Every HOLDERS_EVERY: an operator's
+        unload marks acted on."""
         now = time.monotonic()
-        state = {m.pool: (m.loaded_at, m.keep_alive) for m in self.shelf.held.values()}
-        if state == self._announced and now < self._holders_at:
-            return
-        self._holders_at = now + HOLDERS_EVERY
-        if state:  # an operator's unload (Ollama's keep_alive 0, the router's /models/unload)
-            pools = sorted(state)
+        if self.shelf.held and now >= self._holders_at:
+            self._holders_at = now + HOLDERS_EVERY
+            pools = sorted(m.pool for m in self.shelf.held.values())
             for pool, mark in zip(pools, self.redis.hmget(UNLOADED_KEY, pools), strict=True):
-                if mark is not None:
+                if mark is not None:  # Ollama's keep_alive 0, the router's /models/unload
                     self.shelf.unload_asked(pool, float(mark))
-            state = {m.pool: (m.loaded_at, m.keep_alive) for m in self.shelf.held.values()}
+        state = {m.pool: (m.loaded_at, m.keep_alive) for m in self.shelf.held.values()}
+        if state == self._announced:
+            return
         with self.redis.pipeline(transaction=False) as pipe:
             self.refresh(pipe)
             for pool in set(state) - set(self._announced):

@@ -51,24 +51,20 @@ class _Job:
 
 
 class EmbedQueue:
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-        self.embedder = backend if isinstance(backend, Embedder) else None
+    def __init__(self) -> None:
         self.jobs: dict[str, _Job] = {}  # oldest first
         self._ended: list[Event] = []  # cancelled since the last step
 
     def held(self) -> int:
         return len(self.jobs)
 
-    def add(self, job_id: str, request: EmbedRequest, engine: object = None) -> None:
-        """Queue a started job on `engine` (its model's, on a catalogue worker; None: the
-        worker's); JobRejected when that engine cannot embed (the worker's setup, not the
-        request: no REJECTED mark)."""
-        embedder = engine if isinstance(engine, Embedder) else self.embedder if engine is None else None
-        if embedder is None:
-            name = getattr(engine, "name", self.backend.name)
-            raise JobRejected(f"this worker's engine ({name}) does not embed")
-        self.jobs[job_id] = _Job(job_id, request, embedder)
+    def add(self, job_id: str, request: EmbedRequest, engine: object) -> None:
+        """Queue a started job on `engine` (the worker's, or on a catalogue worker its model's);
+        JobRejected when that engine cannot embed (the worker's setup, not the request: no
+        REJECTED mark)."""
+        if not isinstance(engine, Embedder):
+            raise JobRejected(f"this worker's engine ({getattr(engine, 'name', '?')}) does not embed")
+        self.jobs[job_id] = _Job(job_id, request, engine)
 
     def cancel(self, job_id: str) -> bool:
         """True when it was an embedding job here: it ends cancelled at the next step."""

@@ -78,7 +78,7 @@ class FleetWorker:
         """`hooks`: what job writes carry besides their own (worker/hooks/__init__.py); None: assembly's."""
         self.settings = settings
         self.backend = backend
-        self.embeds = EmbedQueue(backend)  # embedding jobs, run between generation steps
+        self.embeds = EmbedQueue()  # embedding jobs, run between generation steps
         self.redis = redis
         self.name = name
         self.link = link or RedisLink()
@@ -306,7 +306,7 @@ class FleetWorker:
             if isinstance(request, TextRequest):  # answered now: a tokenizer call, no slot held
                 self._apply([answer_text(backend, job_id, request)], time.monotonic())
             elif isinstance(request, EmbedRequest):
-                self.embeds.add(job_id, request, None if backend is self.backend else backend)
+                self.embeds.add(job_id, request, backend)
             elif isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, request):
                 self.counters.resumed += 1  # continues its last attempt's text (worker/claiming/handover.py)
             else:
