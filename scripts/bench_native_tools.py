@@ -88,8 +88,8 @@ def run_one(b: LlamaCppBackend, request: GenerateRequest) -> dict[str, Any]:
 @click.option("--max-tokens", default=96, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--draft-max", default=6, show_default=True,
-              help="prompt-lookup drafts (the default); a job under a grammar never drafts, so 0 shows "
-              "the grammar's own cost")
+              help="prompt-lookup drafts (the default; a lazy grammar's job drafts until its trigger); 0 "
+              "shows the grammar's own cost without drafts")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
 def main(rounds: int, max_tokens: int, threads: int, draft_max: int, out: Path | None) -> None:
     console = Console()
