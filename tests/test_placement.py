@@ -5,6 +5,7 @@ waited for; a worker that balance holds back still takes the jobs it holds."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 
@@ -143,8 +144,11 @@ def test_a_crafted_affinity_field_is_only_looked_up(redis: Redis) -> None:
 def test_each_conversation_returns_to_its_worker(redis_url: str, workers: Workers) -> None:
     """Two real workers; four conversations of three turns: every later turn runs where the turn
     before it ran (where its KV is), and the worker says it holds the prefix for HELD_TTL."""
-    for name in ("p0", "p1"):
-        workers.start(name, backend__slots=4)
+    # each on its own core, as `fleet up` places them: two unpinned llama.cpp thread pools on the
+    # same cores spin against each other, and a step then outlasts CAPACITY_LIVE_MS
+    cores = sorted(os.sched_getaffinity(0))
+    for i, name in enumerate(("p0", "p1")):
+        workers.start(name, backend__slots=4, cpus=str(cores[i % len(cores)]))
     fleet, redis = Fleet(redis_url), Redis.from_url(redis_url)
     time.sleep(0.5)
     chats = [[{"role": "user", "content": f"Conversation {c}: name a colour."}] for c in range(4)]
