@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field
 
 from backends.base import BackendUnavailable, Done, Event, Failed, Token
+from backends.chat.reasoning import first_stop
 from backends.contract.schema import FinishReason, GenerateRequest, Sampling, SamplingDefaults
 from backends.contract.settings import EngineSettings
 
@@ -94,8 +95,8 @@ class FakeBackend:
         return events
 
     def _advance(self, job_id: str, job: FakeJob) -> list[Event]:
-        def done(reason: FinishReason) -> Done:
-            return Done(job_id, reason, job.prompt_tokens, job.emitted)
+        def done(reason: FinishReason, **extra: object) -> Done:
+            return Done(job_id, reason, job.prompt_tokens, job.emitted, extra=extra)
 
         if job.cancelled:
             return [done("cancelled")]
@@ -107,11 +108,11 @@ class FakeBackend:
         piece = word if job.emitted == 0 else " " + word
         job.emitted += 1
         text = job.text + piece
-        hit = min((i for i in (text.find(s) for s in job.sampling.stop) if i >= 0), default=-1)
-        if hit >= 0:
-            cut = text[len(job.text) : hit]
+        hit = first_stop(text, job.sampling.stop)
+        if hit is not None:
+            cut = text[len(job.text) : hit[0]]
             events: list[Event] = [Token(job_id, cut)] if cut else []
-            return [*events, done("stop")]
+            return [*events, done("stop", stop_word=hit[1])]
         job.text = text
         if job.emitted >= job.sampling.max_tokens:
             return [Token(job_id, piece), done("length")]

@@ -63,7 +63,7 @@ class CompletionChunkReader:
                 extra={
                     "timings": chunk.get("timings", {}),
                     "stop_type": stop_type,
-                    "stopping_word": chunk.get("stopping_word", ""),
+                    **({"stop_word": chunk["stopping_word"]} if stop_type == "word" else {}),
                     "tokens_cached": chunk.get("tokens_cached", 0),
                     **self.logprobs.extra(),
                 },

@@ -79,6 +79,18 @@ def test_messages_stream_tools_count_tokens_errors_and_keys(workers, gateways) -
     assert streamed == final.content[0].text == text.content[0].text
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 16
 
+    # a stop sequence it meets: stop_reason stop_sequence, naming which one, the text cut before it
+    word = text.content[0].text.split()[2]
+    before = text.content[0].text[:text.content[0].text.index(word)]
+    stopped = client.messages.create(**story, max_tokens=16, stop_sequences=["never said", word],
+                                     extra_body=GREEDY)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", word)
+    assert stopped.content[0].text == before
+    with client.messages.stream(**story, max_tokens=16, stop_sequences=[word], extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == before
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", word)
+
     # a forced tool_use, counted first; then its tool_result answered in words
     forced: dict[str, Any] = {"model": "llm", "messages": ASK, "tools": [WEATHER],
                               "tool_choice": {"type": "tool", "name": "get_weather"}}

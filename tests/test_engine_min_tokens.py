@@ -75,6 +75,7 @@ def test_stop_strings_still_stop_and_bounds_are_checked(engine: LlamaCppBackend)
     stop = text.strip().split()[1]
     cut, stopped = run(engine, {"y": ask(ignore_eos=True, stop=[stop])})["y"]
     assert stopped.finish_reason == "stop" and stop not in cut and text.startswith(cut)
+    assert stopped.extra["stop_word"] == stop  # which stop string ended it (Anthropic's stop_sequence)
     with pytest.raises(ValueError, match="min_tokens"):
         GenerateRequest(prompt="x", max_tokens=4, min_tokens=5)
     # without max_tokens, the worker's default caps min_tokens (it never asks for more than it allows)

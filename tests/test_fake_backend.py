@@ -46,7 +46,7 @@ def test_echoes_the_prompt_one_token_per_step_per_job() -> None:
 def test_max_tokens_stop_strings_and_cancel() -> None:
     fake = FakeBackend(slots=3)
     fake.admit("len", GenerateRequest(prompt="a b c d e", max_tokens=2))
-    fake.admit("stop", GenerateRequest(prompt="alpha beta gamma delta", stop=["mma"]))
+    fake.admit("stop", GenerateRequest(prompt="alpha beta gamma delta", stop=["delta", "mma"]))
     fake.admit("cancel", GenerateRequest(prompt="x y z w"))
     events = fake.step(0)
     fake.cancel("cancel")
@@ -54,6 +54,7 @@ def test_max_tokens_stop_strings_and_cancel() -> None:
     assert text_of(events, "len") == "a b" and done_of(events, "len").finish_reason == "length"
     assert done_of(events, "len").completion_tokens == 2
     assert text_of(events, "stop") == "alpha beta ga" and done_of(events, "stop").finish_reason == "stop"
+    assert done_of(events, "stop").extra == {"stop_word": "mma"}  # the one met, not the one listed first
     assert text_of(events, "cancel") == "x" and done_of(events, "cancel").finish_reason == "cancelled"
 
 

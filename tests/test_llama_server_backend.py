@@ -139,7 +139,7 @@ def test_stop_strings_end_the_job_before_the_stop_text(backend: LlamaServerBacke
     events = collect(backend, 1)
     done = final(events, "count")
     assert isinstance(done, Done) and done.finish_reason == "stop"
-    assert done.extra["stop_type"] == "word" and done.extra["stopping_word"] == " 8"
+    assert done.extra["stop_type"] == "word" and done.extra["stop_word"] == " 8"
     assert text(events, "count") == " 6, 7,"
 
 

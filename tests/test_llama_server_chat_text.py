@@ -186,7 +186,7 @@ def test_a_chat_sent_as_tokens_keeps_stop_strings_logprobs_and_structured_output
         cut, done = run(backend, chat(messages, max_tokens=16, stop=[stop]))
         assert cut == free[:free.index(stop)]
         assert done.finish_reason == "stop"
-        assert (done.extra["stop_type"], done.extra["stopping_word"]) == ("word", stop)
+        assert (done.extra["stop_type"], done.extra["stop_word"]) == ("word", stop)
         number = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
                   "additionalProperties": False}
         structured, done = run(backend, chat(messages, max_tokens=60, format=number))

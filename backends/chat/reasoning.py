@@ -50,6 +50,12 @@ def partial_suffix(text: str, markers: Sequence[str]) -> int:
     return best
 
 
+def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """Where the earliest of `stops` begins in `text`, and which (the first listed at a tie)."""
+    hits = [(i, n, s) for n, s in enumerate(stops) if (i := text.find(s)) >= 0]
+    return min(hits)[::2] if hits else None
+
+
 def _add(out: list[Segment], kind: str, text: str) -> None:
     """Append, merging with the run before when it is of the same kind."""
     if not text:

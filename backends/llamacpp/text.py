@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 
 from backends.chat.answer_json import AnswerJsonWriter
-from backends.chat.reasoning import partial_suffix
+from backends.chat.reasoning import first_stop, partial_suffix
 from backends.chat.tool_syntax import SYNTAXES, NativeAnswerParser
 from backends.contract.schema import AnswerDialect
 from backends.contract.tools import AnswerReader
@@ -25,6 +25,7 @@ class TextAssembler:
         self._stop = stop
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self.stopped = False
+        self.stop_word: str | None = None  # the stop string that ended the text
         self._answer = AnswerReader("") if end_at_repeated_call else None
         self._dialect = DialectReader(dialect) if dialect is not None else None
 
@@ -57,11 +58,10 @@ class TextAssembler:
         if not self._stop:
             self._held = ""
             return buf
-        cut = min((i for i in (buf.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            self._held = ""
-            return buf[:cut]
+        hit = first_stop(buf, self._stop)
+        if hit is not None:
+            self.stopped, self.stop_word, self._held = True, hit[1], ""
+            return buf[:hit[0]]
         hold = partial_suffix(buf, self._stop)
         self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]

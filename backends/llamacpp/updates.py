@@ -66,3 +66,5 @@ def finish(job: ActiveJob, reason: FinishReason, events: list[Event]) -> None:
     if tail:
         events.append(Token(job.job_id, tail, n_tokens=0))
     job.done = job.ended(reason)
+    if job.text.stop_word is not None:
+        job.done.extra["stop_word"] = job.text.stop_word

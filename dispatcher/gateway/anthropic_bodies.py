@@ -341,9 +341,14 @@ class MessageReply:
         self.thinking = bool(thinking_enabled(body))  # thoughts shown as thinking blocks
 
     def message(self, content: list[dict[str, Any]], result: dict[str, Any] | None) -> dict[str, Any]:
-        reason = STOP_REASONS.get((result or {}).get("finish_reason", ""), "end_turn") if result else None
+        reason, stop = None, None
+        if result is not None:  # a stop string the caller sent ended it: which one
+            finish = result.get("finish_reason", "")
+            stop = result.get("stop_word") if finish == "stop" else None
+            reason = "stop_sequence" if stop else STOP_REASONS.get(finish, "end_turn")
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": reason, "stop_sequence": None, "usage": usage(result)}
+                "content": content, "stop_reason": reason, "stop_sequence": stop or None,
+                "usage": usage(result)}
 
     def content(self, result: dict[str, Any]) -> list[dict[str, Any]]:
         if "tool_calls" not in result:
@@ -419,7 +424,8 @@ class MessageReply:
                     yield event("content_block_stop", index=blocks - 1)
                 ended = self.message([], u.result)
                 yield event("message_delta", delta={"stop_reason": ended["stop_reason"],
-                                                    "stop_sequence": None}, usage=ended["usage"])
+                                                    "stop_sequence": ended["stop_sequence"]},
+                            usage=ended["usage"])
                 yield event("message_stop")
 
 
