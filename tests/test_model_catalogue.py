@@ -127,6 +127,25 @@ def test_a_burst_for_a_cold_model_loads_it_on_one_worker(workers: Any, redis_url
     assert {r["worker"] for r in done4} == {n for n, held in holders.items() if Q4 in held}
 
 
+def test_a_model_that_stays_hot_gets_a_second_copy(workers: Any, redis_url: str, redis: Redis,
+                                                   catalogue: dict[str, dict[str, Any]]) -> None:
+    """Work for one model that keeps its holder full past `second_copy_after`: the idle worker
+    loads another copy and takes a share; the burst above (drained within a few seconds) did not."""
+    cores = sorted(os.sched_getaffinity(0))
+    for i, name in enumerate(("w1", "w2")):  # a core each: the holder's steps stay short
+        workers.start(name, models=catalogue, backend__slots=2, second_copy_after=1.0,
+                      cpus=str(cores[i % len(cores)]))
+    fleet = Fleet(redis_url, pool="gemma3-270m-q8")
+    jobs = [fleet.submit(f"hot {i}: tell a long story.", max_tokens=96, temperature=0.0) for i in range(10)]
+    done = [job.result(timeout=180) for job in jobs]
+    time.sleep(1.5)  # a beat
+    assert {r["worker"] for r in done} == {"w1", "w2"}, [r["worker"] for r in done]
+    assert {name: loaded(redis, name) for name in ("w1", "w2")} == {"w1": [Q8], "w2": [Q8]}
+    assert sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2")) == 2
+    copies = redis.hgetall("fleet:copies:gemma3-270m-q8")
+    assert sorted(copies) == [b"w1", b"w2"], copies
+
+
 def test_listings_are_true_with_no_worker_up(gateways: Any, redis: Redis,
                                             catalogue: dict[str, dict[str, Any]]) -> None:
     assert not redis.smembers(WORKERS_SET)

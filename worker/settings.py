@@ -65,7 +65,10 @@ class FleetSettings(ProducerSettings):
                                            "may load and serve; None: all of them; []: none, the worker "
                                            "serves `pool` with `backend`'s model as without a catalogue")
     memory_budget_mb: int | None = Field(None, ge=1, description="RAM the models a worker holds may take "
-                                         "together; None: 80 % of the host's (worker/models/)")
+                                         "together; None: 80 % of the host's (backends/shelf.py)")
+    second_copy_after: float = Field(5.0, ge=0, description="seconds a catalogue model's jobs wait with "
+                                     "every worker holding it full before an idle worker that may serve "
+                                     "it loads another copy; 0: never (one copy per model, as Ollama)")
     gateway: GatewaySettings = Field(default_factory=GatewaySettings,
                                      description="`fleet serve`'s section (docs/gateway.md); the "
                                      "worker only checks it")

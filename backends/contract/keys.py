@@ -171,6 +171,17 @@ def capacity_key(pool: str) -> str:
 
 
 CAPACITY_LIVE_MS = 2000  # an entry older than this is a worker that is full, busy or gone
+
+
+def has_room(entry: bytes | str | None, now_ms: int) -> bool:
+    """Whether a capacity entry is a live worker with a free slot (placement.lua's has_room)."""
+    if entry is None:
+        return False
+    parts = (entry.decode() if isinstance(entry, bytes) else entry).split("|")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return False
+    free, at = int(parts[0]), int(parts[2])
+    return free > 0 and now_ms - at <= CAPACITY_LIVE_MS
 CAPACITY_TTL = 60  # seconds the hash outlives the pool's last claim
 
 

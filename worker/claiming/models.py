@@ -5,8 +5,11 @@ Model affinity, as prefix placement works for a chat's history: a worker claims 
 models it has loaded (the most recently used first), up to each one's free slots. A cold model's
 jobs (no worker holds it) are claimed by one worker only: the one that takes the model's loading
 lock, and only while its memory budget allows the load (evicting idle models if it must). While
-some worker holds a model, the others leave its jobs to it; a hot model gets more copies by
-pinning it on more workers (`pinned`), not by every idle worker loading it for one burst.
+some worker holds a model with a free slot, the others leave its jobs to it. When every holder is
+full (or busy in a long step) and its jobs have waited `second_copy_after` seconds, an idle worker
+that may serve it loads another copy, under the same lock: a burst that the holder drains within
+a few seconds costs no second load; a model that stays hot gets more copies (as does `pinned` on
+more workers).
 
 Who holds each model is a hash per pool (backends/contract/keys.py model_copies_key), written
 by the holders' claims: the gateway's `/api/ps` reads it too.
@@ -31,7 +34,9 @@ from backends.contract.keys import (
     MODEL_HOLD_MS,
     MODEL_LOADING_MS,
     UNLOADED_KEY,
+    capacity_key,
     fair_key,
+    has_room,
     model_copies_key,
     model_loading_key,
     queue_key,
@@ -70,9 +75,11 @@ class ModelClaims:
     """A catalogue worker's claims, loaded models first (see the module's docstring)."""
 
     def __init__(self, redis: Redis, claimer: Claimer, shelf: ModelShelf, name: str,
-                 changed: threading.Event) -> None:
+                 changed: threading.Event, second_copy_after: float = 0.0) -> None:
         self.redis, self.claimer, self.shelf, self.name = redis, claimer, shelf, name
         self.changed = changed
+        self.second_copy_after = second_copy_after
+        self._full_since: dict[str, float] = {}  # pool -> since when its holders were seen full
         self.pools = list(shelf.pool_model)
         self.queues = [q for p in self.pools for q in queue_names(p)]
         self.wake_keys = [k for p in self.pools for k in (wake_key(p), worker_wake_key(p, name))]
@@ -101,34 +108,51 @@ class ModelClaims:
         if not cold:
             return []
         with self.redis.pipeline(transaction=False) as pipe:
+            pipe.time()
             for pool in cold:
                 for queue in queue_names(pool):
                     pipe.llen(queue_key(queue))
                     pipe.zcard(fair_key(queue))
+                pipe.hgetall(capacity_key(pool))
                 pipe.hgetall(model_copies_key(pool))
             replies = pipe.execute()
-        per = 2 * len(queue_names(cold[0])) + 1
+        sec, usec = replies.pop(0)
+        server_ms, now = sec * 1000 + usec // 1000, time.monotonic()
+        per = 2 * len(queue_names(cold[0])) + 2
         for i, pool in enumerate(cold):
             counts = replies[i * per:(i + 1) * per]
             # this worker's own entry, should a beat have raced an unload, is no holder
             holders = {w for w in live_copies(counts[-1]) if w != self.name}
-            waiting = any(counts[:-1])
+            waiting = any(counts[:-2])
+            if holders and not self._another_copy(pool, waiting, holders, counts[-2], server_ms, now):
+                continue
             model = self.shelf.pool_model[pool]
             if waiting and model not in self._too_big and not self.shelf.fits(model):
                 self._too_big.add(model)  # said once: its jobs wait for a worker with room for it
                 log.warning("model %s needs ~%d MB, more than this worker's budget (%d MB) leaves beside its "
                             "pinned models: its jobs are left to other workers", model,
                             self.shelf.need_mb(model), self.shelf.budget_mb)
-            if not waiting or holders or not self.shelf.can_load(model):
+            if not waiting or not self.shelf.can_load(model):
                 continue
             if not self.redis.set(model_loading_key(pool), self.name, nx=True, px=MODEL_LOADING_MS):
                 continue  # another worker is loading it: its jobs are that worker's
             n = min(free, self.shelf.free_for(pool))
             got = self.claimer.claim(n, [min(x, n) for x in limits], held, pool=pool)
             if got:
+                self._full_since.pop(pool, None)
                 return got
             self.redis.delete(model_loading_key(pool))  # someone took the work meanwhile
         return []
+
+    def _another_copy(self, pool: str, waiting: bool, holders: set[str], capacity: dict[bytes, bytes],
+                      server_ms: int, now: float) -> bool:
+        """Whether this worker, idle, should load a model others hold: its jobs have waited
+        second_copy_after with no holder that has a free slot."""
+        if (not waiting or self.shelf.owner or not self.second_copy_after
+                or any(has_room(capacity.get(w.encode()), server_ms) for w in holders)):
+            self._full_since.pop(pool, None)
+            return False
+        return now - self._full_since.setdefault(pool, now) >= self.second_copy_after
 
     def _announce(self) -> None:
         """When what this worker holds changes: its copies entries (the heartbeat refreshes them
@@ -184,7 +208,8 @@ def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backe
         pools = list(backend.pool_model)
         claimer = Claimer(redis, name, [q for p in pools for q in queue_names(p)], weights=weights,
                           slots=slots, pool=pools[0], placement=placement, pools=pools)
-        return ModelClaims(redis, claimer, backend, name, changed or threading.Event())
+        return ModelClaims(redis, claimer, backend, name, changed or threading.Event(),
+                           settings.second_copy_after)
     claimer = Claimer(redis, name, queue_names(pool), weights=weights, slots=slots, pool=pool,
                       placement=placement)
     return PoolClaims(claimer, pool, name)
