@@ -2,7 +2,8 @@
 """A chat with tools whose model answers in words: does it pay for the tools' grammar?
 
 The in-process engine renders chats with a public template (Qwen 2.5's, Hermes tool syntax) on the
-embedded model. The same greedy chats run three ways, one job at a time, rounds in ABBA order:
+embedded model. The same greedy chats run three ways, one job at a time, the ways' order
+alternating chat by chat (ABBA):
 
 - `no tools`: the chat alone;
 - `native tools`: the same chat with two tools offered (tool_choice auto): the template lists
@@ -100,10 +101,9 @@ def main(rounds: int, max_tokens: int, threads: int, draft_max: int, out: Path |
             "generic tools": ("generic", True)}
     results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
     for r in range(rounds):
-        order = list(ways) if r % 2 == 0 else list(reversed(ways))  # ABBA
-        for way in order:
-            engine, with_tools = ways[way]
-            for ask in ASKS:
+        for i, ask in enumerate(ASKS):  # the ways alternate per chat (ABBA): the box's drift falls on all
+            for way in list(ways) if (r + i) % 2 == 0 else list(reversed(ways)):
+                engine, with_tools = ways[way]
                 one = run_one(engines[engine], chat(ask, with_tools, max_tokens))
                 results[way].append({"round": r, **one})
         console.print(f"round {r + 1}/{rounds} done")
