@@ -343,7 +343,7 @@ def test_a_job_ends_at_the_end_of_generation_a_stop_string_or_its_length() -> No
     s, job = decoding(stop=["c."])
     call = DecodeCall(decoders=[job], drafts={job.seq_id: [2, 3, 4]})
     out = s.update(call, rows(job, (2, b"b"), (3, b"c"), (4, b"."), (5, b"d")))
-    assert job.done == Done("j", "stop", 10, 4) and job.output == [1, 2, 3, 4]
+    assert job.done == Done("j", "stop", 10, 4, extra={"stop_word": "c."}) and job.output == [1, 2, 3, 4]
     assert "".join(ev.text for ev in out.events if isinstance(ev, Token)) == "b"  # "a" went before
     assert s.draft_accepted == 2 and out.kv_ops == [Remove(job.seq_id, 13)]
 
