@@ -199,3 +199,40 @@ def test_a_tenants_request_for_a_catalogue_model_survives_its_workers_death(redi
     wait_for(lambda: [n.decode() for n in redis.hkeys(key)] == [survivor], 15, "the survivor to hold it")
     wait_for(lambda: not redis.zcard(tenant_open_key("gamma")), 30, "the tenant's places to be given back")
     assert not queue_violations(redis), queue_violations(redis)
+
+
+def test_a_tenants_burst_gets_a_second_copy_that_survives_the_first_holders_death(
+        redis: Redis, workers: Any, gateways: Gateways) -> None:
+    """A second copy of a hot catalogue model with tenants and placement on: a tenant's burst
+    keeps the first holder full, the idle worker loads the model too and takes a share; the
+    first holder is killed mid-stream; every request still answers, the survivor alone holds the
+    model, the tenant's places are given back and the queue invariants hold."""
+    tenants = {"delta": {"api_keys": ["key-delta"], "max_concurrent": 6, "max_queued": 8}}
+    models = {"chat:1b": {"path": "/models/chat.gguf"}}
+    started = {n: workers.start(n, **FAKE, models=models, second_copy_after=1.0, gateway__tenants=tenants)
+               for n in ("w1", "w2")}
+    gw = gateways.start(models=models, gateway__tenants=tenants)
+    wait_until_healthy(gw)
+    replies: list[httpx.Response] = []
+
+    def ask() -> None:
+        replies.append(httpx.post(f"{gw.url}/v1/completions", headers={"Authorization": "Bearer key-delta"},
+                                  json={"model": "chat:1b", "prompt": LONG, "max_tokens": 150}, timeout=150))
+
+    asking = [threading.Thread(target=ask) for _ in range(6)]
+    for t in asking:
+        t.start()
+    key = "fleet:copies:chat-1b"
+    first = wait_for(lambda: next((n.decode() for n in redis.hkeys(key)), None), 30, "a worker to load it")
+    wait_for(lambda: redis.hlen(key) == 2, 30, "the idle worker to load a second copy")
+    survivor = next(n for n in started if n != first)
+    wait_for(lambda: held(redis, survivor), 10, "the second copy to take a job")
+    os.kill(started[first].process.pid, signal.SIGKILL)
+    started[first].process.wait(10)
+    for t in asking:
+        t.join(150)
+    assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies if r.status_code != 200]
+    assert all(r.json()["choices"][0]["text"] for r in replies)
+    wait_for(lambda: redis.hkeys(key) == [survivor.encode()], 15, "the survivor alone to hold it")
+    wait_for(lambda: not redis.zcard(tenant_open_key("delta")), 30, "the tenant's places to be given back")
+    assert not queue_violations(redis), queue_violations(redis)

@@ -124,7 +124,7 @@ class ModelClaims:
             # this worker's own entry, should a beat have raced an unload, is no holder
             holders = {w for w in live_copies(counts[-1]) if w != self.name}
             waiting = any(counts[:-2])
-            if holders and not self._another_copy(pool, waiting, holders, counts[-2], server_ms, now):
+            if self._left_to_holders(pool, waiting, holders, counts[-2], server_ms, now):
                 continue
             model = self.shelf.pool_model[pool]
             if waiting and model not in self._too_big and not self.shelf.fits(model):
@@ -144,15 +144,15 @@ class ModelClaims:
             self.redis.delete(model_loading_key(pool))  # someone took the work meanwhile
         return []
 
-    def _another_copy(self, pool: str, waiting: bool, holders: set[str], capacity: dict[bytes, bytes],
-                      server_ms: int, now: float) -> bool:
-        """Whether this worker, idle, should load a model others hold: its jobs have waited
-        second_copy_after with no holder that has a free slot."""
-        if (not waiting or self.shelf.owner or not self.second_copy_after
+    def _left_to_holders(self, pool: str, waiting: bool, holders: set[str], capacity: dict[bytes, bytes],
+                         server_ms: int, now: float) -> bool:
+        """Whether the pool's jobs are its holders' (no holder: whoever loads it): unless this
+        worker is idle and they have waited second_copy_after with no holder that has a free slot."""
+        if (not holders or not waiting or self.shelf.owner or not self.second_copy_after
                 or any(has_room(capacity.get(w.encode()), server_ms) for w in holders)):
             self._full_since.pop(pool, None)
-            return False
-        return now - self._full_since.setdefault(pool, now) >= self.second_copy_after
+            return bool(holders)
+        return now - self._full_since.setdefault(pool, now) < self.second_copy_after
 
     def _announce(self) -> None:
         """When what this worker holds changes: its copies entries (the heartbeat refreshes them
