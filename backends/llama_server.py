@@ -361,6 +361,8 @@ def chat_body(request: GenerateRequest, s: Sampling, *, native: bool = False) ->
     }
     if request.chat_template_kwargs:
         body["chat_template_kwargs"] = request.chat_template_kwargs
+    if request.reasoning_budget is not None:  # the server ends a thought its template marks there
+        body["reasoning_budget_tokens"] = request.reasoning_budget
     return body
 
 

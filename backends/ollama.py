@@ -4,6 +4,13 @@ Concurrency is the configured `parallel` (Ollama's OLLAMA_NUM_PARALLEL; default 
 sent with `raw: true` so a prompt means the same raw completion on every backend; message jobs get
 the model's template from Ollama. Errors (docs/api.md, "Errors"): a status with {"error": "..."}
 before the stream starts, or an {"error": "..."} line once it has started (the status stays 200).
+
+Thoughts: a chat without tools goes as sent (`speaks`), with Ollama's `think` from the job
+(`enable_thinking` / `reasoning_effort` of its template kwargs, a budget of 0: false; thoughts
+asked apart: true). Ollama splits its model's thoughts off itself (`message.thinking`): asked
+apart, they stream as the answer JSON, as llama-server's `reasoning_content` does
+(backends/chat/openai_deltas.py); otherwise back in the text between `<think>` tags, where the
+model wrote them. Ollama has no thought budget.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from typing import Any
 import httpx
 
 from backends.base import BackendUnavailable, Done, Event, JobRejected, Token
+from backends.chat.openai_deltas import DeltaAnswer
+from backends.contract import tools
+from backends.contract.schema import GenerateRequest
 from backends.contract.text_ops import TextRequest
 from backends.http_pool import STATUS_ERRORS, HttpStreamBackend, StreamFailure, StreamJob, sampler_fields
 from backends.http_settings import OllamaSettings
@@ -77,6 +87,11 @@ class OllamaBackend(HttpStreamBackend):
 
     # -- one job ------------------------------------------------------------------------------------
 
+    def speaks(self, request: GenerateRequest) -> bool:
+        """A chat without tools or a format runs as sent (its thoughts as Ollama splits them);
+        the rest is lowered to the generic format first."""
+        return request.messages is not None and not tools.touches_tools(request) and request.format is None
+
     def _stream(self, job: StreamJob) -> Iterator[Event]:
         s = job.sampling
         options: dict[str, Any] = {"num_predict": s.max_tokens, **sampler_fields(s)}
@@ -97,9 +112,13 @@ class OllamaBackend(HttpStreamBackend):
         if job.request.logprobs:  # Ollama >= 0.12.11 returns them; older servers ignore the fields
             body["logprobs"] = True
             body["top_logprobs"] = job.request.top_logprobs or 0
+        thoughts = Thoughts(job.job_id, self.speaks(job.request)
+                            and job.request.reasoning_format not in (None, "none"))
         if job.request.messages is not None:
             path = "/api/chat"
-            body["messages"] = [m.model_dump(exclude_none=True) for m in job.request.messages]
+            body["messages"] = [ollama_message(m.model_dump(exclude_none=True)) for m in job.request.messages]
+            if (think := think_field(job.request, thoughts.apart)) is not None:
+                body["think"] = think
         else:
             path = "/api/generate"
             body["prompt"] = job.request.prompt
@@ -113,14 +132,62 @@ class OllamaBackend(HttpStreamBackend):
                 chunk = json.loads(line)
                 if "error" in chunk:
                     raise StreamFailure(f"{self.what} failed mid-stream: {chunk['error']}", retryable=True)
-                text = (
-                    chunk["message"].get("content", "") if "message" in chunk else chunk.get("response", "")
-                )
+                if "message" in chunk:
+                    message = chunk["message"]
+                    text = thoughts.feed(message.get("thinking") or "", message.get("content") or "")
+                else:
+                    text = chunk.get("response", "")
+                if chunk.get("done"):
+                    text += thoughts.close()
                 if text:
                     yield Token(job.job_id, text)
                 if chunk.get("done"):
                     yield final_done(job.job_id, chunk)
                     return
+
+
+def think_field(request: GenerateRequest, apart: bool) -> bool | str | None:
+    """Ollama's `think` for a chat: what the job's template kwargs say, false for a budget of 0,
+    true where thoughts are asked apart (Ollama splits them off only when asked); None: unsaid."""
+    kwargs = request.chat_template_kwargs or {}
+    if request.reasoning_budget == 0 or kwargs.get("enable_thinking") is False:
+        return False
+    if kwargs.get("reasoning_effort") in ("low", "medium", "high"):
+        return str(kwargs["reasoning_effort"])
+    return True if apart or kwargs.get("enable_thinking") is True else None
+
+
+def ollama_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A job's message as /api/chat takes it: an earlier turn's thought is `thinking`."""
+    if "reasoning_content" in message:
+        message["thinking"] = message.pop("reasoning_content")
+    return message
+
+
+class Thoughts:
+    """Ollama's `thinking` and `content` deltas as the job's text: the answer JSON when thoughts
+    are asked apart, else the text with its thought between `<think>` tags."""
+
+    def __init__(self, job_id: str, apart: bool) -> None:
+        self.apart = apart
+        self._answer = DeltaAnswer(job_id, 0) if apart else None
+        self._inside = False
+
+    def feed(self, thinking: str, content: str) -> str:
+        if self._answer is not None:
+            return self._answer.feed({"reasoning_content": thinking, "content": content})
+        out = ""
+        if thinking and not self._inside:
+            out, self._inside = "<think>", True
+        out += thinking
+        if content and self._inside:
+            out, self._inside = out + "</think>", False
+        return out + content
+
+    def close(self) -> str:
+        if self._answer is not None:
+            return self._answer.close()
+        return "</think>" if self._inside else ""
 
 
 def final_done(job_id: str, chunk: dict[str, Any]) -> Done:

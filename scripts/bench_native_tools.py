@@ -9,13 +9,18 @@ alternating chat by chat (ABBA):
 - `native tools`: the same chat with two tools offered (tool_choice auto): the template lists
   them, a lazy grammar waits for `<tool_call>`, the words stream free;
 - `generic tools`: the same, with `tool_format: generic` (the answer held to the generic
-  format's JSON schema from its first token).
+  format's JSON schema from its first token);
+- `no tools, as long`: the chat without tools, a system message of filler making its prompt
+  about as long as the tools make it: what the longer prompt alone costs.
 
 Decode speed per answer = (tokens - 1) / (its end's time - its first token's): the answer's
 tok/s, without the prefill (the tools' text makes the prompt longer). Every answer is max_tokens
-long. Prints a table and writes JSON.
+long. With `--peer`, a llama-server (`--jinja`, the same template, one slot) answers the same
+chats with and without the tools over /v1/chat/completions, streamed, timed the same way from
+the client: what the longer prompt costs an engine that has no grammar to pay. Prints a table and
+writes JSON.
 
-    .venv/bin/python scripts/bench_native_tools.py --rounds 4 --out bench-native-tools.json
+    .venv/bin/python scripts/bench_native_tools.py --rounds 4 --peer --out bench-native-tools.json
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import click
+import httpx
+from httpx_sse import connect_sse
 from rich.console import Console
 from rich.table import Table
 
@@ -40,6 +48,7 @@ from backends.contract.schema import GenerateRequest  # noqa: E402
 from backends.llamacpp import LlamaCppBackend  # noqa: E402
 from backends.llamacpp_settings import LlamaCppSettings  # noqa: E402
 from ecosystem.local.bench_setup import machine_meta  # noqa: E402
+from ecosystem.local.llama_server import start_llama_server  # noqa: E402
 
 TEMPLATE = ROOT / "tests" / "fixtures" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
 TOOLS = [{"name": "get_weather", "description": "The current weather in a city.",
@@ -53,10 +62,17 @@ ASKS = [f"Write a short story about {t}." for t in
         ("a lighthouse", "bread", "a puppy", "rain", "chess", "bees", "a detective", "the piano")]
 
 
-def chat(ask: str, with_tools: bool, max_tokens: int) -> GenerateRequest:
+# ~13 tokens; 17 of them make the chat's prompt about as long as the two tools do (~285 tokens)
+FILLER = "Background: the weather service and the calculator are available to you today. " * 17
+
+
+def chat(ask: str, with_tools: bool, max_tokens: int, as_long: bool = False) -> GenerateRequest:
     # every answer max_tokens long (the template's end of turn is text to this model: no stop)
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": ask}], "temperature": 0.0,
-                            "max_tokens": max_tokens, "ignore_eos": True}
+    messages = [{"role": "user", "content": ask}]
+    if as_long:
+        messages.insert(0, {"role": "system", "content": FILLER})
+    body: dict[str, Any] = {"messages": messages, "temperature": 0.0, "max_tokens": max_tokens,
+                            "ignore_eos": True}
     if with_tools:
         body["tools"] = TOOLS
     return GenerateRequest.model_validate(body)
@@ -79,9 +95,37 @@ def run_one(b: LlamaCppBackend, request: GenerateRequest) -> dict[str, Any]:
                 calls = tools.read_answer(raw, "j").tool_calls if in_json else []
                 span = time.perf_counter() - stamps[0] if stamps else 0.0  # first token -> done
                 tok_s = (ev.completion_tokens - 1) / span if span else 0.0
-                return {"tokens": ev.completion_tokens, "tok_s": tok_s, "called": bool(calls)}
+                return {"tokens": ev.completion_tokens, "tok_s": tok_s, "called": bool(calls),
+                        "prompt_tokens": ev.prompt_tokens}
             else:
                 raise RuntimeError(str(ev))
+
+
+def run_peer(url: str, ask: str, with_tools: bool, max_tokens: int) -> dict[str, Any]:
+    """The same chat on llama-server: its decode tok/s, timed as run_one times the engine's."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": ask}], "temperature": 0.0,
+                            "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if with_tools:
+        body["tools"] = [{"type": "function", "function": t} for t in TOOLS]
+    stamps: list[float] = []
+    called, tokens, prompt_tokens = False, 0, 0
+    with httpx.Client(timeout=600) as client, \
+            connect_sse(client, "POST", f"{url}/v1/chat/completions", json=body) as source:
+        for sse in source.iter_sse():
+            if sse.data == "[DONE]":
+                break
+            chunk = json.loads(sse.data)
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                called = called or bool(delta.get("tool_calls"))
+                if delta.get("content") or delta.get("tool_calls"):
+                    stamps.append(time.perf_counter())
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+            prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+    span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
+    return {"tokens": tokens, "tok_s": (tokens - 1) / span if span else 0.0, "called": called,
+            "prompt_tokens": prompt_tokens}
 
 
 @click.command()
@@ -91,38 +135,56 @@ def run_one(b: LlamaCppBackend, request: GenerateRequest) -> dict[str, Any]:
 @click.option("--draft-max", default=6, show_default=True,
               help="prompt-lookup drafts (the default; a lazy grammar's job drafts until its trigger); 0 "
               "shows the grammar's own cost without drafts")
+@click.option("--peer/--no-peer", default=False, show_default=True,
+              help="also llama-server --jinja with the same template, with and without the tools")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def main(rounds: int, max_tokens: int, threads: int, draft_max: int, out: Path | None) -> None:
+def main(rounds: int, max_tokens: int, threads: int, draft_max: int, peer: bool, out: Path | None) -> None:
     console = Console()
+    logs = tempfile.TemporaryDirectory(prefix="bench-native-tools-")
+    server = (start_llama_server(Path(logs.name), parallel=1, ctx=2048, threads=threads,
+                                 extra_args=["--chat-template-file", str(TEMPLATE)]) if peer else None)
     common = {"slots": 1, "chat_template_file": TEMPLATE, "draft_max": draft_max}
     engines = {"native": LlamaCppBackend(LlamaCppSettings(**common), threads=threads),
                "generic": LlamaCppBackend(LlamaCppSettings(**common, tool_format="generic"), threads=threads)}
     ways = {"no tools": ("native", False), "native tools": ("native", True),
-            "generic tools": ("generic", True)}
+            "generic tools": ("generic", True), "no tools, as long": ("long", False)}
+    if server is not None:
+        ways |= {"llama-server, no tools": ("peer", False), "llama-server, tools": ("peer", True)}
     results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
     for r in range(rounds):
         for i, ask in enumerate(ASKS):  # the ways alternate per chat (ABBA): the box's drift falls on all
             for way in list(ways) if (r + i) % 2 == 0 else list(reversed(ways)):
                 engine, with_tools = ways[way]
-                one = run_one(engines[engine], chat(ask, with_tools, max_tokens))
+                if engine == "peer" and server:
+                    one = run_peer(server.url, ask, with_tools, max_tokens)
+                else:
+                    one = run_one(engines["native" if engine == "long" else engine],
+                                  chat(ask, with_tools, max_tokens, as_long=engine == "long"))
                 results[way].append({"round": r, **one})
         console.print(f"round {r + 1}/{rounds} done")
     summary = {}
     for way, runs in results.items():
         words = [x["tok_s"] for x in runs if not x["called"]]
         summary[way] = {"answers": len(runs), "in_words": len(words),
-                        "tok_s_median": statistics.median(words) if words else None}
+                        "tok_s_median": statistics.median(words) if words else None,
+                        "prompt_tokens": statistics.median(x["prompt_tokens"] for x in runs)}
+    if server is not None:
+        server.stop()
+    logs.cleanup()
     base = summary["no tools"]["tok_s_median"] or 1.0
     title = (f"Answers in words, one job at a time ({machine_meta()['cpu']}, {threads} threads, "
              f"draft_max {draft_max})")
     table = Table(title=title)
-    for col in ("way", "answers in words", "decode tok/s (median)", "vs no tools"):
+    for col in ("way", "prompt tokens", "answers in words", "decode tok/s (median)",
+                "vs no tools (same engine)"):
         table.add_column(col)
     for way, s in summary.items():
         tok_s = s["tok_s_median"]
-        s["vs_no_tools"] = tok_s / base if tok_s else None
-        table.add_row(way, f"{s['in_words']}/{s['answers']}", f"{tok_s:.1f}" if tok_s else "-",
-                      f"{s['vs_no_tools']:.3f}x" if tok_s else "-")
+        own = summary["llama-server, no tools"]["tok_s_median"] if way.startswith("llama-server") else base
+        s["vs_no_tools"] = tok_s / own if tok_s and own else None
+        ratio = f"{s['vs_no_tools']:.3f}x" if s["vs_no_tools"] else "-"
+        table.add_row(way, f"{s['prompt_tokens']:.0f}", f"{s['in_words']}/{s['answers']}",
+                      f"{tok_s:.1f}" if tok_s else "-", ratio)
     console.print(table)
     if out is not None:
         meta = {**machine_meta(), "rounds": rounds, "max_tokens": max_tokens, "threads": threads,

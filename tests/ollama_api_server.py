@@ -9,6 +9,12 @@ eval_duration (nanoseconds) and, for templated /api/generate, "context". Errors 
 with 400 (bad request), 404 (unknown model), 503 (busy: more requests than parallel + max_queue,
 like OLLAMA_NUM_PARALLEL / OLLAMA_MAX_QUEUE); once streaming, an error is an {"error": ...} line.
 
+Thinking (`thinking=True`, --thinking): the model is listed with the "thinking" capability, and a
+chat's `think` (true or a level) opens a thought in the prompt (`<think>\n`, as a thinking
+template does) and splits the output at `</think>` into `message.thinking` and `message.content`,
+as Ollama's thinking parser does; `think: false` renders the thought closed. Unset, nothing is
+split. A `think` for a model without the capability is a 400, as Ollama answers it.
+
 Test knob: `error_after` (--error-after N, or OLLAMA_TEST_ERROR_AFTER): after N tokens the stream
 gets the error line Ollama sends when the runner fails, and ends.
 
@@ -156,6 +162,30 @@ class PromptTooLong(ValueError):
     pass
 
 
+class ThoughtSplit:
+    """A thought opened in the prompt, split off the output at `</think>` (a marker cut between
+    deltas held back until it is whole)."""
+
+    END = "</think>"
+
+    def __init__(self, opened: bool) -> None:
+        self.inside = opened
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(thinking, content) of the next delta."""
+        if not self.inside:
+            return "", text
+        text, self._held = self._held + text, ""
+        if (end := text.find(self.END)) >= 0:
+            self.inside = False
+            return text[:end], text[end + len(self.END):].lstrip("\n")
+        keep = next((n for n in range(len(self.END) - 1, 0, -1) if text.endswith(self.END[:n])), 0)
+        if keep:
+            text, self._held = text[:-keep], text[-keep:]
+        return text, ""
+
+
 class OllamaApiServer(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -167,8 +197,10 @@ class OllamaApiServer(ThreadingHTTPServer):
         parallel: int = 1,
         max_queue: int = 0,
         error_after: int | None = None,
+        thinking: bool = False,
     ) -> None:
         super().__init__(address, OllamaHandler)
+        self.thinking = thinking
         self.engine = engine
         self.models = {full_name(n) for n in names}
         self.slots = threading.BoundedSemaphore(parallel + max_queue)
@@ -301,6 +333,7 @@ class OllamaHandler(BaseHTTPRequestHandler):
                     "parameters": "",
                     "template": "{{ .Prompt }}",
                     "details": {"format": "gguf", "family": "gemma3"},
+                    **({"capabilities": ["completion", "thinking"]} if self.server.thinking else {}),
                 },
             )
 
@@ -336,7 +369,14 @@ class OllamaHandler(BaseHTTPRequestHandler):
                     "message": {"role": "assistant", "content": ""},
                 },
             )
+        think = body.get("think")
+        if think not in (None, True, False, "low", "medium", "high"):
+            return self._error(400, f"invalid think value: {think!r}")
+        if think and not self.server.thinking:
+            return self._error(400, f'"{name}" does not support thinking')
         text = gemma_chat_prompt([{"role": m["role"], "content": m.get("content", "")} for m in messages])
+        if self.server.thinking and think is not None:
+            text += "<think>\n" if think else "<think>\n\n</think>\n\n"
         self._run(body, name, text, chat=True, with_context=False)
 
     # -- generation ---------------------------------------------------------------------------------
@@ -358,8 +398,14 @@ class OllamaHandler(BaseHTTPRequestHandler):
     ) -> None:
         server, engine = self.server, self.server.engine
 
+        split = ThoughtSplit(opened=chat and bool(body.get("think")) and server.thinking)
+
         def payload(text: str) -> dict[str, Any]:
-            return {"message": {"role": "assistant", "content": text}} if chat else {"response": text}
+            if not chat:
+                return {"response": text}
+            thinking, content = split.feed(text)
+            return {"message": {"role": "assistant", "content": content,
+                                **({"thinking": thinking} if thinking else {})}}
 
         started = time.perf_counter_ns()
         load_ns = engine.load_ns if server.first_request else 0
@@ -406,7 +452,7 @@ class OllamaHandler(BaseHTTPRequestHandler):
         final: dict[str, Any] = {
             "model": name,
             "created_at": now(),
-            **payload("" if stream else "".join(pieces)),
+            **(payload("") if stream else whole(chat, body, server.thinking, "".join(pieces))),
             "done": True,
             "done_reason": reason,
             "total_duration": ended - started + load_ns,
@@ -425,6 +471,15 @@ class OllamaHandler(BaseHTTPRequestHandler):
             self._json(200, final)
 
 
+def whole(chat: bool, body: dict[str, Any], thinking: bool, text: str) -> dict[str, Any]:
+    """A whole answer's message or response (stream: false)."""
+    if not chat:
+        return {"response": text}
+    thought, content = ThoughtSplit(opened=bool(body.get("think")) and thinking).feed(text)
+    message = {"role": "assistant", "content": content, **({"thinking": thought} if thought else {})}
+    return {"message": message}
+
+
 def serve(
     model_path: str,
     port: int = 0,
@@ -434,10 +489,12 @@ def serve(
     parallel: int = 1,
     max_queue: int = 0,
     error_after: int | None = None,
+    thinking: bool = False,
 ) -> OllamaApiServer:
     """Load the model and start serving on a daemon thread; `server.shutdown()` stops it."""
     engine = Engine(model_path, n_ctx=n_ctx, threads=threads)
-    server = OllamaApiServer(("127.0.0.1", port), engine, list(names), parallel, max_queue, error_after)
+    server = OllamaApiServer(("127.0.0.1", port), engine, list(names), parallel, max_queue, error_after,
+                             thinking)
     threading.Thread(target=server.serve_forever, name="ollama-api-server", daemon=True).start()
     return server
 
@@ -455,10 +512,12 @@ def main() -> None:
     parser.add_argument("--max-queue", type=int, default=0)
     env_error = os.environ.get("OLLAMA_TEST_ERROR_AFTER")
     parser.add_argument("--error-after", type=int, default=int(env_error) if env_error else None)
+    parser.add_argument("--thinking", action="store_true", help="the model thinks (module docstring)")
     a = parser.parse_args()
     engine = Engine(a.model_path, n_ctx=a.ctx, threads=a.threads)
     server = OllamaApiServer(
-        ("127.0.0.1", a.port), engine, a.name or ["gemma3:270m"], a.parallel, a.max_queue, a.error_after
+        ("127.0.0.1", a.port), engine, a.name or ["gemma3:270m"], a.parallel, a.max_queue, a.error_after,
+        a.thinking,
     )
     print(f"ollama-api test server on {server.url}", flush=True)
     server.serve_forever()

@@ -15,7 +15,8 @@ import jsonschema
 import pytest
 
 from backends.contract import tools
-from backends.contract.schema import GenerateRequest
+from backends.contract.schema import GenerateRequest, SamplingDefaults
+from backends.llama_server import chat_body
 from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp.thought_budget import ThoughtBudget, thinking_off
 from backends.llamacpp_settings import LlamaCppSettings
@@ -152,6 +153,23 @@ def test_anthropic_budget_tokens_and_disabled_become_the_jobs_budget() -> None:
     GenerateRequest.model_validate(anthropic({"type": "enabled", "budget_tokens": 16}))
 
 
+def test_anthropic_output_config_effort_is_the_templates_reasoning_effort() -> None:
+    def effort(config: object) -> dict[str, Any]:
+        return anthropic_bodies.job_request({"model": "m", "max_tokens": 50, "output_config": config,
+                                             "messages": [{"role": "user", "content": "Hi"}]}, True)
+    for asked, given in (("low", "low"), ("medium", "medium"), ("high", "high"), ("xhigh", "high"),
+                         ("max", "high")):
+        assert effort({"effort": asked})["chat_template_kwargs"] == {"reasoning_effort": given}
+    both = effort({"effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}})
+    assert both["format"] == {"type": "object"} and both["chat_template_kwargs"]["reasoning_effort"] == "low"
+    assert "chat_template_kwargs" not in effort({"effort": None})
+    for bad in ("extreme", 3, ["low"], {"level": "low"}):
+        with pytest.raises(ApiError) as e:
+            effort({"effort": bad})
+        assert e.value.status == 400 and e.value.param == "output_config.effort"
+    GenerateRequest.model_validate(effort({"effort": "max"}))
+
+
 def test_openai_style_budget_fields_become_the_jobs_budget() -> None:
     for name in ("reasoning_budget", "thinking_budget", "reasoning_budget_tokens", "thinking_budget_tokens"):
         assert openai(**{name: 64})["reasoning_budget"] == 64
@@ -235,3 +253,18 @@ def test_a_required_call_follows_a_thought_its_budget_ended() -> None:
         jsonschema.validate(json.loads(call["arguments"]), weather)
     finally:
         b.close()
+
+
+# -- the llama-server backend --------------------------------------------------------------------
+
+
+def test_the_llama_server_backend_passes_the_budget_as_the_servers_own() -> None:
+    """llama-server ends a thought at `reasoning_budget_tokens` where its template's thought tags
+    are known to it. (With the embedded model neither R1's template nor the thinking fixture gets
+    them recognised by the pinned build, so the server's own sampler is not exercised here.)"""
+    asked = {"messages": SEA, "temperature": 0.0, "reasoning_format": "auto", "max_tokens": 40}
+    for budget in (0, 8):
+        request = GenerateRequest.model_validate({**asked, "reasoning_budget": budget})
+        assert chat_body(request, request.sampling(SamplingDefaults()))["reasoning_budget_tokens"] == budget
+    plain = GenerateRequest.model_validate(asked)
+    assert "reasoning_budget_tokens" not in chat_body(plain, plain.sampling(SamplingDefaults()))

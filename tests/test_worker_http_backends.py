@@ -14,11 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import ollama as ollama_client
+import openai
 import pytest
 from redis import Redis
 
 from backends.contract.keys import stream_key
 from dispatcher import Fleet, JobFailed
+from tests.gateway_harness import wait_until_healthy
 from tests.harness import ROOT, WorkerProcess, wait_for
 from tests.ollama_api_server import OllamaApiServer, serve
 from tests.real_servers import LlamaServer, llama_server, model_path
@@ -270,3 +273,36 @@ def test_ollama_error_line_mid_stream_fails_the_job_clearly(redis_url: str, work
         assert e.value.details["attempt"] == 3  # an engine fault: retried up to max_attempts, then failed
     finally:
         ollama.error_after = None
+
+
+def test_a_thinking_model_behind_ollama_gives_its_thoughts_apart(workers, gateways) -> None:
+    """A thinking model on Ollama (the test server with `thinking`: Ollama's capability, `think`,
+    its split of the output into `message.thinking`). The worker says its model thinks, so the
+    gateway asks for thoughts apart; the backend sends `think` and streams Ollama's thinking as the
+    answer's reasoning: the official ollama client gets `thinking`, whole and streamed, the openai
+    client `reasoning_content`; `think: false` turns the thought off. (The small model never ends
+    a thought it is put in: all of its tokens are thought.)"""
+    thinker = serve(str(model_path()), names=("gemma3:270m",), thinking=True)
+    try:
+        workers.start("w-think", backend__type="ollama", backend__endpoint=thinker.url,
+                      backend__model="gemma3:270m")
+        gw = gateways.start()
+        wait_until_healthy(gw)
+        ask = [{"role": "user", "content": "Write one sentence about the sea."}]
+        options = {"num_predict": 12, "temperature": 0}
+        client = ollama_client.Client(host=gw.url)
+        whole = client.chat(model="llm", messages=ask, think=True, options=options)
+        assert whole.message.thinking and not whole.message.content
+        streamed = list(client.chat(model="llm", messages=ask, think=True, options=options, stream=True))
+        assert "".join(c.message.thinking or "" for c in streamed) == whole.message.thinking
+        assert not "".join(c.message.content or "" for c in streamed)
+        off = client.chat(model="llm", messages=ask, think=False, options=options)
+        assert off.message.content and not off.message.thinking  # (the small model parrots tags)
+
+        oa = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        answer = oa.chat.completions.create(model="llm", messages=ask, max_tokens=12, temperature=0)
+        message = answer.choices[0].message
+        assert (message.model_extra or {}).get("reasoning_content") == whole.message.thinking
+        assert not message.content
+    finally:
+        thinker.shutdown()

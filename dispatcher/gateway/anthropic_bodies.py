@@ -38,6 +38,8 @@ BLOCK_KEYS = {
 }
 TOOL_KEYS = {"type", "name", "description", "input_schema", "strict"}
 THINKING_KEYS = {"type", "budget_tokens", "display"}
+# output_config.effort -> the template's reasoning_effort
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 CHOICE_KEYS = ("type", "name", "disable_parallel_tool_use")
 MESSAGE_KEYS = ("role", "content")
@@ -101,8 +103,10 @@ def refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
 def prompt_fields(body: dict[str, Any], thinks: bool = False) -> dict[str, Any]:
     """What shapes the prompt the worker runs: the messages, the tools and how they may be used,
     the answer's format, whether the model thinks (`thinking`: the template's enable_thinking)."""
-    fields: dict[str, Any] = _output_config(body.get("output_config"))
-    fields.update(reasoning_fields(thinks, enable=thinking_enabled(body), budget=thinking_budget(body)))
+    config = _output_config(body.get("output_config"))
+    fields: dict[str, Any] = {"format": config["format"]} if "format" in config else {}
+    fields.update(reasoning_fields(thinks, enable=thinking_enabled(body), budget=thinking_budget(body),
+                                   effort=config.get("effort")))
     fields.update(_tools(body))
     messages = _messages(body.get("messages"))
     if "system" in body:
@@ -154,20 +158,28 @@ def _metadata(metadata: object) -> dict[str, Any]:
 
 
 def _output_config(config: object) -> dict[str, Any]:
+    """output_config's format (a JSON schema) and effort (the template's reasoning_effort: a local
+    template knows low, medium and high, so Anthropic's xhigh and max ask for its highest)."""
     if config is None:
         return {}
     if not isinstance(config, dict):
         raise invalid("output_config", "output_config must be an object ({\"format\": ...})")
-    if refused := [f"output_config.{k}" for k, v in config.items() if k != "format" and v is not None]:
+    if refused := [f"output_config.{k}" for k, v in config.items() if k not in ("format", "effort")
+                   and v is not None]:
         raise unsupported(refused, API)
+    out: dict[str, Any] = {}
+    if (effort := config.get("effort")) is not None:
+        if not isinstance(effort, str) or effort not in EFFORTS:
+            raise invalid("output_config.effort", f"output_config.effort must be one of {', '.join(EFFORTS)}")
+        out["effort"] = EFFORTS[effort]
     fmt = config.get("format")
     if fmt is None:
-        return {}
+        return out
     schema = fmt.get("schema") if isinstance(fmt, dict) else None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(schema, dict):
         raise invalid("output_config.format", 'output_config.format must be {"type": "json_schema", '
                       '"schema": {...}}')
-    return {"format": schema}
+    return {**out, "format": schema}
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
