@@ -19,7 +19,7 @@ PEER = "llama-server"
 def test_ratios_are_medians_of_per_round_ratios() -> None:
     def run(system: str, round_: int, tokens: int, later: list[float]) -> ChatRun:
         return ChatRun(system, "real", round_, wall_s=2.0, tokens=tokens, ttft_first_ms=[900.0],
-                       ttft_later_ms=later)
+                       ttft_later_ms=later, cpu_s=tokens / 100)  # 10 CPU s per 1k tokens
 
     runs = [run(FLEET, 0, 100, [100.0, 300.0]), run(PEER, 0, 50, [400.0, 400.0]),
             run(PEER, 1, 100, [100.0, 100.0]), run(FLEET, 1, 100, [100.0, 100.0]),
@@ -31,6 +31,7 @@ def test_ratios_are_medians_of_per_round_ratios() -> None:
     assert fleet["ttft_later_vs_peer"] == 0.5  # rounds: 200/400, 100/100, 50/100
     assert fleet["ttft_later_p50_ms"] == 100.0 and fleet["ttft_first_p50_ms"] == 900.0
     assert peer["tok_s_vs_peer"] == 1.0 and fleet["round_tok_s"] == [50.0, 50.0, 15.0]
+    assert fleet["cpu_s_per_1k"] == peer["cpu_s_per_1k"] == 10.0 and fleet["cpu_vs_peer"] == 1.0
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -69,6 +70,7 @@ def test_one_tiny_chat_run_end_to_end(tmp_path: Path) -> None:
             assert row["errors"] == 0, row["first_error"]
             assert row["tok_s"] > 0 and row["ttft_first_p50_ms"] > 0 and row["ttft_later_p50_ms"] > 0
             assert row["ttft_later_p95_ms"] >= row["ttft_later_p50_ms"]
+            assert row["cpu_s_per_1k"] > 0  # the system's processes worked for its tokens
         # the ratios and the numbers they come from are each written rounded
         assert fleet["tok_s_vs_peer"] == pytest.approx(fleet["tok_s"] / peer["tok_s"], abs=2e-3)
         assert fleet["ttft_later_vs_peer"] == pytest.approx(

@@ -48,7 +48,7 @@ from ecosystem.local.bench_load import (
     closed_loop,
 )
 from ecosystem.local.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
-from ecosystem.local.bench_setup import machine_meta, start_fleet_workers, workdir
+from ecosystem.local.bench_setup import cpu_seconds, machine_meta, start_fleet_workers, workdir
 from ecosystem.local.bench_stalls import StallsConfig, run_stalls
 from ecosystem.local.bench_workloads import (
     WORKLOADS,
@@ -175,15 +175,7 @@ class Bench:
     # -- measuring --------------------------------------------------------------------------------
 
     def _cpu(self, groups: dict[str, list[int]]) -> dict[str, float]:
-        out = {}
-        for name, pids in groups.items():
-            total = 0.0
-            for pid in pids:
-                with contextlib.suppress(psutil.Error):
-                    t = psutil.Process(pid).cpu_times()
-                    total += t.user + t.system
-            out[name] = total
-        return out
+        return {name: cpu_seconds(pids) for name, pids in groups.items()}
 
     def _measure(self, progress: Progress, workload: str, users: int, role: str, system: str, round_: int,
                  target: Target, groups: dict[str, list[int]], requests: list[BenchRequest]) -> None:

@@ -32,7 +32,7 @@ from backends.model import default_model_path
 from ecosystem.local.bench_chat_report import ChatRun, print_report, summarise, write_json
 from ecosystem.local.bench_load import Sample, again_if_stale, http_client, streamed
 from ecosystem.local.bench_report import percentile
-from ecosystem.local.bench_setup import core_shares, machine_meta, start_fleet_workers, workdir
+from ecosystem.local.bench_setup import core_shares, cpu_seconds, machine_meta, start_fleet_workers, workdir
 from ecosystem.local.bench_text import paragraph, question
 from ecosystem.local.bench_workloads import Tokenizer, ctx_per_slot
 from ecosystem.local.llama_server import llama_server_binary, start_llama_server
@@ -153,8 +153,9 @@ def conversation(client: ChatClient, user: int, run: ChatRun, turns: int, max_to
 
 
 def measure(system: str, clients: Sequence[ChatClient], history: str, round_: int, users: int,
-            turns: int, max_tokens: int, seed: int) -> ChatRun:
-    """Every user's conversation at once, user u on clients[u % len(clients)]."""
+            turns: int, max_tokens: int, seed: int, pids: Sequence[int] = ()) -> ChatRun:
+    """Every user's conversation at once, user u on clients[u % len(clients)]; `pids`: the
+    system's processes, whose CPU time the run counts."""
     run = ChatRun(system, history, round_)
     lock = threading.Lock()
     start = threading.Barrier(users + 1)
@@ -167,10 +168,11 @@ def measure(system: str, clients: Sequence[ChatClient], history: str, round_: in
     for t in threads:
         t.start()
     start.wait()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds(pids)
     for t in threads:
         t.join()
     run.wall_s = time.perf_counter() - t0
+    run.cpu_s = cpu_seconds(pids) - cpu0
     return run
 
 
@@ -188,6 +190,7 @@ class ChatBench:
         self.systems = [FLEET, *([BLIND] if several else []), self.peer]  # the peer last: ratios are over it
         self.per_slot = 0
         self.needed = 0
+        self.pids: dict[str, list[int]] = {}  # each system's processes
 
     def _context(self) -> int:
         self.needed = context_needed(self.tok, self.cfg)
@@ -207,12 +210,15 @@ class ChatBench:
         settings = {**dict(kv.split("=", 1) for kv in cfg.worker_settings), "placement": placement}
         self.console.log(f"starting {cfg.workers} fleet worker(s), {slots} slots each, "
                          f"placement {'on' if placement else 'off'}, and fleet serve")
-        for w in start_fleet_workers(redis.url, f"bench-{tag}", self.logs, workers=cfg.workers,
-                                     threads=cfg.threads, worker_settings=settings, backend=backend):
+        workers = start_fleet_workers(redis.url, f"bench-{tag}", self.logs, workers=cfg.workers,
+                                      threads=cfg.threads, worker_settings=settings, backend=backend)
+        for w in workers:
             stack.callback(w.stop)
         gw = start_gateway(redis.url, self.logs, name=f"gateway-{tag}")
         stack.callback(gw.stop)
         wait_until_healthy(gw, 60)
+        self.pids[FLEET if placement else BLIND] = [redis.process.pid, gw.process.pid,
+                                                    *(w.process.pid for w in workers)]
         return [gw.url]
 
     def _servers(self, stack: contextlib.ExitStack) -> list[str]:
@@ -228,6 +234,7 @@ class ChatBench:
                                                          ctx=per_server * self.per_slot, threads=threads,
                                                          extra_args=args, cpus=cores))
             urls.append(srv.url)
+            self.pids.setdefault(self.peer, []).append(srv.process.pid)
         return urls
 
     def run(self) -> list[ChatRun]:
@@ -249,7 +256,7 @@ class ChatBench:
                 order = self.systems if round_ % 2 == 0 else self.systems[::-1]
                 for name in order:
                     run = measure(name, clients[name], history, round_, cfg.users, cfg.turns,
-                                  cfg.max_tokens, cfg.seed)
+                                  cfg.max_tokens, cfg.seed, self.pids.get(name, ()))
                     runs.append(run)
                     self.console.log(f"round {round_} {history:6} {name}: {run.tok_s:.1f} tok/s, later-turn "
                                      f"TTFT p50 {percentile(run.ttft_later_ms, 50) or 0:.0f} ms"

@@ -30,10 +30,15 @@ class ChatRun:
     ttft_later_ms: list[float] = field(default_factory=list)  # turns 2..
     first_prompt_tokens: int = 0  # turn 1's prompt tokens over all users: both sides render alike
     errors: list[str] = field(default_factory=list)  # a failed turn ends its conversation
+    cpu_s: float = 0.0  # CPU seconds of the system's processes (workers, gateway, Redis; or servers)
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def cpu_per_1k(self) -> float | None:
+        return self.cpu_s * 1000 / self.tokens if self.tokens else None
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -68,6 +73,8 @@ def summarise(runs: Sequence[ChatRun], systems: Sequence[str], histories: Sequen
                 "tok_s_vs_peer": _median([_ratio(a.tok_s, b.tok_s) for a, b in pairs]),
                 "ttft_later_vs_peer": _median([_ratio(_later(a, 50), _later(b, 50)) for a, b in pairs]),
                 "ttft_later_p95_vs_peer": _median([_ratio(_later(a, 95), _later(b, 95)) for a, b in pairs]),
+                "cpu_s_per_1k": _median([r.cpu_per_1k for r in mine]),
+                "cpu_vs_peer": _median([_ratio(a.cpu_per_1k, b.cpu_per_1k) for a, b in pairs]),
                 "round_tok_s": [round(r.tok_s, 1) for r in mine],
                 "errors": len(errors),
                 "first_error": errors[0] if errors else None,
@@ -82,15 +89,18 @@ def _cell(value: float | None, fmt: str, unit: str = "") -> str:
 def table(summary: dict[str, Any], peer: str, title: str) -> Table:
     t = Table(title=title)
     for col in ("history", "system", "tok/s", "turn-1 TTFT p50 ms", "later TTFT p50 ms", "later TTFT p95 ms",
-                "tok/s vs peer", "later p50 vs peer", "later p95 vs peer", "errors"):
+                "tok/s vs peer", "later p50 vs peer", "later p95 vs peer", "CPU s/1k tok", "CPU vs peer",
+                "errors"):
         t.add_column(col, justify="left" if col in ("history", "system") else "right")
     for key, row in summary.items():
         history, system = key.split("/", 1)
         ratios = [_cell(row[k], ".2f", "x") for k in ("tok_s_vs_peer", "ttft_later_vs_peer",
                                                        "ttft_later_p95_vs_peer")]
+        cpu = _cell(row.get("cpu_s_per_1k"), ".1f")
+        cpu_ratio = "" if system == peer else _cell(row.get("cpu_vs_peer"), ".2f", "x")
         t.add_row(history, system, _cell(row["tok_s"], ".1f"), _cell(row["ttft_first_p50_ms"], ",.0f"),
                   _cell(row["ttft_later_p50_ms"], ",.0f"), _cell(row["ttft_later_p95_ms"], ",.0f"),
-                  *(["", "", ""] if system == peer else ratios), str(row["errors"] or ""),
+                  *(["", "", ""] if system == peer else ratios), cpu, cpu_ratio, str(row["errors"] or ""),
                   end_section=system == peer)
     return t
 
@@ -104,5 +114,6 @@ def print_report(console: Console, summary: dict[str, Any], peer: str, title: st
 
 def write_json(path: Path, meta: dict[str, Any], summary: dict[str, Any], runs: Sequence[ChatRun]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"meta": meta, "summary": summary, "runs": [{**asdict(r), "tok_s": r.tok_s} for r in runs]}
+    doc = {"meta": meta, "summary": summary,
+           "runs": [{**asdict(r), "tok_s": r.tok_s, "cpu_s_per_1k": r.cpu_per_1k} for r in runs]}
     path.write_text(json.dumps(doc, indent=1))

@@ -9,9 +9,11 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from ecosystem.local.processes import WorkerProcess, start_worker
 from worker.settings import format_cpu_list
@@ -26,6 +28,16 @@ def machine_meta() -> dict[str, Any]:
                             text=True, check=False).stdout.strip()
     return {"cores": len(os.sched_getaffinity(0)), "cpu": model, "loadavg": os.getloadavg(),
             "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds the processes have used so far (one that is gone counts 0)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
 
 
 @contextlib.contextmanager
