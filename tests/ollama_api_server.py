@@ -18,7 +18,7 @@ split. A `think` for a model without the capability is a 400, as Ollama answers 
 Test knob: `error_after` (--error-after N, or OLLAMA_TEST_ERROR_AFTER): after N tokens the stream
 gets the error line Ollama sends when the runner fails, and ends.
 
-    python tests/ollama_api_server.py --model-path m.gguf --port 11434 [--name gemma3:270m]
+    python -m tests.ollama_api_server --model-path m.gguf --port 11434 [--name gemma3:270m]  # from the repo root
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import llama_cpp
+
+from tests.ollama_thoughts import ThoughtSplit, whole
 
 RUNNER_ERROR = "an error was encountered while running the model"
 BUSY_ERROR = "server busy, please try again.  maximum pending requests exceeded"
@@ -160,30 +162,6 @@ class Engine:
 
 class PromptTooLong(ValueError):
     pass
-
-
-class ThoughtSplit:
-    """A thought opened in the prompt, split off the output at `</think>` (a marker cut between
-    deltas held back until it is whole)."""
-
-    END = "</think>"
-
-    def __init__(self, opened: bool) -> None:
-        self.inside = opened
-        self._held = ""
-
-    def feed(self, text: str) -> tuple[str, str]:
-        """(thinking, content) of the next delta."""
-        if not self.inside:
-            return "", text
-        text, self._held = self._held + text, ""
-        if (end := text.find(self.END)) >= 0:
-            self.inside = False
-            return text[:end], text[end + len(self.END):].lstrip("\n")
-        keep = next((n for n in range(len(self.END) - 1, 0, -1) if text.endswith(self.END[:n])), 0)
-        if keep:
-            text, self._held = text[:-keep], text[-keep:]
-        return text, ""
 
 
 class OllamaApiServer(ThreadingHTTPServer):
@@ -469,15 +447,6 @@ class OllamaHandler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
         else:
             self._json(200, final)
-
-
-def whole(chat: bool, body: dict[str, Any], thinking: bool, text: str) -> dict[str, Any]:
-    """A whole answer's message or response (stream: false)."""
-    if not chat:
-        return {"response": text}
-    thought, content = ThoughtSplit(opened=bool(body.get("think")) and thinking).feed(text)
-    message = {"role": "assistant", "content": content, **({"thinking": thought} if thought else {})}
-    return {"message": message}
 
 
 def serve(
