@@ -18,7 +18,7 @@ split. A `think` for a model without the capability is a 400, as Ollama answers 
 Test knob: `error_after` (--error-after N, or OLLAMA_TEST_ERROR_AFTER): after N tokens the stream
 gets the error line Ollama sends when the runner fails, and ends.
 
-    python -m tests.ollama_api_server --model-path m.gguf --port 11434 [--name gemma3:270m]  # from the repo root
+    python -m tests.ollama_api_server --model-path m.gguf --port 11434 [--name gemma3:270m]  # repo root
 """
 
 from __future__ import annotations
