@@ -5,12 +5,14 @@ sent with `raw: true` so a prompt means the same raw completion on every backend
 the model's template from Ollama. Errors (docs/api.md, "Errors"): a status with {"error": "..."}
 before the stream starts, or an {"error": "..."} line once it has started (the status stays 200).
 
-Thoughts: a chat without tools goes as sent (`speaks`), with Ollama's `think` from the job
-(`enable_thinking` / `reasoning_effort` of its template kwargs, a budget of 0: false; thoughts
-asked apart: true). Ollama splits its model's thoughts off itself (`message.thinking`): asked
-apart, they stream as the answer JSON, as llama-server's `reasoning_content` does
-(backends/chat/openai_deltas.py); otherwise back in the text between `<think>` tags, where the
-model wrote them. Ollama has no thought budget.
+Thoughts: a chat without tools goes as sent (`speaks`). To a model whose /api/show lists the
+"thinking" capability it carries Ollama's `think` from the job (`enable_thinking` /
+`reasoning_effort` of its template kwargs, a level to gpt-oss only, a budget of 0: false;
+thoughts asked apart: true); a model without it gets no `think` (Ollama refuses one). Ollama
+splits its model's thoughts off itself (`message.thinking`): asked apart, they stream as the
+answer JSON, as llama-server's `reasoning_content` does (backends/chat/openai_deltas.py); in a
+plain text answer, back in the text between `<think>` tags, where the model wrote them; before
+an answer held to JSON (a format, the generic tool format), nowhere. Ollama has no thought budget.
 """
 
 from __future__ import annotations
@@ -87,6 +89,16 @@ class OllamaBackend(HttpStreamBackend):
 
     # -- one job ------------------------------------------------------------------------------------
 
+    def _thinks(self) -> bool:
+        capabilities = self._show.get("capabilities")
+        return isinstance(capabilities, list) and "thinking" in capabilities
+
+    def _levels(self) -> bool:
+        """Whether the model takes `think` as a level: gpt-oss only, in Ollama's API."""
+        details = self._show.get("details")
+        family = str(details.get("family") or "") if isinstance(details, dict) else ""
+        return family.replace("-", "") == "gptoss"
+
     def speaks(self, request: GenerateRequest) -> bool:
         """A chat without tools or a format runs as sent (its thoughts as Ollama splits them);
         the rest is lowered to the generic format first."""
@@ -112,12 +124,12 @@ class OllamaBackend(HttpStreamBackend):
         if job.request.logprobs:  # Ollama >= 0.12.11 returns them; older servers ignore the fields
             body["logprobs"] = True
             body["top_logprobs"] = job.request.top_logprobs or 0
-        thoughts = Thoughts(job.job_id, self.speaks(job.request)
-                            and job.request.reasoning_format not in (None, "none"))
+        apart = self.speaks(job.request) and job.request.reasoning_format not in (None, "none")
+        thoughts = Thoughts(job.job_id, apart, inline=job.request.format is None)
         if job.request.messages is not None:
             path = "/api/chat"
             body["messages"] = [ollama_message(m.model_dump(exclude_none=True)) for m in job.request.messages]
-            if (think := think_field(job.request, thoughts.apart)) is not None:
+            if self._thinks() and (think := think_field(job.request, apart, self._levels())) is not None:
                 body["think"] = think
         else:
             path = "/api/generate"
@@ -146,15 +158,18 @@ class OllamaBackend(HttpStreamBackend):
                     return
 
 
-def think_field(request: GenerateRequest, apart: bool) -> bool | str | None:
-    """Ollama's `think` for a chat: what the job's template kwargs say, false for a budget of 0,
-    true where thoughts are asked apart (Ollama splits them off only when asked); None: unsaid."""
+def think_field(request: GenerateRequest, apart: bool, levels: bool = False) -> bool | str | None:
+    """Ollama's `think` for a chat to a thinking model: what the job's template kwargs say, false
+    for a budget of 0, true where thoughts are asked apart (Ollama splits them off only when
+    asked); a reasoning effort as the level where the model takes one (`levels`), else true;
+    None: unsaid."""
     kwargs = request.chat_template_kwargs or {}
     if request.reasoning_budget == 0 or kwargs.get("enable_thinking") is False:
         return False
-    if kwargs.get("reasoning_effort") in ("low", "medium", "high"):
-        return str(kwargs["reasoning_effort"])
-    return True if apart or kwargs.get("enable_thinking") is True else None
+    effort = kwargs.get("reasoning_effort")
+    if levels and effort in ("low", "medium", "high"):
+        return str(effort)
+    return True if apart or kwargs.get("enable_thinking") is True or effort is not None else None
 
 
 def ollama_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -166,16 +181,19 @@ def ollama_message(message: dict[str, Any]) -> dict[str, Any]:
 
 class Thoughts:
     """Ollama's `thinking` and `content` deltas as the job's text: the answer JSON when thoughts
-    are asked apart, else the text with its thought between `<think>` tags."""
+    are asked apart, else the text with its thought between `<think>` tags (`inline`), else the
+    content alone (an answer held to JSON must start with it)."""
 
-    def __init__(self, job_id: str, apart: bool) -> None:
-        self.apart = apart
+    def __init__(self, job_id: str, apart: bool, inline: bool = True) -> None:
         self._answer = DeltaAnswer(job_id, 0) if apart else None
+        self._inline = inline
         self._inside = False
 
     def feed(self, thinking: str, content: str) -> str:
         if self._answer is not None:
             return self._answer.feed({"reasoning_content": thinking, "content": content})
+        if not self._inline:
+            return content
         out = ""
         if thinking and not self._inside:
             out, self._inside = "<think>", True

@@ -348,7 +348,7 @@ class OllamaHandler(BaseHTTPRequestHandler):
                 },
             )
         think = body.get("think")
-        if think not in (None, True, False, "low", "medium", "high"):
+        if not (think is None or isinstance(think, bool) or think in ("low", "medium", "high")):
             return self._error(400, f"invalid think value: {think!r}")
         if think and not self.server.thinking:
             return self._error(400, f'"{name}" does not support thinking')
@@ -378,10 +378,11 @@ class OllamaHandler(BaseHTTPRequestHandler):
 
         split = ThoughtSplit(opened=chat and bool(body.get("think")) and server.thinking)
 
-        def payload(text: str) -> dict[str, Any]:
+        def payload(text: str, last: bool = False) -> dict[str, Any]:
             if not chat:
                 return {"response": text}
             thinking, content = split.feed(text)
+            thinking += split.close() if last else ""
             return {"message": {"role": "assistant", "content": content,
                                 **({"thinking": thinking} if thinking else {})}}
 
@@ -430,7 +431,7 @@ class OllamaHandler(BaseHTTPRequestHandler):
         final: dict[str, Any] = {
             "model": name,
             "created_at": now(),
-            **(payload("") if stream else whole(chat, body, server.thinking, "".join(pieces))),
+            **(payload("", last=True) if stream else whole(chat, body, server.thinking, "".join(pieces))),
             "done": True,
             "done_reason": reason,
             "total_duration": ended - started + load_ns,

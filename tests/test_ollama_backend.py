@@ -12,8 +12,9 @@ import pytest
 
 from backends.base import BackendUnavailable, Done, Event, Failed, JobRejected, Token
 from backends.contract.schema import GenerateRequest, Message, SamplingDefaults
+from backends.contract.tools import read_answer
 from backends.http_settings import OllamaSettings
-from backends.ollama import OllamaBackend
+from backends.ollama import OllamaBackend, Thoughts, think_field
 from tests.ollama_api_server import BUSY_ERROR, RUNNER_ERROR, OllamaApiServer, serve
 from tests.real_servers import free_port, model_path
 
@@ -200,3 +201,30 @@ def test_what_ollama_lacks_is_refused_by_name_and_its_show_becomes_the_card(back
     assert backend.free_slots() == backend.slots
     card = backend.model_card()
     assert card["details"] == {"format": "gguf", "family": "gemma3"} and card["template"] == "{{ .Prompt }}"
+
+
+def test_think_goes_only_to_a_thinking_model(backend: OllamaBackend) -> None:
+    """The test server's model has no "thinking" capability: a chat whose template kwargs ask to
+    think (as the gateway writes Anthropic's `thinking` or a reasoning effort) gets no `think`,
+    which Ollama would refuse with a 400, and answers."""
+    events = run_one(backend, "t", greedy(messages=[Message(role="user", content="Say hi.")], max_tokens=4,
+                                          chat_template_kwargs={"enable_thinking": True,
+                                                                "reasoning_effort": "low"}))
+    assert isinstance(events[-1], Done) and text(events)
+
+
+def test_thoughts_become_the_answer_json_inline_text_or_nothing() -> None:
+    apart = Thoughts("j", apart=True)
+    streamed = apart.feed("Sea ", "") + apart.feed("waves.", "") + apart.feed("", "Hi.") + apart.close()
+    answer = read_answer(streamed, "j")
+    assert (answer.reasoning, answer.content) == ("Sea waves.", "Hi.")
+    inline = Thoughts("j", apart=False)
+    assert inline.feed("Sea", "") + inline.feed("", "Hi.") + inline.close() == "<think>Sea</think>Hi."
+    held_to_json = Thoughts("j", apart=False, inline=False)  # a format: the answer starts with its JSON
+    json_text = held_to_json.feed("Sea", "") + held_to_json.feed("", '{"a": 1}') + held_to_json.close()
+    assert json_text == '{"a": 1}'
+    request = greedy(messages=[Message(role="user", content="Hi")])
+    assert think_field(request, apart=True) is True and think_field(request, apart=False) is None
+    effort = request.model_copy(update={"chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert think_field(effort, False, levels=True) == "high" and think_field(effort, False) is True
+    assert think_field(request.model_copy(update={"reasoning_budget": 0}), apart=True) is False

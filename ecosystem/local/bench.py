@@ -48,7 +48,7 @@ from ecosystem.local.bench_load import (
     closed_loop,
 )
 from ecosystem.local.bench_report import FLEET, PEER, Run, print_report, summaries, write_json, write_plot
-from ecosystem.local.bench_setup import cpu_seconds, machine_meta, start_fleet_workers, workdir
+from ecosystem.local.bench_setup import cpu_seconds, machine_meta, start_fleet_workers, with_children, workdir
 from ecosystem.local.bench_stalls import StallsConfig, run_stalls
 from ecosystem.local.bench_workloads import (
     WORKLOADS,
@@ -215,7 +215,7 @@ class Bench:
                 peer = CompletionsTarget.llama_server(server.url, users, seed=cfg.seed)
                 fleet = CompletionsTarget(gateway.url, users, seed=cfg.seed)
                 stack.callback(fleet.close)
-                fleet_pids["gateway"] = _with_children(gateway.process.pid)
+                fleet_pids["gateway"] = with_children(gateway.process.pid)
             stack.callback(peer.close)
             entry = "fleet" if gateway is None else "fleet serve"
             if cfg.fleet_backend == "llama-server":
@@ -261,13 +261,6 @@ class Bench:
                     for i, users in enumerate(self.cfg.users):
                         self._level(progress, i, users, redis, fleet_workers, workload, per_slot, gateway)
         return self.runs
-
-
-def _with_children(pid: int) -> list[int]:
-    """A process and its children (`fleet serve` with gateway.workers > 1 forks them)."""
-    with contextlib.suppress(psutil.Error):
-        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-    return [pid]
 
 
 # -- the command -------------------------------------------------------------------------------------

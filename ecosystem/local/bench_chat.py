@@ -32,7 +32,14 @@ from backends.model import default_model_path
 from ecosystem.local.bench_chat_report import ChatRun, print_report, summarise, write_json
 from ecosystem.local.bench_load import Sample, again_if_stale, http_client, streamed
 from ecosystem.local.bench_report import percentile
-from ecosystem.local.bench_setup import core_shares, cpu_seconds, machine_meta, start_fleet_workers, workdir
+from ecosystem.local.bench_setup import (
+    core_shares,
+    cpu_seconds,
+    machine_meta,
+    start_fleet_workers,
+    with_children,
+    workdir,
+)
 from ecosystem.local.bench_text import paragraph, question
 from ecosystem.local.bench_workloads import Tokenizer, ctx_per_slot
 from ecosystem.local.llama_server import llama_server_binary, start_llama_server
@@ -217,7 +224,7 @@ class ChatBench:
         gw = start_gateway(redis.url, self.logs, name=f"gateway-{tag}")
         stack.callback(gw.stop)
         wait_until_healthy(gw, 60)
-        self.pids[FLEET if placement else BLIND] = [redis.process.pid, gw.process.pid,
+        self.pids[FLEET if placement else BLIND] = [redis.process.pid, *with_children(gw.process.pid),
                                                     *(w.process.pid for w in workers)]
         return [gw.url]
 

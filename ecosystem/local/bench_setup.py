@@ -40,6 +40,13 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
+def with_children(pid: int) -> list[int]:
+    """A process and its children (`fleet serve` with gateway.workers > 1 forks them)."""
+    with contextlib.suppress(psutil.Error):
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    return [pid]
+
+
 @contextlib.contextmanager
 def workdir(keep: bool) -> Iterator[Path]:
     """A temp dir for the run's logs and Redis; removed after a good run unless `keep`."""
