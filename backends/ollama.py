@@ -25,6 +25,7 @@ import httpx
 
 from backends.base import BackendUnavailable, Done, Event, JobRejected, Token
 from backends.chat.openai_deltas import DeltaAnswer
+from backends.chat.reasoning import THINK
 from backends.contract import tools
 from backends.contract.schema import GenerateRequest
 from backends.contract.text_ops import TextRequest
@@ -196,16 +197,16 @@ class Thoughts:
             return content
         out = ""
         if thinking and not self._inside:
-            out, self._inside = "<think>", True
+            out, self._inside = THINK[0], True
         out += thinking
         if content and self._inside:
-            out, self._inside = out + "</think>", False
+            out, self._inside = out + THINK[1], False
         return out + content
 
     def close(self) -> str:
         if self._answer is not None:
             return self._answer.close()
-        return "</think>" if self._inside else ""
+        return THINK[1] if self._inside else ""
 
 
 def final_done(job_id: str, chunk: dict[str, Any]) -> Done:
