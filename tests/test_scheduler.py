@@ -453,3 +453,32 @@ def test_when_the_streams_own_call_fills_the_target_a_prompt_keeps_its_share(slo
     # call times 1/slowdown - 1 (1x, 3x), so its prefill is at most 1 + slowdown times as long
     share = 1 / slowdown - 1
     assert 0.75 * share <= statistics.median(shares[3:-1]) <= share, shares
+
+
+def test_decoders_do_not_draft_beside_a_paced_prompt_and_draft_again_after_it() -> None:
+    kv = KvBookkeeper(slots=8, prefix_cache=0, n_ctx=8 * 4096, n_batch=512, per_slot=True, invariant=False)
+    s = Scheduler(kv, n_batch=512, n_ctx_per_seq=4096, draft_max=6, max_stall_ms=250)
+    for i in range(4):
+        admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=2000)
+
+    def step() -> list[DecodeCall]:
+        calls = s.plan_step().calls
+        for call in calls:
+            s.update(call, sampled_sevens(call), simulated_seconds(call))
+        s.end_step()
+        return calls
+
+    def drafted(calls: list[DecodeCall]) -> bool:
+        return any(call.drafts for call in calls)
+
+    before = [drafted(step()) for _ in range(12)]
+    assert any(before), "the sevens repeat: prompt lookup drafts them"
+    (long,) = admit(s, "long", prompt(3000, 50_000))
+    beside: list[bool] = []
+    while long.next_token is None:
+        calls = step()
+        if any(call.decoders for call in calls) and any(job is long for c in calls for job, _ in c.prompts):
+            beside.append(drafted(calls))
+    assert len(beside) > 5 and not any(beside), str(beside)
+    after = [drafted(step()) for _ in range(40)]
+    assert any(after), str(after)  # the prompt is done: drafting again

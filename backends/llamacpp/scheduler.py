@@ -357,7 +357,10 @@ class Scheduler:
             decoding, chunks = [], ending
         calls: list[DecodeCall] = []
         if decoding:
-            calls.append(self._decoders_call(decoding))
+            # Beside a paced prompt (to its last rows) the decoders do not draft: a drafted call
+            # costs ~2x, and the prompt's share of each step (max_prefill_slowdown) grows with
+            # it, so the streams' gap would double for about the same tokens a second
+            calls.append(self._decoders_call(decoding, draft=not (paced and (chunks or midway))))
         shorts = self._short_calls(short)
         if paced and not newcomers_only:
             spent = sum(self.pace.seconds(c.n_rows(), max(j.n_past for j in c.members())) for c in shorts)
@@ -386,14 +389,14 @@ class Scheduler:
         the prompt runs with no other job (whatever the load)."""
         return min(len(job.tokens), (job.n_past // self.n_batch + 1) * self.n_batch) - job.n_past
 
-    def _decoders_call(self, decoding: list[ActiveJob]) -> DecodeCall:
+    def _decoders_call(self, decoding: list[ActiveJob], draft: bool = True) -> DecodeCall:
         """All decoders in one equal-width ubatch: one row each, plus their drafts (speculation)
         while the call stays within DRAFT_CALL_ROWS rows (speculation.draft_room)."""
         lo = min(j.seq_id for j in decoding)
         hi = max(j.seq_id for j in decoding)
         n, ids = len(decoding), hi - lo + 1
         undrafted = self._span(decoding, 1)
-        room = draft_room(ids, self.draft_max)
+        room = draft_room(ids, self.draft_max) if draft else 0
         if room:  # every id lo..hi gets the widest draft's rows: none may pass its stream's last cell
             room = min(room, min(self._cells_left(lo, hi)) - 1)
         drafts = self._drafts(decoding, room, (undrafted[1] - undrafted[0] + 1, n),
