@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import anthropic
+import anthropic as anthropic_sdk
 import httpx
 import jsonschema
 import ollama
@@ -55,19 +55,42 @@ def test_a_native_call_in_every_api(workers, gateways) -> None:
     workers.start("w1", backend__slots=4, backend__chat_template_file=str(template("*Qwen2.5*")))
     gw = gateways.start()
     wait_until_healthy(gw)
-    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="none", max_retries=0)
-    forced = {"model": "llm", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-              "temperature": 0, "max_tokens": 80, "stop": STOPS}
+    calls_in_every_api(gw.url, "<tool_call>", chat={"stop": STOPS})
 
-    whole = client.chat.completions.create(**forced)
+
+def test_a_gpt_oss_call_in_every_api_after_its_budgeted_analysis(workers, gateways) -> None:
+    """gpt-oss thinks in an analysis message first, which the small model never ends: each API's
+    way of holding a thought to a budget (or turning it off) ends it, and the call follows."""
+    workers.start("w1", backend__slots=4, backend__chat_template_file=str(template("*gpt-oss*")))
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    budget = {"reasoning_budget": 8}
+    calls_in_every_api(gw.url, "<|channel|>", thinks=True, max_tokens=160, chat=budget, responses=budget,
+                       anthropic={"thinking": {"type": "enabled", "budget_tokens": 8}},
+                       ollama={"think": False})
+
+
+def calls_in_every_api(url: str, markup: str, *, thinks: bool = False, max_tokens: int = 80,
+                       chat: dict[str, Any] | None = None,
+                       responses: dict[str, Any] | None = None,
+                       anthropic: dict[str, Any] | None = None, ollama: dict[str, Any] | None = None) -> None:
+    """A required get_weather call, whole and streamed, in the OpenAI chat, Responses, Anthropic
+    and Ollama shapes, the same call each time and no `markup` of the native syntax as words;
+    each API's body takes its extra fields. `thinks`: a thought comes apart before the call
+    (Ollama's extra fields turn it off)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    forced = {"model": "llm", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+              "temperature": 0, "max_tokens": max_tokens}
+
+    whole = client.chat.completions.create(**forced, extra_body=chat)
     choice = whole.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
     call = choice.message.tool_calls[0]
     args = check_call(call.function.name, call.function.arguments)
+    assert bool(getattr(choice.message, "reasoning_content", None)) == thinks
 
-    # streamed: the same call, no markup of the native syntax in any delta
     names, arguments, contents = [], "", ""
-    for chunk in client.chat.completions.create(**forced, stream=True):
+    for chunk in client.chat.completions.create(**forced, stream=True, extra_body=chat):
         delta = chunk.choices[0].delta if chunk.choices else None
         for c in (delta.tool_calls or []) if delta else []:
             if c.function and c.function.name:
@@ -75,54 +98,53 @@ def test_a_native_call_in_every_api(workers, gateways) -> None:
             arguments += (c.function.arguments or "") if c.function else ""
         contents += (delta.content or "") if delta else ""
     assert names == ["get_weather"] and json.loads(arguments) == args
-    assert "<tool_call>" not in contents
+    assert markup not in contents
 
     # the Responses API: a function_call item
-    raw = httpx.post(f"{gw.url}/v1/responses", json={
-        "model": "llm", "input": "What is the weather in Paris?", "tool_choice": "required",
-        "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0, "max_output_tokens": 80},
-        timeout=120).json()
+    asked = {"model": "llm", "input": "What is the weather in Paris?", "tool_choice": "required",
+             "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0,
+             "max_output_tokens": max_tokens, **(responses or {})}
+    raw = httpx.post(f"{url}/v1/responses", json=asked, timeout=120).json()
     items = [i for i in raw["output"] if i["type"] == "function_call"]
-    assert items and check_call(items[0]["name"], items[0]["arguments"]) == args
-    with httpx.stream("POST", f"{gw.url}/v1/responses", timeout=120, json={
-            "model": "llm", "input": "What is the weather in Paris?", "tool_choice": "required",
-            "stream": True, "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0,
-            "max_output_tokens": 80}) as r:
+    assert items and check_call(items[0]["name"], items[0]["arguments"]) == args, raw
+    with httpx.stream("POST", f"{url}/v1/responses", timeout=120, json={**asked, "stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     finished = [e["item"] for e in events if e["type"] == "response.output_item.done"]
-    assert [i["type"] for i in finished] == ["function_call"] and events[-1]["type"] == "response.completed"
-    assert check_call(finished[0]["name"], finished[0]["arguments"]) == args
+    assert [i["type"] for i in finished] == ["reasoning"] * thinks + ["function_call"]
+    assert events[-1]["type"] == "response.completed"
+    assert check_call(finished[-1]["name"], finished[-1]["arguments"]) == args
     assert not any(e["type"] == "response.output_text.delta" for e in events)  # no markup as words
 
     # Anthropic: a tool_use block (tool_choice any)
-    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
-    message = claude.messages.create(
-        model="llm", max_tokens=80, messages=ASK, tool_choice={"type": "any"},
-        tools=[{"name": "get_weather", "description": "The current weather in a city.",
-                "input_schema": schema_of("get_weather")}], extra_body={"temperature": 0})
+    claude = anthropic_sdk.Anthropic(base_url=url, api_key="none", max_retries=0)
+    asked_claude = {"model": "llm", "max_tokens": max_tokens, "messages": ASK, "tool_choice": {"type": "any"},
+                    "tools": [{"name": "get_weather", "description": "The current weather in a city.",
+                               "input_schema": schema_of("get_weather")}],
+                    "extra_body": {"temperature": 0}, **(anthropic or {})}
+    message = claude.messages.create(**asked_claude)
+    assert [b.type for b in message.content] == ["thinking"] * thinks + ["tool_use"]
     uses = [b for b in message.content if b.type == "tool_use"]
     assert message.stop_reason == "tool_use" and uses and check_call(uses[0].name, uses[0].input) == args
-    with claude.messages.stream(
-            model="llm", max_tokens=80, messages=ASK, tool_choice={"type": "any"},
-            tools=[{"name": "get_weather", "description": "The current weather in a city.",
-                    "input_schema": schema_of("get_weather")}], extra_body={"temperature": 0}) as stream:
+    with claude.messages.stream(**asked_claude) as stream:
         streamed_message = stream.get_final_message()
-    assert [b.type for b in streamed_message.content] == ["tool_use"]
-    assert check_call(streamed_message.content[0].name, streamed_message.content[0].input) == args
+    assert [b.type for b in streamed_message.content] == ["thinking"] * thinks + ["tool_use"]
+    uses = [b for b in streamed_message.content if b.type == "tool_use"]
+    assert check_call(uses[0].name, uses[0].input) == args
 
     # Ollama's API cannot force a call: llama-fleet's tool_choice extension does (raw HTTP: the
     # ollama client sends only Ollama's fields), whole and streamed
     ollama_body = {"model": "llm", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-                   "stream": False, "options": {"temperature": 0, "num_predict": 80}}
-    message = httpx.post(f"{gw.url}/api/chat", json=ollama_body, timeout=120).json()["message"]
+                   "stream": False, "options": {"temperature": 0, "num_predict": max_tokens},
+                   **(ollama or {})}
+    message = httpx.post(f"{url}/api/chat", json=ollama_body, timeout=120).json()["message"]
     calls = message["tool_calls"]
-    assert len(calls) == 1
+    assert len(calls) == 1 and not message.get("thinking"), message
     assert check_call(calls[0]["function"]["name"], calls[0]["function"]["arguments"]) == args
-    lines = httpx.post(f"{gw.url}/api/chat", json={**ollama_body, "stream": True},
-                       timeout=120).text.splitlines()
+    lines = httpx.post(f"{url}/api/chat", json={**ollama_body, "stream": True}, timeout=120).text.splitlines()
     streamed = [c for ln in lines for c in json.loads(ln)["message"].get("tool_calls") or []]
     assert [c["function"] for c in streamed] == [c["function"] for c in calls]
-    assert all("<tool_call>" not in json.loads(ln)["message"]["content"] for ln in lines)
+    assert all(markup not in json.loads(ln)["message"]["content"] for ln in lines)
+
 
 def test_thoughts_apart_in_every_api(workers, gateways) -> None:
     """A template whose generation prompt opens a thought (as DeepSeek R1's does): everything the
@@ -161,7 +183,7 @@ def test_thoughts_apart_in_every_api(workers, gateways) -> None:
     reasoning = [i for i in response["output"] if i["type"] == "reasoning"]
     assert reasoning and reasoning[0]["content"][0]["text"].strip() == thought
 
-    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    claude = anthropic_sdk.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
     message = claude.messages.create(model="llm", max_tokens=8, messages=SEA, extra_body={"temperature": 0},
                                      thinking={"type": "enabled", "budget_tokens": 1024})
     blocks = [b for b in message.content if b.type == "thinking"]

@@ -4,9 +4,11 @@ markup under its grammar, is read back valid against its tool's schema, whicheve
 sampled answer picks. 100 required calls of the Hermes family are the soak run (`-m soak`).
 
 DeepSeek R1's and gpt-oss's templates think first (R1's opens the thought in the prompt; gpt-oss's
-analysis channel may come before a call): the small model never ends its thought, so their calls
-are held token by token against the grammar in tests/test_tool_grammar.py instead (and
-tests/test_thought_budget.py ends R1's thought with a budget: its required call follows)."""
+analysis message may come before a call): sampled, the small model may think to max_tokens, so
+their calls are held token by token against the grammar in tests/test_tool_grammar.py here, and
+tests/test_thought_budget.py ends the thought with a budget on the real engine: the required call
+follows, for R1 and for gpt-oss (and tests/test_native_dialect.py reads gpt-oss's call in every
+API)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 THINKING = FIXTURES / "thinking-opened.jinja"
 R1 = FIXTURES / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
 QWEN3 = FIXTURES / "templates" / "Qwen-Qwen3-0.6B.jinja"
+GPT_OSS = FIXTURES / "templates" / "openai-gpt-oss-120b.jinja"
 
 # -- the rules, on a toy vocabulary: a token is its text -------------------------------------------
 
@@ -251,6 +252,34 @@ def test_a_required_call_follows_a_thought_its_budget_ended() -> None:
         call = answer.tool_calls[0]
         assert call["name"] == "get_weather"
         jsonschema.validate(json.loads(call["arguments"]), weather)
+    finally:
+        b.close()
+
+
+def test_a_gpt_oss_required_call_follows_one_analysis_held_to_its_budget() -> None:
+    """gpt-oss thinks in an analysis message before a call. The required call's grammar allows
+    one (the small model, let start another, loops from one analysis to the next and never calls);
+    the budget ends it (`<|end|>`) where the model would not, the grammar writes the next header,
+    and the call follows, read apart from the analysis."""
+    b = LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=GPT_OSS), threads=2)
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    body = {"messages": [{"role": "user", "content": "Is it raining in Oslo?"}], "max_tokens": 160,
+            "tools": [{"name": "get_weather", "description": "The current weather in a city.",
+                       "parameters": weather}], "tool_choice": "required"}
+    asks = [({}, None), ({"reasoning_budget": 0}, 0), ({"reasoning_budget": 8}, 8),
+            *(({"reasoning_budget": 8, "temperature": 0.8, "seed": seed}, 8) for seed in range(4))]
+    try:
+        for extra, n in asks:
+            text, finish, _ = run(b, {**body, **extra})
+            answer = tools.read_answer(text, "j")
+            assert finish == "stop" and answer.tool_calls, (extra, text)
+            assert answer.tool_calls[0]["name"] == "get_weather"
+            jsonschema.validate(json.loads(answer.tool_calls[0]["arguments"]), weather)
+            assert "<|" not in answer.reasoning, text
+            if n is not None:
+                thought = b.model.tokenize(answer.reasoning, special=False, add_special=False)
+                assert len(thought) <= n + 1, text
+                assert bool(answer.reasoning.strip()) == (n > 0), text
     finally:
         b.close()
 

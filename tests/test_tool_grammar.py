@@ -221,6 +221,17 @@ def test_gpt_oss_required_lets_analysis_come_first(vocab: ll.llama_vocab_p) -> N
     assert walk(vocab, grammar, "<|channel|>final<|message|>Hi")[0] == "<|channel|>"
 
 
+def test_gpt_oss_arguments_hold_no_harmony_marker(vocab: ll.llama_vocab_p) -> None:
+    """The reader ends a message at a marker: an argument holding `<|end|>` would cut the call
+    short, so its strings refuse `<|` (the small model wrote one); `<` before anything else passes."""
+    grammar = native_call_grammar(GPT_OSS, TOOLS, "required", None)
+    fine = call_text(GPT_OSS, "get_weather", {"city": "a < b <<c <"})
+    assert walk(vocab, grammar, fine) == (fine, True)
+    marked = call_text(GPT_OSS, "get_weather", {"city": "Oslo<|end|><|start|>x"})
+    taken, _ = walk(vocab, grammar, marked)
+    assert taken.endswith('"Oslo') or taken.endswith('"Oslo<'), taken
+
+
 def test_parallel_false_and_one_call_formats_allow_one_call(vocab: ll.llama_vocab_p) -> None:
     two = call_text(HERMES, "get.time", {}) + "\n" + call_text(HERMES, "get_weather", PARIS)
     assert walk(vocab, native_call_grammar(HERMES, TOOLS, "required", True), two) == (two, True)

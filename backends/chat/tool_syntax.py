@@ -60,6 +60,9 @@ class ToolSyntax:
     block_close: str = ""
     args_key: str = "arguments"
     thought: tuple[str, str] | None = THINK  # a thought's markers (gpt-oss: its analysis channel)
+    # where a thought held to a reasoning budget starts and ends, where the reader finds it by
+    # other means than `thought` (gpt-oss: the analysis message, read as a channel)
+    analysis: tuple[str, str] | None = None
     preserved: tuple[str, ...] = ()  # control tokens the engine must render as text for the parser
     one_call: bool = False  # the format holds one call per answer
     id_pattern: str | None = None  # the call's own id, written in its JSON (Mistral Nemo)
@@ -107,7 +110,8 @@ GPT_OSS = ToolSyntax("gpt-oss", (r"(<\|channel\|>(?:commentary|analysis) to=)",
                                  r"<\|start\|>assistant( to=)"), (),
                      call_prefix="<|channel|>commentary to=functions.",
                      name_end=" <|constrain|>json<|message|>", call_suffix="<|call|>", thought=None,
-                     one_call=True, preserved=_HARMONY)
+                     analysis=("<|channel|>analysis<|message|>", "<|end|>"), one_call=True,
+                     preserved=_HARMONY)
 SYNTAXES = {s.name: s for s in (HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS, DEEPSEEK_R1, GPT_OSS)}
 
 

@@ -28,9 +28,10 @@ class ModelDialect:
         if self.own_syntax is not None:
             model.preserve(self.own_syntax.preserved)
         # where a thought starts and ends, as the answer's reader finds it (a reasoning budget
-        # holds it: thought_budget.py); None: no markers (gpt-oss's channels, a plain template)
+        # holds it: thought_budget.py; gpt-oss: its analysis message); None: a plain template
+        own = self.own_syntax
         self.thought: tuple[str, str] | None = (
-            self.own_syntax.thought if self.own_syntax is not None else THINK if self.thinking else None)
+            own.thought or own.analysis if own is not None else THINK if self.thinking else None)
 
     def speaks(self, request: GenerateRequest) -> bool:
         """Whether the engine takes the request as sent (its model's own template renders its

@@ -20,7 +20,9 @@ step. Here the same, with these differences:
   started inside the thought) keeps its say: the budget gives way;
 - budget 0 turns thinking off: the engine renders the template with enable_thinking false (where
   the template reads it), and a thought the prompt opens anyway is closed at once;
-- gpt-oss's analysis channel has no such markers: no budget there.
+- gpt-oss's thought is its analysis message (`<|channel|>analysis<|message|>` up to `<|end|>`,
+  tool_syntax.GPT_OSS.analysis): the budget ends it with `<|end|>`; under a required call's
+  grammar the call's header follows.
 """
 
 from __future__ import annotations

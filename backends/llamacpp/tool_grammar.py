@@ -21,6 +21,7 @@ Importable only with llama_cpp (the schema converter); the syntaxes are pure Pyt
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from backends.chat.tool_syntax import (
@@ -64,7 +65,7 @@ def native_call_grammar(syntax: ToolSyntax, tools: list[Tool], tool_choice: Tool
     rules = [WS] + [prefixed(json_schema_to_gbnf(json.dumps(t.parameters)), f"t{i}-")
                     for i, t in enumerate(offered)]
     if syntax is GPT_OSS:
-        return _harmony(rules, [t.name for t in offered], lazy)
+        return _harmony([_without_markup(r) for r in rules], [t.name for t in offered], lazy)
     rules += [_tool_rule(syntax, i, t.name) for i, t in enumerate(offered)]
     rules.append("tool ::= " + " | ".join(f"t{i}-call" for i in range(len(offered))))
     rules.append("calls ::= " + _calls(syntax, most))
@@ -123,7 +124,8 @@ def _harmony(rules: list[str], names: list[str], lazy: bool) -> NativeGrammar:
     """gpt-oss: a call is a message to functions.NAME, named in its channel's header or in its
     role's, its body the arguments (its <|call|> ends generation, so the grammar ends with the
     JSON). Auto starts at `<|channel|>... to=` or `<|start|>assistant to=` (llama.cpp's
-    triggers); required lets analysis messages come first."""
+    triggers); required lets one analysis message come first (the call follows its end, so a
+    reasoning budget that ends it brings the call)."""
     rules += ['channel ::= "<|channel|>" ( "commentary" | "analysis" )',
               'constraint ::= ( " "? "<|constrain|>"? [A-Za-z0-9_-]+ )?']
     calls = []
@@ -137,8 +139,25 @@ def _harmony(rules: list[str], names: list[str], lazy: bool) -> NativeGrammar:
         rules.append("root ::= call")
         return NativeGrammar(_join(rules), list(GPT_OSS.triggers), True)
     rules.append(f'analysis ::= "<|channel|>analysis<|message|>" {not_containing("<|end|>")} "<|end|>"')
-    rules.append('root ::= ( analysis "<|start|>assistant" )* call')
+    rules.append('root ::= ( analysis "<|start|>assistant" )? call')
     return NativeGrammar(_join(rules), [], False)
+
+
+def _without_markup(gbnf: str) -> str:
+    """A tool's grammar whose JSON strings never hold `<|`, which opens every harmony marker: the
+    reader ends a message at its first marker, so `<|end|>` written inside an argument (the small
+    model does) would cut the call short. `<` stays allowed before anything else, and last."""
+    def char(m: re.Match[str]) -> str:
+        escape = m.group(2)
+        return f'{m.group(1)} ::= [^"\\\\<] | {escape} | "<"+ ( [^"\\\\<|] | {escape} )'
+
+    gbnf = _CHAR.sub(char, gbnf)
+    return _STRING.sub(lambda m: f'{m.group(1)} ::= "\\"" {m.group(2)}* "<"* "\\""{m.group(3)}', gbnf)
+
+
+# the JSON string rules of llama.cpp's schema converter (schema_grammar.py), prefixed per tool
+_CHAR = re.compile(r'^(t\d+-char) ::= \[\^"\\\\\] \| (.*)$', re.M)
+_STRING = re.compile(r'^(t\d+-string) ::= "\\"" (t\d+-char)\* "\\""(.*)$', re.M)
 
 
 def _join(rules: list[str]) -> str:

@@ -108,7 +108,9 @@ def job_fields(body: dict[str, Any], chat: bool, thinks: bool = False) -> dict[s
     fields = _job_fields(body, chat)
     if fields is not None and "messages" in fields:  # a template renders them: it may think
         enable, effort = ollama_think(body.get("think"))
-        fields.update(reasoning_fields(thinks, effort=effort, enable=enable))
+        # think false: no thought at all, also where the template cannot switch it off (gpt-oss)
+        fields.update(reasoning_fields(thinks, effort=effort, enable=enable,
+                                       budget=(0 if enable is False else None, "think")))
     return fields
 
 

@@ -17,7 +17,7 @@ from backends.contract.tools import AnswerReader
 from dispatcher.gateway.core import ApiError, JobUpdate, shown, unsupported
 from dispatcher.gateway.openai_bodies import answers_in_json, sse_data
 from dispatcher.gateway.openai_tools import function, invalid, tool_fields
-from dispatcher.gateway.reasoning import reasoning_fields
+from dispatcher.gateway.reasoning import BUDGET_FIELDS, budget_field, reasoning_fields
 
 FIELDS = {
     "model",
@@ -37,6 +37,7 @@ FIELDS = {
     "include",
     "truncation",
     "reasoning",
+    *BUDGET_FIELDS,  # llama-server's thought budget, as in chat completions
 }
 STATELESS = {
     "previous_response_id": "responses are not stored here: send the whole conversation as input items",
@@ -69,7 +70,7 @@ def job_request(body: dict[str, Any], thinks: bool = False) -> dict[str, Any]:
     reasoning = body.get("reasoning") or {}
     if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
         raise invalid("reasoning", "'reasoning' must be {\"effort\": ..., \"summary\": ...}")
-    fields.update(reasoning_fields(thinks, effort=reasoning.get("effort")))
+    fields.update(reasoning_fields(thinks, effort=reasoning.get("effort"), budget=budget_field(body)))
     messages = _input(body.get("input"))
     if body.get("instructions"):
         if not isinstance(body["instructions"], str):
