@@ -31,8 +31,9 @@ class LlamaCppSettings(EngineSettings):
         "share; 0: whole n_batch chunks)")
     max_prefill_slowdown: float = Field(
         0.1, gt=0, le=1, description="pacing (max_stall_ms) never makes a long prompt's prefill "
-        "slower than this fraction: each paced step gives the prompt at least (1/x - 1) times what "
-        "the step costs besides it, and where the streams' own step is long, the gap grows instead "
+        "slower than this fraction: each paced step gives the prompt rows worth at least 1/x times "
+        "what the step adds besides them (the streams' call, the step's overhead, the prompt call's "
+        "fixed cost), and where that is more than the stall target allows, the gap grows instead "
         "(1: the stall target alone)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")

@@ -5,9 +5,10 @@ next token waits for the whole step. A full n_batch chunk of a long prompt (a pa
 takes over a second on a small CPU, and the text of every other user freezes that long. As in
 Sarathi-Serve, a step's prefill share is sized so the step ends within a target gap
 (`max_stall_ms`), from the measured cost of this machine's prompt rows; with no decoder waiting, a
-prompt takes whole chunks. Each extra step costs the prompt's TTFT the streams' call and the step's
-overhead, so the prompt keeps at least a share of each step that bounds its slowdown
-(`max_prefill_slowdown`): where the streams' own step is long, the gap grows instead.
+prompt takes whole chunks. Each extra step costs the prompt's TTFT the streams' call, the step's
+overhead and its own call's fixed cost, so the prompt keeps at least a share of each step that
+bounds its slowdown (`max_prefill_slowdown`: rows worth at least that cost / the slowdown): where
+the streams' own step is long, the gap grows instead.
 
 The cost of a prompt row grows with the cells it attends over, so the model is per row and per
 cell of context: seconds = CALL + rows * (ROW + CELL * (n_past + rows / 2)), its three terms
@@ -43,9 +44,10 @@ class PrefillPace:
 
     def __init__(self, target_seconds: float, max_slowdown: float = 1.0) -> None:
         self.target = target_seconds
-        # each paced step gives the prompt at least `share` times what the step costs besides it,
-        # so its prefill takes at most (1 + max_slowdown) times as long
-        self.share = 1 / max_slowdown - 1 if max_slowdown > 0 else 0.0
+        # each paced step gives the prompt rows worth at least 1/slowdown times what the step
+        # adds besides them, so its prefill takes at most (1 + slowdown) times as long as in whole
+        # chunks (0: no such floor, the stall target alone)
+        self.slowdown = max_slowdown if 0 < max_slowdown < 1 else 0.0
         self._calls: deque[tuple[int, float, float]] = deque(maxlen=TIMINGS_KEPT)
         self._coef: tuple[float, float, float] | None = None
         # wall time of a step beyond its llama_decode calls (sampling, the worker's writes)
@@ -71,12 +73,16 @@ class PrefillPace:
         decoders' call (`decoders` seconds) after `waited` seconds already spent: the first cut to
         fit (at least `floor` rows), the rest left for later steps. Where the streams' own step
         nearly fills the target, the prompts still get their share of it."""
-        step = decoders + self.overhead  # what each paced step adds to a prompt's TTFT
-        stall, share = self.target - step - waited, step * self.share - waited
-        left, margin = (stall, SAFETY) if stall >= share else (share, 1.0)  # (a share is no forecast)
+        fit = self._fit()
+        call = fit[0] if fit is not None else 0.0  # a prompt call's own fixed cost
+        step = decoders + self.overhead + call  # what each paced step adds to a prompt's TTFT
+        stall = self.target - decoders - self.overhead - waited
+        share = call + step / self.slowdown - waited if self.slowdown else stall
+        # (a share is a floor, not a forecast: its rows are rounded up)
+        left, margin, least = (stall, SAFETY, False) if stall >= share else (share, 1.0, True)
         cut: list[tuple[Job, int]] = []
         for job, count in wanted:
-            rows = self.rows(left * margin, job.n_past, count, floor=0 if cut else floor)
+            rows = self.rows(left * margin, job.n_past, count, floor=0 if cut else floor, at_least=least)
             if not rows:
                 break
             cut.append((job, rows))
@@ -100,9 +106,11 @@ class PrefillPace:
         call, row, cell = coef
         return call + rows * (row + cell * (n_past + rows / 2))
 
-    def rows(self, left_seconds: float, n_past: int, wanted: int, floor: int = MIN_ROWS) -> int:
+    def rows(self, left_seconds: float, n_past: int, wanted: int, floor: int = MIN_ROWS,
+             at_least: bool = False) -> int:
         """Rows of a prompt at n_past (of `wanted` still to prefill) whose forecast fits
-        `left_seconds`; at least `floor`, at most `wanted`."""
+        `left_seconds` (`at_least`: the fewest whose forecast reaches it); at least `floor`, at
+        most `wanted`."""
         if self.target <= 0:
             return wanted
         coef = self._fit()
@@ -118,6 +126,8 @@ class PrefillPace:
                 hi = mid - 1
         if lo >= wanted:
             return wanted
+        if at_least:
+            return min(wanted, max(floor, -(-(lo + 1) // ROW_QUANTUM) * ROW_QUANTUM))
         return min(wanted, max(floor, lo // ROW_QUANTUM * ROW_QUANTUM))
 
     def _fit(self) -> tuple[float, float, float] | None:
