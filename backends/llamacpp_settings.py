@@ -32,9 +32,9 @@ class LlamaCppSettings(EngineSettings):
     max_prefill_slowdown: float = Field(
         0.1, gt=0, le=1, description="pacing (max_stall_ms) never makes a long prompt's prefill "
         "slower than this fraction: each paced step gives the prompt rows worth at least 1/x times "
-        "what the step adds besides them (the streams' call, the step's overhead, the prompt call's "
-        "fixed cost), and where that is more than the stall target allows, the gap grows instead "
-        "(1: the stall target alone)")
+        "what the step adds besides them (the streams' call and the step's overhead; its own call's "
+        "fixed cost aside), and where that is more than the stall target allows, the gap grows "
+        "instead (1: the stall target alone)")
     threads: int | None = Field(None, ge=1, description="None: one per pinned core")
     prefix_cache: int = Field(2, ge=0, description="shared-prefix KV entries kept (LRU)")
     checkpoints: int = Field(1, ge=0, le=8, description="with sliding-window layers kept to their window "

@@ -70,6 +70,26 @@ def test_a_gpt_oss_call_in_every_api_after_its_budgeted_analysis(workers, gatewa
                        ollama={"think": False})
 
 
+# the other families (Hermes and gpt-oss above): a template, its call markup that must never
+# reach an answer's words, and whether its thought comes first (R1's prompt opens one: its budget
+# ends it, Ollama's think false closes it at once)
+FAMILIES = [("meta-llama-Llama-3.1*", '"name"', False), ("*Mistral-Nemo*", "[TOOL_CALLS]", False),
+            ("*Devstral*", "[TOOL_CALLS]", False), ("*DeepSeek-R1*", "tool\u2581calls", True)]
+
+
+@pytest.mark.parametrize(("pattern", "markup", "thinks"), FAMILIES,
+                         ids=["llama3", "mistral", "mistral-args", "deepseek-r1"])
+def test_a_native_call_of_each_family_in_every_api(workers, gateways, pattern: str, markup: str,
+                                                    thinks: bool) -> None:
+    workers.start("w1", backend__slots=4, backend__chat_template_file=str(template(pattern)))
+    gw = gateways.start()
+    wait_until_healthy(gw)
+    budget = {"reasoning_budget": 12} if thinks else {}
+    calls_in_every_api(gw.url, markup, thinks=thinks, max_tokens=160, chat=budget, responses=budget,
+                       anthropic={"thinking": {"type": "enabled", "budget_tokens": 12}} if thinks else None,
+                       ollama={"think": False} if thinks else None)
+
+
 def calls_in_every_api(url: str, markup: str, *, thinks: bool = False, max_tokens: int = 80,
                        chat: dict[str, Any] | None = None,
                        responses: dict[str, Any] | None = None,

@@ -5,9 +5,9 @@ next token waits for the whole step. A full n_batch chunk of a long prompt (a pa
 takes over a second on a small CPU, and the text of every other user freezes that long. As in
 Sarathi-Serve, a step's prefill share is sized so the step ends within a target gap
 (`max_stall_ms`), from the measured cost of this machine's prompt rows; with no decoder waiting, a
-prompt takes whole chunks. Each extra step costs the prompt's TTFT the streams' call, the step's
-overhead and its own call's fixed cost, so the prompt keeps at least a share of each step that
-bounds its slowdown (`max_prefill_slowdown`: rows worth at least that cost / the slowdown): where
+prompt takes whole chunks. Each extra step costs the prompt's TTFT the streams' call and the
+step's overhead, so the prompt keeps at least a share of each step that bounds its slowdown
+(`max_prefill_slowdown`: beyond its call's fixed cost, rows worth that cost / the slowdown): where
 the streams' own step is long, the gap grows instead.
 
 The cost of a prompt row grows with the cells it attends over, so the model is per row and per
@@ -37,6 +37,10 @@ ROW_QUANTUM = 16  # chunks are cut to whole multiples of this (matmul tiles; few
 TIMINGS_KEPT = 48  # prompt-only calls the fit looks at
 TIMINGS_TRUSTED = 3  # calls timed before the fit sizes chunks
 SAFETY = 0.9  # of the time left: the fit is a forecast, and the stream's write follows the step
+# the streams' calls and the steps' overheads are read as the median of the last few: the floor a
+# prompt gets is 1/max_prefill_slowdown times them, so one slow call (the box busy elsewhere)
+# would otherwise make the next chunk ten times as long
+RECENT = 7
 
 
 class PrefillPace:
@@ -45,38 +49,47 @@ class PrefillPace:
     def __init__(self, target_seconds: float, max_slowdown: float = 1.0) -> None:
         self.target = target_seconds
         # each paced step gives the prompt rows worth at least 1/slowdown times what the step
-        # adds besides them, so its prefill takes at most (1 + slowdown) times as long as in whole
-        # chunks (0: no such floor, the stall target alone)
+        # adds besides them, so its prefill takes about (1 + slowdown) times as long as in whole
+        # chunks at most (0: no such floor, the stall target alone)
         self.slowdown = max_slowdown if 0 < max_slowdown < 1 else 0.0
         self._calls: deque[tuple[int, float, float]] = deque(maxlen=TIMINGS_KEPT)
         self._coef: tuple[float, float, float] | None = None
         # wall time of a step beyond its llama_decode calls (sampling, the worker's writes)
         self._step_started: float | None = None
         self._step_decode_seconds = 0.0
+        self._extras: deque[float] = deque(maxlen=RECENT)
+        self._streams: deque[float] = deque(maxlen=RECENT)  # the decoders' own calls
         self.overhead = 0.0
 
     def step_started(self, now: float) -> None:
         """A step starts at wall time `now`: what the last one cost beyond its calls (a step
         longer than twice the target had waited for work: not counted)."""
         if self._step_started is not None and now - self._step_started <= 2 * self.target:
-            extra = max(0.0, now - self._step_started - self._step_decode_seconds)
-            self.overhead += 0.2 * (extra - self.overhead)
+            self._extras.append(max(0.0, now - self._step_started - self._step_decode_seconds))
+            self.overhead = float(np.median(self._extras))
         self._step_started, self._step_decode_seconds = now, 0.0
 
-    def decoded(self, seconds: float) -> None:
-        """A call of this step took `seconds`."""
+    def decoded(self, seconds: float, streams: bool = False) -> None:
+        """A call of this step took `seconds` (`streams`: the decoders' own call)."""
         self._step_decode_seconds += seconds
+        if streams:
+            self._streams.append(seconds)
 
-    def cut(self, wanted: Sequence[tuple[Job, int]], decoders: float, waited: float,
-            floor: int) -> list[tuple[Job, int]]:
+    def streams_seconds(self) -> float:
+        """What the decoders' own call costs now (the median of their last calls)."""
+        return float(np.median(self._streams)) if self._streams else 0.0
+
+    def cut(self, wanted: Sequence[tuple[Job, int]], waited: float, floor: int) -> list[tuple[Job, int]]:
         """Of each prompt's `wanted` rows (job, rows), in order, what fits this step beside the
-        decoders' call (`decoders` seconds) after `waited` seconds already spent: the first cut to
-        fit (at least `floor` rows), the rest left for later steps. Where the streams' own step
-        nearly fills the target, the prompts still get their share of it."""
+        decoders' call after `waited` seconds already spent: the first cut to fit (at least
+        `floor` rows), the rest left for later steps. Where the streams' own step nearly fills the
+        target, the prompts still get their share of it."""
+        decoders = self.streams_seconds()
         fit = self._fit()
-        call = fit[0] if fit is not None else 0.0  # a prompt call's own fixed cost
-        step = decoders + self.overhead + call  # what each paced step adds to a prompt's TTFT
-        stall = self.target - decoders - self.overhead - waited
+        call = fit[0] if fit is not None else 0.0  # a prompt call's own fixed cost, as fitted
+        step = decoders + self.overhead  # what each paced step adds to a prompt's TTFT
+        stall = self.target - step - waited
+        # (the call's fixed cost is not multiplied: the fit's intercept holds its errors too)
         share = call + step / self.slowdown - waited if self.slowdown else stall
         # (a share is a floor, not a forecast: its rows are rounded up)
         left, margin, least = (stall, SAFETY, False) if stall >= share else (share, 1.0, True)

@@ -231,7 +231,7 @@ class Scheduler:
         out = CallUpdate()
         events = out.events
         rows, whole, n_ctx = sampled.rows, sampled.grammar_complete, self.n_ctx_per_seq
-        self.pace.decoded(seconds)
+        self.pace.decoded(seconds, streams=bool(call.decoders) and not call.prompts and not call.drafts)
         if call.decoders and not call.prompts:  # what the draft budget weighs (speculation.py)
             self.costs.record(call.n_rows(), call.decoder_rows(), seconds)
         if call.decoders:
@@ -382,7 +382,7 @@ class Scheduler:
         left (not cut at n_batch multiples: only invariance needs those). The streams have waited
         since their last call: that call, any newcomers' steps since, this step's short prompts."""
         wanted = [(job, min(len(job.tokens) - job.n_past, self.n_batch)) for job, _ in chunks]
-        return self.pace.cut(wanted, self._decoders_seconds, self._skipped_seconds + spent, floor)
+        return self.pace.cut(wanted, self._skipped_seconds + spent, floor)
 
     def _chunk(self, job: ActiveJob) -> int:
         """A prompt's next chunk when it runs alone: chunks end at multiples of n_batch, as when
