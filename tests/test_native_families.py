@@ -1,7 +1,7 @@
 """Each tool syntax family on the real engine: the embedded model renders chats with a family's
 public template (tests/fixtures/templates), and a required call, written in that family's own
 markup under its grammar, is read back valid against its tool's schema, whichever tool the
-sampled answer picks. 100 required calls of the Hermes family are the soak run (`-m soak`).
+sampled answer picks. 100 required calls in each of four families are the soak run (`-m soak`).
 
 DeepSeek R1's and gpt-oss's templates think first (R1's opens the thought in the prompt; gpt-oss's
 analysis message may come before a call): sampled, the small model may think to max_tokens, so
@@ -108,8 +108,11 @@ def test_a_required_call_in_each_family(template: str, syntax: str) -> None:
 
 
 @pytest.mark.soak
-def test_a_hundred_required_calls_all_valid() -> None:
-    b = engine("Qwen-Qwen2.5-7B-Instruct", slots=8)
+@pytest.mark.parametrize("template", ["Qwen-Qwen2.5-7B-Instruct", "meta-llama-Llama-3.1-8B-Instruct",
+                                      "mistralai-Mistral-Nemo-Instruct-2407",
+                                      "unsloth-mistral-Devstral-Small-2507"])
+def test_a_hundred_required_calls_all_valid(template: str) -> None:
+    b = engine(template, slots=8)
     try:
         done = [check_calls(*a) for a in answers(b, len(ASKS), soak=True)]
         assert len(done) == 100
