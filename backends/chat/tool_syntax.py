@@ -59,7 +59,7 @@ class ToolSyntax:
     separator: str = ""
     block_close: str = ""
     args_key: str = "arguments"
-    thought: tuple[str, str] | None = THINK  # a thought's markers (gpt-oss: its analysis channel)
+    thought: tuple[str, str] | None = THINK  # a thought's markers (gpt-oss: none, it has channels)
     # where a thought held to a reasoning budget starts and ends, where the reader finds it by
     # other means than `thought` (gpt-oss: the analysis message, read as a channel)
     analysis: tuple[str, str] | None = None
