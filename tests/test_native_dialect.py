@@ -11,6 +11,9 @@ llama-fleet's extension field forces it there."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,11 @@ import ollama
 import openai
 import pytest
 
+from backends.contract.keys import tenant_open_key
+from backends.contract.queue.invariants import queue_violations
 from tests.gateway_harness import wait_until_healthy
+from tests.harness import wait_for
+from tests.reliability_checks import held, stream_events, streaming
 from tests.test_gateway_tools import schema_of
 
 pytestmark = pytest.mark.timeout(600)
@@ -91,6 +98,45 @@ def test_a_native_call_of_each_family_in_every_api(workers, gateways, pattern: s
               **({"thinking": {"type": "enabled", "budget_tokens": 12}} if thinks else {})}
     calls_in_every_api(gw.url, markup, thinks=thinks, max_tokens=160, chat=one, responses=one,
                        anthropic=claude, ollama={"think": False} if thinks else None, ollama_one=False)
+
+
+def test_a_tenants_gpt_oss_call_survives_its_workers_death(redis, workers, gateways) -> None:
+    """Where features meet: a tenant's forced gpt-oss call, its analysis held to a budget, on a
+    worker killed mid-answer: the other worker runs it again (a native dialect's job restarts),
+    the client gets one valid call, the tenant's places are given back, the queue's invariants
+    hold. Each worker pinned to a core of its own."""
+    tenants = {"gamma": {"api_keys": ["key-gamma"], "max_concurrent": 2, "max_queued": 4}}
+    cores = sorted(os.sched_getaffinity(0))
+    started = [workers.start(name, cpus=str(cores[i % len(cores)]), backend__slots=2,
+                             backend__chat_template_file=str(template("*gpt-oss*")), gateway__tenants=tenants)
+               for i, name in enumerate(("w1", "w2"))]
+    gw = gateways.start(gateway__tenants=tenants)
+    wait_until_healthy(gw)
+    answer: dict[str, httpx.Response] = {}
+
+    body = {"model": "llm", "messages": ASK, "tools": [WEATHER], "max_tokens": 160,
+            "tool_choice": "required", "temperature": 0, "reasoning_budget": 8}
+
+    def ask() -> None:
+        answer["r"] = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=180,
+                                 headers={"Authorization": "Bearer key-gamma"})
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    victim = wait_for(lambda: next((w for w in started if streaming(redis, w.name)), None), 120,
+                      "a worker to stream the call")
+    (job_id,) = held(redis, victim.name)
+    os.kill(victim.process.pid, signal.SIGKILL)
+    victim.process.wait(10)
+    asking.join(180)
+    reply = answer["r"]
+    assert reply.status_code == 200, reply.text
+    (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
+    check_call(call["function"]["name"], call["function"]["arguments"])
+    finals = [ev for ev in stream_events(redis, job_id) if ev.final]
+    assert [(ev.kind, ev.attempt) for ev in finals] == [("done", 2)]  # it ran again, and ended once
+    wait_for(lambda: not redis.zcard(tenant_open_key("gamma")), 30, "the tenant's places to be given back")
+    assert not queue_violations(redis), queue_violations(redis)
 
 
 def calls_in_every_api(url: str, markup: str, *, thinks: bool = False, max_tokens: int = 80,
