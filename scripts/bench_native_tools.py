@@ -20,7 +20,7 @@ chats with and without the tools over /v1/chat/completions, streamed, timed the 
 the client: what the longer prompt costs an engine that has no grammar to pay. Prints a table and
 writes JSON.
 
-    .venv/bin/python scripts/bench_native_tools.py --rounds 4 --peer --out bench-native-tools.json
+    .venv/bin/python scripts/bench_native_tools.py --rounds 2 --peer --out bench-native-tools.json
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from backends.base import Done, Token  # noqa: E402
 from backends.contract import tools  # noqa: E402
 from backends.contract.schema import GenerateRequest  # noqa: E402
+from backends.contract.text_ops import TextRequest  # noqa: E402
 from backends.llamacpp import LlamaCppBackend  # noqa: E402
 from backends.llamacpp_settings import LlamaCppSettings  # noqa: E402
 from ecosystem.local.bench_setup import machine_meta  # noqa: E402
@@ -58,12 +59,26 @@ TOOLS = [{"name": "get_weather", "description": "The current weather in a city."
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
                                                           "b": {"type": "integer"}},
                          "required": ["a", "b"]}}]
-ASKS = [f"Write a short story about {t}." for t in
-        ("a lighthouse", "bread", "a puppy", "rain", "chess", "bees", "a detective", "the piano")]
+# Greedy answers differ with the prompt, and how well an answer drafts is its content's: a few asks
+# do not separate the tools' cost from that (one ask read 0.79-0.81x two sessions running, its
+# neighbour 1.09x). So many asks, of several forms, each paired with itself across the ways.
+FORMS = ("Write a short story about {}.", "Explain how {} works, for a child.",
+         "Describe {} in a few sentences.", "List five facts about {}.")
+SUBJECTS = ("a lighthouse", "bread", "a puppy", "rain", "chess", "bees", "a detective", "the piano",
+            "a volcano", "the moon")
+ASKS = [form.format(subject) for form in FORMS for subject in SUBJECTS]
 
 
 # ~13 tokens; 17 of them make the chat's prompt about as long as the two tools do (~285 tokens)
 FILLER = "Background: the weather service and the calculator are available to you today. " * 17
+
+
+def as_text(b: LlamaCppBackend, request: GenerateRequest) -> GenerateRequest:
+    """The chat rendered (tools and all) and sent as a plain prompt: the same tokens, so the same
+    greedy answer, without the lazy grammar and its watch."""
+    rendered = b.text_op(TextRequest(kind="text", op="apply_template", chat=request))["prompt"]
+    body = request.model_dump(exclude_none=True, exclude={"messages", "tools"})
+    return GenerateRequest.model_validate({**body, "prompt": rendered})
 
 
 def chat(ask: str, with_tools: bool, max_tokens: int, as_long: bool = False) -> GenerateRequest:
@@ -83,20 +98,25 @@ def run_one(b: LlamaCppBackend, request: GenerateRequest) -> dict[str, Any]:
     if not b.speaks(request):
         request, _ = tools.lower(request)
     b.admit("j", request)
-    text, stamps = [], []
+    text, stamps, steps = [], [], 0
     while True:
-        for ev in b.step(0.0):
+        events = b.step(0.0)
+        steps += any(isinstance(ev, Token) for ev in events)  # drafts kept make it fewer than tokens
+        for ev in events:
             if isinstance(ev, Token):
                 stamps.append(time.perf_counter())
                 text.append(ev.text)
             elif isinstance(ev, Done):
                 raw = "".join(text)
                 in_json = tools.answers_in_json(request) or request.format is not None
-                calls = tools.read_answer(raw, "j").tool_calls if in_json else []
+                answer = tools.read_answer(raw, "j") if in_json else None
+                calls = answer.tool_calls if answer is not None else []
                 span = time.perf_counter() - stamps[0] if stamps else 0.0  # first token -> done
                 tok_s = (ev.completion_tokens - 1) / span if span else 0.0
                 return {"tokens": ev.completion_tokens, "tok_s": tok_s, "called": bool(calls),
-                        "prompt_tokens": ev.prompt_tokens}
+                        "prompt_tokens": ev.prompt_tokens, "steps": steps,
+                        "s_per_step": span / max(1, steps - 1),
+                        "answer": answer.content if answer is not None else raw}
             else:
                 raise RuntimeError(str(ev))
 
@@ -128,8 +148,30 @@ def run_peer(url: str, ask: str, with_tools: bool, max_tokens: int) -> dict[str,
             "prompt_tokens": prompt_tokens}
 
 
+def paired(runs: list[dict[str, Any]], base: list[dict[str, Any]],
+           same_answer: bool = False) -> dict[str, float | None]:
+    """Each answer against the same ask's answer without tools in the same round (both in words;
+    with `same_answer`, only where the two answers are the same text): the geometric mean of
+    those ratios, and all answers' tokens over all their decode time."""
+    by_key = {(x["round"], x["ask"]): x for x in base if not x["called"] and x["tok_s"]}
+    pairs = [(x, by_key[(x["round"], x["ask"])]) for x in runs
+             if not x["called"] and x["tok_s"] and (x["round"], x["ask"]) in by_key]
+    if same_answer:
+        pairs = [(a, b) for a, b in pairs if a.get("answer") == b.get("answer")]
+    if not pairs:
+        return {"paired_geomean": None, "pooled_ratio": None, "pairs": 0}
+
+    def pooled(xs: list[dict[str, Any]]) -> float:
+        return sum(x["tokens"] - 1 for x in xs) / sum((x["tokens"] - 1) / x["tok_s"] for x in xs)
+
+    return {"paired_geomean": statistics.geometric_mean(a["tok_s"] / b["tok_s"] for a, b in pairs),
+            "pooled_ratio": pooled([a for a, _ in pairs]) / pooled([b for _, b in pairs]),
+            "pairs": len(pairs)}
+
+
 @click.command()
-@click.option("--rounds", default=4, show_default=True)
+@click.option("--rounds", default=2, show_default=True)
+@click.option("--asks", default=len(ASKS), show_default=True, help="how many of the asks (forms x subjects)")
 @click.option("--max-tokens", default=96, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--draft-max", default=6, show_default=True,
@@ -138,7 +180,8 @@ def run_peer(url: str, ask: str, with_tools: bool, max_tokens: int) -> dict[str,
 @click.option("--peer/--no-peer", default=False, show_default=True,
               help="also llama-server --jinja with the same template, with and without the tools")
 @click.option("--out", type=click.Path(path_type=Path), default=None)
-def main(rounds: int, max_tokens: int, threads: int, draft_max: int, peer: bool, out: Path | None) -> None:
+def main(rounds: int, asks: int, max_tokens: int, threads: int, draft_max: int, peer: bool,
+         out: Path | None) -> None:
     console = Console()
     logs = tempfile.TemporaryDirectory(prefix="bench-native-tools-")
     server = (start_llama_server(Path(logs.name), parallel=1, ctx=2048, threads=threads,
@@ -147,27 +190,40 @@ def main(rounds: int, max_tokens: int, threads: int, draft_max: int, peer: bool,
     engines = {"native": LlamaCppBackend(LlamaCppSettings(**common), threads=threads),
                "generic": LlamaCppBackend(LlamaCppSettings(**common, tool_format="generic"), threads=threads)}
     ways = {"no tools": ("native", False), "native tools": ("native", True),
-            "generic tools": ("generic", True), "no tools, as long": ("long", False)}
+            "generic tools": ("generic", True), "no tools, as long": ("long", False),
+            "tools' prompt as text": ("text", True)}
     if server is not None:
         ways |= {"llama-server, no tools": ("peer", False), "llama-server, tools": ("peer", True)}
     results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
     for r in range(rounds):
-        for i, ask in enumerate(ASKS):  # the ways alternate per chat (ABBA): the box's drift falls on all
+        # the ways alternate per chat (ABBA): the box's drift falls on all
+        for i, ask in enumerate(ASKS[:asks]):
             for way in list(ways) if (r + i) % 2 == 0 else list(reversed(ways)):
                 engine, with_tools = ways[way]
                 if engine == "peer" and server:
                     one = run_peer(server.url, ask, with_tools, max_tokens)
                 else:
-                    one = run_one(engines["native" if engine == "long" else engine],
-                                  chat(ask, with_tools, max_tokens, as_long=engine == "long"))
-                results[way].append({"round": r, **one})
+                    b = engines["generic" if engine == "generic" else "native"]
+                    request = chat(ask, with_tools, max_tokens, as_long=engine == "long")
+                    one = run_one(b, as_text(b, request) if engine == "text" else request)
+                results[way].append({"round": r, "ask": i, **one})
         console.print(f"round {r + 1}/{rounds} done")
     summary = {}
     for way, runs in results.items():
         words = [x["tok_s"] for x in runs if not x["called"]]
+        base_way = "llama-server, no tools" if way.startswith("llama-server") else "no tools"
         summary[way] = {"answers": len(runs), "in_words": len(words),
                         "tok_s_median": statistics.median(words) if words else None,
-                        "prompt_tokens": statistics.median(x["prompt_tokens"] for x in runs)}
+                        "prompt_tokens": statistics.median(x["prompt_tokens"] for x in runs),
+                        **paired(runs, results[base_way])}
+        stepped = [x for x in runs if not x["called"] and x.get("steps")]  # the in-process ways
+        if stepped:
+            summary[way]["tokens_per_step"] = statistics.median(x["tokens"] / x["steps"] for x in stepped)
+            summary[way]["ms_per_step"] = 1000 * statistics.median(x["s_per_step"] for x in stepped)
+    # the grammar's own cost, the answer held fixed: the same prompt's tokens as a plain prompt
+    # give the same greedy text (but where drafts or a cached prefix changed a near-tie)
+    same = paired(results["native tools"], results["tools' prompt as text"], same_answer=True)
+    summary["native tools"]["same_answer_vs_text"] = same
     if server is not None:
         server.stop()
     logs.cleanup()
@@ -176,7 +232,8 @@ def main(rounds: int, max_tokens: int, threads: int, draft_max: int, peer: bool,
              f"draft_max {draft_max})")
     table = Table(title=title)
     for col in ("way", "prompt tokens", "answers in words", "decode tok/s (median)",
-                "vs no tools (same engine)"):
+                "vs no tools (same engine), medians", "paired: geometric mean", "paired: pooled",
+                "tokens / step", "ms / step"):
         table.add_column(col)
     for way, s in summary.items():
         tok_s = s["tok_s_median"]
@@ -184,8 +241,14 @@ def main(rounds: int, max_tokens: int, threads: int, draft_max: int, peer: bool,
         s["vs_no_tools"] = tok_s / own if tok_s and own else None
         ratio = f"{s['vs_no_tools']:.3f}x" if s["vs_no_tools"] else "-"
         table.add_row(way, f"{s['prompt_tokens']:.0f}", f"{s['in_words']}/{s['answers']}",
-                      f"{tok_s:.1f}" if tok_s else "-", ratio)
+                      f"{tok_s:.1f}" if tok_s else "-", ratio,
+                      *(f"{s[k]:.3f}x" if s[k] else "-" for k in ("paired_geomean", "pooled_ratio")),
+                      *(f"{s[k]:.2f}" if k in s else "-" for k in ("tokens_per_step", "ms_per_step")))
     console.print(table)
+    if same["pairs"]:
+        console.print(f"native tools against the tools' prompt as text, the same answer in "
+                      f"{same['pairs']} of {len(results['native tools'])} pairs: "
+                      f"{same['paired_geomean']:.3f}x (geometric mean), {same['pooled_ratio']:.3f}x (pooled)")
     if out is not None:
         meta = {**machine_meta(), "rounds": rounds, "max_tokens": max_tokens, "threads": threads,
                 "draft_max": draft_max}
