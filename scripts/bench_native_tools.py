@@ -2,12 +2,18 @@
 """A chat with tools whose model answers in words: does it pay for the tools' grammar?
 
 The in-process engine renders chats with a public template (Qwen 2.5's, Hermes tool syntax) on the
-embedded model. The same greedy chats run three ways, one job at a time, the ways' order
-alternating chat by chat (ABBA):
+embedded model. 40 greedy chats (four forms of ask, ten subjects) run five ways, one job at a
+time, the ways' order alternating chat by chat (ABBA):
 
 - `no tools`: the chat alone;
 - `native tools`: the same chat with two tools offered (tool_choice auto): the template lists
   them, a lazy grammar waits for `<tool_call>`, the words stream free;
+- `tools' prompt as text`: the chat with tools rendered, sent as a plain prompt: the same tokens,
+  so (but where drafts or a cached prefix tip a near-tie) the same answer as `native tools`,
+  without a grammar. The two compared where their answers are the same text are the grammar's
+  own cost with the answer held fixed; `native tools` against `no tools` also holds what the
+  tools' text does to the answer (another text, which drafts otherwise) and to every step
+  (a longer context to attend to);
 - `generic tools`: the same, with `tool_format: generic` (the answer held to the generic
   format's JSON schema from its first token);
 - `no tools, as long`: the chat without tools, a system message of filler making its prompt
@@ -98,12 +104,15 @@ def run_one(b: LlamaCppBackend, request: GenerateRequest) -> dict[str, Any]:
     if not b.speaks(request):
         request, _ = tools.lower(request)
     b.admit("j", request)
-    text, stamps, steps = [], [], 0
+    text: list[str] = []
+    stamps: list[float] = []
+    calls_at_first = 0
     while True:
         events = b.step(0.0)
-        steps += any(isinstance(ev, Token) for ev in events)  # drafts kept make it fewer than tokens
         for ev in events:
             if isinstance(ev, Token):
+                if not stamps:  # decode calls from here on are steps (the reader may hold text back)
+                    calls_at_first = b.executor.decode_calls
                 stamps.append(time.perf_counter())
                 text.append(ev.text)
             elif isinstance(ev, Done):
@@ -113,9 +122,9 @@ def run_one(b: LlamaCppBackend, request: GenerateRequest) -> dict[str, Any]:
                 calls = answer.tool_calls if answer is not None else []
                 span = time.perf_counter() - stamps[0] if stamps else 0.0  # first token -> done
                 tok_s = (ev.completion_tokens - 1) / span if span else 0.0
+                steps = max(1, b.executor.decode_calls - calls_at_first)  # after the first token
                 return {"tokens": ev.completion_tokens, "tok_s": tok_s, "called": bool(calls),
-                        "prompt_tokens": ev.prompt_tokens, "steps": steps,
-                        "s_per_step": span / max(1, steps - 1),
+                        "prompt_tokens": ev.prompt_tokens, "steps": steps, "s_per_step": span / steps,
                         "answer": answer.content if answer is not None else raw}
             else:
                 raise RuntimeError(str(ev))
@@ -189,9 +198,11 @@ def main(rounds: int, asks: int, max_tokens: int, threads: int, draft_max: int, 
     common = {"slots": 1, "chat_template_file": TEMPLATE, "draft_max": draft_max}
     engines = {"native": LlamaCppBackend(LlamaCppSettings(**common), threads=threads),
                "generic": LlamaCppBackend(LlamaCppSettings(**common, tool_format="generic"), threads=threads)}
+    # "native tools" and "tools' prompt as text" run back to back, in either order: the same
+    # prompt's prefix is cached for whichever runs second, as it is for the other
     ways = {"no tools": ("native", False), "native tools": ("native", True),
-            "generic tools": ("generic", True), "no tools, as long": ("long", False),
-            "tools' prompt as text": ("text", True)}
+            "tools' prompt as text": ("text", True), "generic tools": ("generic", True),
+            "no tools, as long": ("long", False)}
     if server is not None:
         ways |= {"llama-server, no tools": ("peer", False), "llama-server, tools": ("peer", True)}
     results: dict[str, list[dict[str, Any]]] = {w: [] for w in ways}
@@ -218,7 +229,8 @@ def main(rounds: int, asks: int, max_tokens: int, threads: int, draft_max: int, 
                         **paired(runs, results[base_way])}
         stepped = [x for x in runs if not x["called"] and x.get("steps")]  # the in-process ways
         if stepped:
-            summary[way]["tokens_per_step"] = statistics.median(x["tokens"] / x["steps"] for x in stepped)
+            summary[way]["tokens_per_step"] = statistics.median((x["tokens"] - 1) / x["steps"]
+                                                                for x in stepped)
             summary[way]["ms_per_step"] = 1000 * statistics.median(x["s_per_step"] for x in stepped)
     # the grammar's own cost, the answer held fixed: the same prompt's tokens as a plain prompt
     # give the same greedy text (but where drafts or a cached prefix changed a near-tie)
