@@ -201,6 +201,21 @@ QueueModel.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
 test_queue_model = QueueModel.TestCase
 
 
+def test_a_tenants_job_the_reaper_gives_up_on_frees_its_places() -> None:
+    """The machine's find, kept as a plain case: past max_attempts the reaper's ending counted the
+    job as the default tenant's, so tenant alpha's open and queued places stayed taken."""
+    state = QueueModel()
+    try:
+        state.submit(tenant="alpha", priority="high", n=1)
+        for _ in range(3):
+            state.claim(worker="w1", n=1)
+            state.worker_dies(worker="w1")
+        assert not state.where  # failed after its third attempt
+        state.queue_model_holds()
+    finally:
+        state.teardown()
+
+
 def test_the_prelude_names_keys_as_keys_py_does() -> None:
     """The Lua key functions are rendered from keys.py's; spot-check the text and the queue rule."""
     assert "queue = function(a0) return 'rq:queue:' .. a0 end" in PRELUDE

@@ -33,7 +33,7 @@ class TenantUsage:
         pipe.zrem(queue_model.places_keys(tenant_of(job))[1], job.id)  # queued: it started
 
     def on_restart(self, restart: Restart, pipe: Pipeline) -> None:
-        pass  # still admitted; a job the reaper fails frees its place when its reservation expires
+        pass  # still admitted; a job the reaper gives up on ends (on_end frees its places)
 
     def on_end(self, job: ClaimedJob, ending: Ending, holder: Holder, pipe: Pipeline) -> None:
         tenant, now = tenant_of(job), time.time()

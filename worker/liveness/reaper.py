@@ -49,7 +49,7 @@ from worker.hooks import Holder, Hooks, Restart
 from worker.liveness import housekeeping
 from worker.liveness.link import RedisLink
 from worker.serving import endings
-from worker.serving.rqjobs import ClaimedJob, Ending
+from worker.serving.rqjobs import ClaimedJob, Ending, request_of
 
 log = logging.getLogger("fleet.reaper")
 LOCK_MS = 10_000
@@ -182,6 +182,8 @@ class Reaper:
             job.job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
         except Exception:
             job.job = None
+        else:
+            job.request = request_of(job.job)  # whose places the ending frees
         holder = Holder(worker, "", self.result_ttl)  # the dead worker's backend is not known here
 
         def write(pipe: Pipeline, _job_id: str) -> None:

@@ -218,6 +218,16 @@ def tenant_of(job: ClaimedJob) -> str:
     return (job.request.tenant if job.request is not None else None) or DEFAULT_TENANT
 
 
+def request_of(job: Job) -> JobRequest | None:
+    """The request of a job ended without being loaded (the reaper's give-up), so its ending
+    frees its tenant's places and counts to its tenant; None where it does not read."""
+    payload = _request_payload(job.args, job.kwargs)
+    try:
+        return parse_request(payload) if payload is not None else None
+    except ValidationError:
+        return None
+
+
 def _request(claimed: ClaimedJob, job: Job) -> JobRequest:
     payload = _request_payload(job.args, job.kwargs)
     if payload is None:
