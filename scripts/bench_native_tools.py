@@ -108,8 +108,7 @@ def run_one(b: LlamaCppBackend, request: GenerateRequest) -> dict[str, Any]:
     stamps: list[float] = []
     calls_at_first = 0
     while True:
-        events = b.step(0.0)
-        for ev in events:
+        for ev in b.step(0.0):
             if isinstance(ev, Token):
                 if not stamps:  # decode calls from here on are steps (the reader may hold text back)
                     calls_at_first = b.executor.decode_calls

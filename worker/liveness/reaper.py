@@ -183,7 +183,7 @@ class Reaper:
         except Exception:
             job.job = None
         else:
-            job.request = request_of(job.job)  # whose places the ending frees
+            job.request = request_of(job, job.job)  # whose places the ending frees
         holder = Holder(worker, "", self.result_ttl)  # the dead worker's backend is not known here
 
         def write(pipe: Pipeline, _job_id: str) -> None:

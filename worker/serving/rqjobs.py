@@ -218,13 +218,12 @@ def tenant_of(job: ClaimedJob) -> str:
     return (job.request.tenant if job.request is not None else None) or DEFAULT_TENANT
 
 
-def request_of(job: Job) -> JobRequest | None:
+def request_of(claimed: ClaimedJob, job: Job) -> JobRequest | None:
     """The request of a job ended without being loaded (the reaper's give-up), so its ending
     frees its tenant's places and counts to its tenant; None where it does not read."""
-    payload = _request_payload(job.args, job.kwargs)
     try:
-        return parse_request(payload) if payload is not None else None
-    except ValidationError:
+        return _request(claimed, job)
+    except BadJob:
         return None
 
 
