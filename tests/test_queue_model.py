@@ -86,6 +86,13 @@ class QueueModel(RuleBasedStateMachine):
             self.fleet.submit(prompt="a b", max_tokens=2, priority=priority, job_id=job_id, **named)
             self.where[job_id] = "queue"
 
+    @rule(n=st.integers(1, 3))
+    def admit_and_the_gateway_dies(self, n: int) -> None:
+        """Places admitted, and no enqueue follows (kill -9, or Redis gone between the two): a
+        pending admission, not a leak (beta: its limit is per minute, so these places block none
+        of the machine's later steps)."""
+        run(self.redis, admit_plan("beta", [f"{next(self.ids):032x}" for _ in range(n)], LIMITS["beta"]))
+
     @rule(tenant=st.sampled_from(TENANTS), n=st.integers(1, 3))
     def submit_batch(self, tenant: str, n: int) -> None:
         spec = BatchSpec(batch_id=f"b{next(self.ids)}", pool=POOL,
@@ -251,3 +258,7 @@ def test_a_place_admitted_but_never_enqueued_frees_itself_within_a_minute(redis:
     assert redis.pttl(keys.tenant_open_key("t")) >= queue.reservation_ms(None, 600) - 5000
     lost_expiry = redis.zscore(keys.tenant_open_key("t"), lost)
     assert lost_expiry is not None and lost_expiry <= seconds * 1000 + queue.PENDING_MS + 2000
+    assert queue_violations(redis) == []  # pending, not leaked
+    # the same place held for a job's lifetime by a job that does not exist is the leak
+    redis.zadd(keys.tenant_open_key("t"), {lost: seconds * 1000 + queue.reservation_ms(None, 600)})
+    assert [v.invariant for v in queue_violations(redis)] == ["places"]

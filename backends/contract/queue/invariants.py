@@ -10,7 +10,9 @@ it after every step, the soak when the fleet is quiet, and `fleet soak` names wh
 - `places`: a tenant's admission places (open: admitted and not ended; queued: admitted and not
   started) hold only jobs in that state, and queued ⊆ open: an ended or cancelled job gives its
   places back at once, not when its reservation expires (a place whose reservation expired is
-  free: admission drops it);
+  free: admission drops it). A place whose job does not exist is an admission whose enqueue never
+  came (its gateway died, or Redis went away between the two): it must expire within PENDING_MS,
+  never hold for a job's lifetime;
 - `wip`: RQ's started registries name only executions of jobs a worker holds.
 
 The snapshot is read in one MULTI after listing the keys, so a quiet fleet (or a test that
@@ -33,7 +35,7 @@ from backends.contract.keys import (
     job_key,
     tenant_open_key,
 )
-from backends.contract.queue import split_queue
+from backends.contract.queue import PENDING_MS, split_queue
 from backends.contract.replies import as_str
 
 ENDED = {"finished", "failed", "canceled", "stopped"}
@@ -72,14 +74,15 @@ def _snapshot(redis: Redis) -> dict[str, Any]:
         for k in fairs + wips:
             pipe.zrange(k, 0, -1)
         for k in places:  # a place whose expiry passed is free: admission drops it first
-            pipe.zrange(k, "(" + str(now_ms), "+inf", byscore=True)
+            pipe.zrange(k, "(" + str(now_ms), "+inf", byscore=True, withscores=True)
         for k in jobs:
             pipe.hmget(k, ["status", OWNER_FIELD, "origin"])
         replies = iter(pipe.execute(raise_on_error=False))
     decode = lambda values: [as_str(v) or "" for v in values] if isinstance(values, list) else []  # noqa: E731
     return {
         "lists": {k: decode(next(replies)) for k in queues + inflights},
-        "zsets": {k: decode(next(replies)) for k in fairs + wips + places},
+        "zsets": {k: decode(next(replies)) for k in fairs + wips},
+        "places": {k: {as_str(m) or "": int(score) - now_ms for m, score in next(replies)} for k in places},
         "jobs": {k[len(_JOB_PREFIX):]: [as_str(v) for v in r] if isinstance(r, list) else None
                  for k, r in ((k, next(replies)) for k in jobs)},
         "queues": queues, "inflights": inflights,
@@ -128,22 +131,25 @@ def queue_violations(redis: Redis) -> list[Violation]:
             out.append(Violation("owner", f"job {job_id} waits in {where[job_id][0]} but names owner "
                                           f"{owner!r}"))
 
-    for key, members in zsets.items():
-        if not key.startswith(_TENANT_PREFIX):
-            continue
+    admitted: dict[str, dict[str, int]] = snap["places"]  # key -> {job id: ms until it expires}
+    for key, held_for in admitted.items():
         tenant, kind = key[len(_TENANT_PREFIX):].rsplit(":", 1)
-        for job_id in members:
+        for job_id, left_ms in held_for.items():
             fields = jobs.get(job_id)
             status = fields[0] if fields else None
-            if fields is None or status in ENDED:
-                state = f"ended ({status})" if fields else "does not exist"
+            if fields is None and left_ms > PENDING_MS:
                 out.append(Violation("places", f"tenant '{tenant}' {kind} place held by job {job_id}, which "
-                                               f"{state}"))
+                                               f"does not exist, for {left_ms / 1000:.0f}s more (an "
+                                               f"admission never enqueued holds at most "
+                                               f"{PENDING_MS // 1000}s)"))
+            elif fields is not None and status in ENDED:
+                out.append(Violation("places", f"tenant '{tenant}' {kind} place held by job {job_id}, which "
+                                               f"ended ({status})"))
             elif kind == "queued" and status == "started":
                 out.append(Violation("places", f"tenant '{tenant}' queued place held by job {job_id}, which "
                                                f"started"))
         if kind == "queued":
-            missing = set(members) - set(zsets.get(f"{_TENANT_PREFIX}{tenant}{_OPEN_SUFFIX}", []))
+            missing = set(held_for) - set(admitted.get(f"{_TENANT_PREFIX}{tenant}{_OPEN_SUFFIX}", {}))
             for job_id in sorted(missing):
                 out.append(Violation("places", f"job {job_id} is in tenant '{tenant}' queued set but not "
                                                f"its open set"))
