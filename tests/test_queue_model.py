@@ -149,6 +149,20 @@ class QueueModel(RuleBasedStateMachine):
         assert self.writers[worker].end([job]) == {job_id}
         self._gone(job_id)
 
+    @rule(data=st.data())
+    def fails_unloaded(self, data: st.DataObject) -> None:
+        """A held job ended without its request read (the loop's internal error starting it, a
+        record that does not load): the ending knows only its id and queue."""
+        held = self._held()
+        if not held:
+            return
+        job_id = data.draw(st.sampled_from(held))
+        worker = self.where[job_id]
+        bare = rqjobs.unloaded(self.redis, job_id, self.jobs[job_id].queue, 1,
+                               rqjobs.Ending(error="internal error starting the job"))
+        assert self.writers[worker].end([bare]) == {job_id}
+        self._gone(job_id)
+
     @rule(data=st.data(), how=st.sampled_from(("engine failure", "drain", "put back")))
     def requeue(self, data: st.DataObject, how: str) -> None:
         held = self._held()

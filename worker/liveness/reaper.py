@@ -21,8 +21,6 @@ import logging
 from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import ResponseError
-from rq.job import Job
-from rq.serializers import JSONSerializer
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from backends.contract.keys import (
@@ -49,7 +47,7 @@ from worker.hooks import Holder, Hooks, Restart
 from worker.liveness import housekeeping
 from worker.liveness.link import RedisLink
 from worker.serving import endings
-from worker.serving.rqjobs import ClaimedJob, Ending, request_of
+from worker.serving.rqjobs import Ending, unloaded
 
 log = logging.getLogger("fleet.reaper")
 LOCK_MS = 10_000
@@ -177,13 +175,7 @@ class Reaper:
         self._write_failure(job_id, queue, worker, used + drains, reason)
 
     def _write_failure(self, job_id: str, queue: str, worker: str, attempt: int, reason: str) -> None:
-        job = ClaimedJob(job_id, queue, attempt=attempt, ending=Ending(error=reason))
-        try:
-            job.job = Job.fetch(job_id, connection=self.redis, serializer=JSONSerializer)
-        except Exception:
-            job.job = None
-        else:
-            job.request = request_of(job, job.job)  # whose places the ending frees
+        job = unloaded(self.redis, job_id, queue, attempt, Ending(error=reason))
         holder = Holder(worker, "", self.result_ttl)  # the dead worker's backend is not known here
 
         def write(pipe: Pipeline, _job_id: str) -> None:

@@ -8,6 +8,7 @@ results in RQ's result stream, so `rq info`, rq-dashboard and `job.latest_result
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -42,6 +43,7 @@ from backends.contract.keys import (
     inflight_key,
     job_key,
 )
+from backends.contract.queue import split_queue
 from backends.contract.replies import as_int, as_str
 from backends.contract.schema import DEFAULT_TENANT, GenerateRequest, describe_validation_error
 from worker.serving import limits
@@ -99,6 +101,7 @@ class ClaimedJob:
     first_token_at: float | None = None  # time.monotonic()
     drains: int = 0  # earlier attempts handed back by a draining worker (not failures)
     stale_execution: str | None = None  # an RQ execution of an earlier start of this attempt
+    origin: str = ""  # the queue its producer put it on (RQ's origin: a tenant's own queue)
     text: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     timed_out: bool = False
@@ -125,14 +128,15 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: flo
     apply when the job sets none; `budget` bounds the request (worker/serving/limits.py); a
     request the engine takes `as_sent` (its model's own dialect) is not lowered to the generic
     tool format."""
-    fields = [ATTEMPT_FIELD, OWNER_FIELD, DRAINS_FIELD, EXECUTION_FIELD, FINAL_FIELD]
+    fields = [ATTEMPT_FIELD, OWNER_FIELD, DRAINS_FIELD, EXECUTION_FIELD, FINAL_FIELD, "origin"]
     try:
-        raw_attempt, owner, drains, execution, final = redis.hmget(job_key(job_id), fields)
+        raw_attempt, owner, drains, execution, final, origin = redis.hmget(job_key(job_id), fields)
     except ResponseError as e:  # e.g. WRONGTYPE: the key is not a hash
         unreadable = ClaimedJob(job_id, queue, attempt=1)
         raise BadJob(unreadable, f"job {job_id} cannot be read: {_short(e)}") from None
     claimed = ClaimedJob(job_id, queue, attempt=as_int(raw_attempt) + 1, drains=as_int(drains),
-                         stale_execution=as_str(execution), claimed_ms=claimed_ms)
+                         stale_execution=as_str(execution), claimed_ms=claimed_ms,
+                         origin=as_str(origin) or "")
     if budget is not None:
         try:
             limits.check_payload(redis, job_id, budget)
@@ -214,17 +218,23 @@ def _check_code(claimed: ClaimedJob, job: Job) -> None:
 
 
 def tenant_of(job: ClaimedJob) -> str:
-    """Whose job it is (jobs naming no tenant, and jobs not loaded yet, are the default tenant's)."""
-    return (job.request.tenant if job.request is not None else None) or DEFAULT_TENANT
+    """Whose job it is: its request's tenant (none named: the default tenant's); a job ended
+    before its request was read (refused, or its start failed) is its origin's tenant's, the
+    queue the gateway enqueued it on (a job holding a tenant's places always came that way)."""
+    if job.request is not None:
+        return job.request.tenant or DEFAULT_TENANT
+    return split_queue(job.origin)[1] if job.origin else DEFAULT_TENANT
 
 
-def request_of(claimed: ClaimedJob, job: Job) -> JobRequest | None:
-    """The request of a job ended without being loaded (the reaper's give-up), so its ending
-    frees its tenant's places and counts to its tenant; None where it does not read."""
-    try:
-        return _request(claimed, job)
-    except BadJob:
-        return None
+def unloaded(redis: Redis, job_id: str, queue: str, attempt: int, ending: Ending) -> ClaimedJob:
+    """A job ended without being loaded (the reaper's give-up, the loop's internal error starting
+    it), with its RQ record where it reads: its ending then frees its tenant's places and
+    counts to its tenant."""
+    claimed = ClaimedJob(job_id, queue, attempt=attempt, ending=ending)
+    with contextlib.suppress(Exception):  # missing or unreadable: ended by its id alone
+        claimed.job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+        claimed.origin = claimed.job.origin
+    return claimed
 
 
 def _request(claimed: ClaimedJob, job: Job) -> JobRequest:
