@@ -103,8 +103,8 @@ def test_one_worker_serves_two_models_and_unloads_the_idle_one(workers: Any, red
 
 def test_a_burst_for_a_cold_model_loads_it_on_one_worker(workers: Any, redis_url: str, redis: Redis,
                                                         catalogue: dict[str, dict[str, Any]]) -> None:
-    for name in ("w1", "w2"):
-        workers.start(name, models=catalogue, backend__slots=4)
+    for name in ("w1", "w2"):  # no second copy of a model whose jobs wait (the next test's subject)
+        workers.start(name, models=catalogue, backend__slots=4, second_copy_after=600)
     run(Fleet(redis_url, pool="gemma3-270m-q8"), 8, "burst")
     time.sleep(1.5)  # a beat
     holders = {name: loaded(redis, name) for name in ("w1", "w2")}
