@@ -259,9 +259,8 @@ class FleetWorker:
             except Exception as e:  # one bad job must never take the worker down
                 log.exception("job %r could not start", raw_id)
                 job_id = raw_id.decode("utf-8", "replace")
-                ending = Ending(error=f"internal error starting the job: {e}")
-                self._end(self.inflight.get(job_id) or rqjobs.unloaded(self.redis, job_id, queue, 1, ending),
-                          ending)
+                self._end(self.inflight.get(job_id) or rqjobs.unloaded(self.redis, job_id, queue, 1),
+                          Ending(error=f"internal error starting the job: {e}"))
             self.unstarted.pop(0)
 
     def _start(self, raw_id: bytes, queue: str, claimed_ms: int | None = None) -> None:

@@ -226,10 +226,10 @@ def tenant_of(job: ClaimedJob) -> str:
     return split_queue(job.origin)[1] if job.origin else DEFAULT_TENANT
 
 
-def unloaded(redis: Redis, job_id: str, queue: str, attempt: int, ending: Ending) -> ClaimedJob:
+def unloaded(redis: Redis, job_id: str, queue: str, attempt: int, ending: Ending | None = None) -> ClaimedJob:
     """A job ended without being loaded (the reaper's give-up, the loop's internal error starting
     it), with its RQ record where it reads: its ending then frees its tenant's places and
-    counts to its tenant."""
+    counts to its tenant. `ending`: where the caller does not set it itself."""
     claimed = ClaimedJob(job_id, queue, attempt=attempt, ending=ending)
     with contextlib.suppress(Exception):  # missing or unreadable: ended by its id alone
         claimed.job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
