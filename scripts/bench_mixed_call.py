@@ -7,8 +7,15 @@ stream), so each step pays the decoders' own pass over the weights and the outpu
 unified pool lets one ubatch mix them. This times, on llama.cpp directly (no scheduler, no HTTP):
 the chunk alone (no logits), the decoders alone (one row each, with logits), and the two in one
 `llama_decode` call in either order, each the median of `--reps` calls after a warm-up, in both
-layouts. The KV holds the decoders' histories and the prompt's prefix, as in
-`fleet bench --workload stalls` midway. Prints a table and writes JSON.
+layouts; then the decoders without logits, and what a chunk alone costs at each size from 8 to
+512 rows, from which it bounds the long prompt's slowdown at a given longest gap. The KV holds the
+decoders' histories and the prompt's prefix, as in `fleet bench --workload stalls` midway. Prints
+tables and writes JSON.
+
+Why a mixed ubatch of 64 rows or more costs more than its parts: ggml's CPU flash attention runs
+64 query rows at a time (its tiled path, from 64 rows up) over every 64-cell KV tile that any row
+of the tile attends to, so a decoder's row in a prompt's tile makes that tile cover all the
+decoders' histories too. Below 64 rows each row attends alone.
 
     .venv/bin/python scripts/bench_mixed_call.py
     .venv/bin/python scripts/bench_mixed_call.py --decoder-context 400 --prompt-past 1500 --chunk 124
@@ -16,6 +23,8 @@ layouts. The KV holds the decoders' histories and the prompt's prefix, as in
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import statistics
 import sys
@@ -40,10 +49,16 @@ DECODERS = 4
 PROMPT_SEQ = DECODERS  # the long prompt's sequence id, after the decoders'
 N_BATCH = 512
 CALLS = ("chunk", "decoders", "mixed, decoders first", "mixed, chunk first")
+CURVE = (8, 16, 32, 48, 63, 64, 96, 128, 192, 256, 384, 512)  # chunk sizes timed alone
 
 
-def time_calls(unified: bool, decoder_ctx: int, prompt_past: int, chunk: int, reps: int) -> dict[str, float]:
-    """Median ms of each call shape in one layout."""
+def ms(seconds: list[float]) -> float:
+    return round(statistics.median(seconds[1:]) * 1000, 1)  # the first call warms up
+
+
+def time_calls(unified: bool, decoder_ctx: int, prompt_past: int, chunk: int, reps: int,
+               curve: bool = False) -> dict[str, Any]:
+    """Median ms of each call shape in one layout (and of a chunk alone at each size in CURVE)."""
     n_seq = DECODERS + 2  # the stalls scenario's slots: 4 streams, 2 long prompts
     model = LoadedModel(None, n_ctx=16384 if unified else 4096 * n_seq, n_batch=N_BATCH, n_seq_max=n_seq,
                         threads=None, kv_unified=unified, swa_full=unified)
@@ -70,14 +85,14 @@ def time_calls(unified: bool, decoder_ctx: int, prompt_past: int, chunk: int, re
                 put(i, start + i, seq, i == rows - 1)
             decode(rows)
 
-    def chunk_rows(n: int) -> int:
-        for i in range(chunk):
+    def chunk_rows(n: int, rows: int = chunk) -> int:
+        for i in range(rows):
             put(n + i, prompt_past + i, PROMPT_SEQ, False)
-        return n + chunk
+        return n + rows
 
-    def decoder_rows(n: int) -> int:
+    def decoder_rows(n: int, logits: bool = True) -> int:
         for seq in range(DECODERS):
-            put(n + seq, decoder_ctx, seq, True)
+            put(n + seq, decoder_ctx, seq, logits)
         return n + DECODERS
 
     def undo() -> None:  # every call starts from the same KV
@@ -92,17 +107,56 @@ def time_calls(unified: bool, decoder_ctx: int, prompt_past: int, chunk: int, re
         shapes: dict[str, Callable[[], int]] = {
             "chunk": lambda: chunk_rows(0), "decoders": lambda: decoder_rows(0),
             "mixed, decoders first": lambda: chunk_rows(decoder_rows(0)),
-            "mixed, chunk first": lambda: decoder_rows(chunk_rows(0))}
-        out = {}
-        for name, build in shapes.items():
+            "mixed, chunk first": lambda: decoder_rows(chunk_rows(0)),
+            "decoders, no logits": lambda: decoder_rows(0, logits=False),
+            "mixed below 64 rows": lambda: decoder_rows(chunk_rows(0, 63 - DECODERS)),
+            "chunk below 64 rows": lambda: chunk_rows(0, 63 - DECODERS)}
+        if curve:
+            shapes.update({f"chunk of {n}": functools.partial(chunk_rows, 0, n) for n in CURVE})
+
+        def timed(build: Callable[[], int]) -> float:
             seconds = []
             for _ in range(reps + 1):
                 seconds.append(decode(build()))
                 undo()
-            out[name] = round(statistics.median(seconds[1:]) * 1000, 1)  # the first call warms up
-        return out
+            return ms(seconds)
+        return {name: timed(build) for name, build in shapes.items()}
     finally:
         ll.llama_batch_free(batch)
+
+
+def largest_chunk(curve: dict[int, float], budget_ms: float) -> tuple[float, float]:
+    """The most prompt rows a call can hold within budget_ms, and their cost, interpolating
+    linearly between the timed sizes."""
+    sizes = sorted(curve)
+    best = (0.0, 0.0)
+    for lo, hi in itertools.pairwise(sizes):
+        if curve[lo] <= budget_ms:
+            best = (float(lo), curve[lo])
+        if curve[lo] <= budget_ms < curve[hi]:
+            rows = lo + (budget_ms - curve[lo]) * (hi - lo) / (curve[hi] - curve[lo])
+            return rows, budget_ms
+    return best
+
+
+def bound(results: dict[str, dict[str, float]], gap_ms: float) -> list[dict[str, Any]]:
+    """Per layout: the decoders' cost in a paced step, the largest chunk a step of gap_ms holds
+    beside them, and the prompt's slowdown against whole 512-row chunks with the decoders' own
+    call between them."""
+    curve = {n: results["per-slot"][f"chunk of {n}"] for n in CURVE}
+    whole = (curve[512] + results["per-slot"]["decoders"]) / 512
+    rows_out = []
+    for layout, t in results.items():
+        if layout == "per-slot":
+            extra = min(t["mixed, decoders first"], t["mixed, chunk first"]) - t["chunk"]
+        else:  # its mixed call pays for 64-row tiles from 64 rows up: the step stays below
+            extra = t["mixed below 64 rows"] - t["chunk below 64 rows"]
+        sizes = curve if layout == "per-slot" else {n: c for n, c in curve.items() if n < 64}
+        rows, cost = largest_chunk(sizes, gap_ms - extra)
+        slowdown = (cost + extra) / rows / whole if rows else float("inf")
+        rows_out.append({"layout": layout, "decoders_ms": round(extra, 1), "chunk_rows": round(rows),
+                         "step_ms": round(cost + extra, 1), "prefill_slowdown": round(slowdown, 2)})
+    return rows_out
 
 
 @click.command()
@@ -110,27 +164,49 @@ def time_calls(unified: bool, decoder_ctx: int, prompt_past: int, chunk: int, re
 @click.option("--prompt-past", default=1500, show_default=True, help="the long prompt's rows already in KV")
 @click.option("--chunk", default=124, show_default=True, help="prompt rows in the timed chunk")
 @click.option("--reps", default=7, show_default=True, help="timed calls per shape (median)")
+@click.option("--gap-ms", default=250.0, show_default=True, help="the longest gap to bound the slowdown at")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="JSON file")
-def main(decoder_context: int, prompt_past: int, chunk: int, reps: int, out: Path | None) -> None:
+def main(decoder_context: int, prompt_past: int, chunk: int, reps: int, gap_ms: float,
+         out: Path | None) -> None:
     meta = machine_meta()
     results: dict[str, Any] = {}
     for layout in ("per-slot", "unified"):
-        results[layout] = time_calls(layout == "unified", decoder_context, prompt_past, chunk, reps)
+        results[layout] = time_calls(layout == "unified", decoder_context, prompt_past, chunk, reps,
+                                     curve=layout == "per-slot")
+    console = Console(width=150)  # the shapes' table is wide
     table = Table(title=f"One call beside {DECODERS} decoders on {meta.get('cpu', 'this CPU')}: "
                         f"{chunk} prompt rows at {prompt_past}, decoders at {decoder_context} cells (ms)")
     table.add_column("layout")
-    for name in CALLS:
+    extra_calls = ("decoders, no logits", "chunk below 64 rows", "mixed below 64 rows")
+    for name in CALLS + extra_calls:
         table.add_column(name, justify="right")
     table.add_column("mixed - chunk", justify="right")
-    for layout, ms in results.items():
-        mixed = min(ms["mixed, decoders first"], ms["mixed, chunk first"])
-        table.add_row(layout, *(f"{ms[c]:.1f}" for c in CALLS), f"{mixed - ms['chunk']:.1f}")
-    Console().print(table)
+    for layout, t in results.items():
+        mixed = min(t["mixed, decoders first"], t["mixed, chunk first"])
+        table.add_row(layout, *(f"{t[c]:.1f}" for c in CALLS + extra_calls), f"{mixed - t['chunk']:.1f}")
+    console.print(table)
+    curve = Table(title="A prompt chunk alone (per-slot streams, no logits)")
+    for name in ("rows", "ms", "ms a row"):
+        curve.add_column(name, justify="right")
+    for n in CURVE:
+        cost = results["per-slot"][f"chunk of {n}"]
+        curve.add_row(str(n), f"{cost:.1f}", f"{cost / n:.2f}")
+    console.print(curve)
+    bounds = bound(results, gap_ms)
+    limit = Table(title=f"Steps of at most {gap_ms:.0f} ms beside the decoders: the long prompt's prefill "
+                        "against whole 512-row chunks")
+    for name in ("layout", "decoders' share ms", "prompt rows a step", "step ms", "prefill slowdown"):
+        limit.add_column(name, justify="right")
+    for b in bounds:
+        limit.add_row(b["layout"], f"{b['decoders_ms']:.1f}", str(b["chunk_rows"]), f"{b['step_ms']:.1f}",
+                      f"{b['prefill_slowdown']:.2f}x")
+    console.print(limit)
     path = out or ROOT / "bench-results" / f"mixed-call-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     config = {"decoders": DECODERS, "decoder_context": decoder_context, "prompt_past": prompt_past,
-              "chunk": chunk, "reps": reps}
-    path.write_text(json.dumps({"meta": {**meta, "config": config}, "ms": results}, indent=2))
+              "chunk": chunk, "reps": reps, "gap_ms": gap_ms}
+    report = {"meta": {**meta, "config": config}, "ms": results, "bound": bounds}
+    path.write_text(json.dumps(report, indent=2))
     print(f"JSON: {path}")
 
 
