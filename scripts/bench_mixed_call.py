@@ -41,6 +41,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from backends.llamacpp.invariance import FA_TILE_ROWS  # noqa: E402
 from backends.llamacpp.model import LoadedModel  # noqa: E402
 from ecosystem.local.bench_setup import machine_meta  # noqa: E402
 
@@ -49,7 +50,8 @@ DECODERS = 4
 PROMPT_SEQ = DECODERS  # the long prompt's sequence id, after the decoders'
 N_BATCH = 512
 CALLS = ("chunk", "decoders", "mixed, decoders first", "mixed, chunk first")
-CURVE = (8, 16, 32, 48, 63, 64, 96, 128, 192, 256, 384, 512)  # chunk sizes timed alone
+CURVE = (8, 16, 32, 48, FA_TILE_ROWS - 1, FA_TILE_ROWS, 96, 128, 192, 256, 384, 512)  # chunks timed alone
+BELOW_TILE = FA_TILE_ROWS - 1 - DECODERS  # prompt rows that keep a mixed call under the tiled path
 
 
 def ms(seconds: list[float]) -> float:
@@ -109,8 +111,8 @@ def time_calls(unified: bool, decoder_ctx: int, prompt_past: int, chunk: int, re
             "mixed, decoders first": lambda: chunk_rows(decoder_rows(0)),
             "mixed, chunk first": lambda: decoder_rows(chunk_rows(0)),
             "decoders, no logits": lambda: decoder_rows(0, logits=False),
-            "mixed below 64 rows": lambda: decoder_rows(chunk_rows(0, 63 - DECODERS)),
-            "chunk below 64 rows": lambda: chunk_rows(0, 63 - DECODERS)}
+            "mixed below 64 rows": lambda: decoder_rows(chunk_rows(0, BELOW_TILE)),
+            "chunk below 64 rows": lambda: chunk_rows(0, BELOW_TILE)}
         if curve:
             shapes.update({f"chunk of {n}": functools.partial(chunk_rows, 0, n) for n in CURVE})
 
@@ -127,16 +129,18 @@ def time_calls(unified: bool, decoder_ctx: int, prompt_past: int, chunk: int, re
 
 def largest_chunk(curve: dict[int, float], budget_ms: float) -> tuple[float, float]:
     """The most prompt rows a call can hold within budget_ms, and their cost, interpolating
-    linearly between the timed sizes."""
+    linearly between the timed sizes (the largest timed size when the budget holds them all)."""
     sizes = sorted(curve)
-    best = (0.0, 0.0)
     for lo, hi in itertools.pairwise(sizes):
-        if curve[lo] <= budget_ms:
-            best = (float(lo), curve[lo])
         if curve[lo] <= budget_ms < curve[hi]:
-            rows = lo + (budget_ms - curve[lo]) * (hi - lo) / (curve[hi] - curve[lo])
-            return rows, budget_ms
-    return best
+            return lo + (budget_ms - curve[lo]) * (hi - lo) / (curve[hi] - curve[lo]), budget_ms
+    fits = [n for n in sizes if curve[n] <= budget_ms]
+    return (float(fits[-1]), curve[fits[-1]]) if fits else (0.0, 0.0)
+
+
+def mixed_extra(t: dict[str, float]) -> float:
+    """What the decoders add to the chunk's call, in the cheaper order."""
+    return min(t["mixed, decoders first"], t["mixed, chunk first"]) - t["chunk"]
 
 
 def bound(results: dict[str, dict[str, float]], gap_ms: float) -> list[dict[str, Any]]:
@@ -148,10 +152,10 @@ def bound(results: dict[str, dict[str, float]], gap_ms: float) -> list[dict[str,
     rows_out = []
     for layout, t in results.items():
         if layout == "per-slot":
-            extra = min(t["mixed, decoders first"], t["mixed, chunk first"]) - t["chunk"]
+            extra = mixed_extra(t)
         else:  # its mixed call pays for 64-row tiles from 64 rows up: the step stays below
             extra = t["mixed below 64 rows"] - t["chunk below 64 rows"]
-        sizes = curve if layout == "per-slot" else {n: c for n, c in curve.items() if n < 64}
+        sizes = curve if layout == "per-slot" else {n: c for n, c in curve.items() if n < FA_TILE_ROWS}
         rows, cost = largest_chunk(sizes, gap_ms - extra)
         slowdown = (cost + extra) / rows / whole if rows else float("inf")
         rows_out.append({"layout": layout, "decoders_ms": round(extra, 1), "chunk_rows": round(rows),
@@ -182,8 +186,7 @@ def main(decoder_context: int, prompt_past: int, chunk: int, reps: int, gap_ms: 
         table.add_column(name, justify="right")
     table.add_column("mixed - chunk", justify="right")
     for layout, t in results.items():
-        mixed = min(t["mixed, decoders first"], t["mixed, chunk first"])
-        table.add_row(layout, *(f"{t[c]:.1f}" for c in CALLS + extra_calls), f"{mixed - t['chunk']:.1f}")
+        table.add_row(layout, *(f"{t[c]:.1f}" for c in CALLS + extra_calls), f"{mixed_extra(t):.1f}")
     console.print(table)
     curve = Table(title="A prompt chunk alone (per-slot streams, no logits)")
     for name in ("rows", "ms", "ms a row"):
