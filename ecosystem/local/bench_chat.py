@@ -21,7 +21,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -159,10 +159,10 @@ def conversation(client: ChatClient, user: int, run: ChatRun, turns: int, max_to
                          {"role": "user", "content": questions[turn]}]
 
 
-def measure(system: str, clients: Sequence[ChatClient], history: str, round_: int, users: int,
-            turns: int, max_tokens: int, seed: int, pids: Sequence[int] = ()) -> ChatRun:
+def measure(system: str, clients: Sequence[ChatClient], history: str, round_: int, users: int, turns: int,
+            max_tokens: int, seed: int, pids: Mapping[str, Sequence[int]] | None = None) -> ChatRun:
     """Every user's conversation at once, user u on clients[u % len(clients)]; `pids`: the
-    system's processes, whose CPU time the run counts."""
+    system's processes by group (workers, gateway, Redis), whose CPU time the run counts."""
     run = ChatRun(system, history, round_)
     lock = threading.Lock()
     start = threading.Barrier(users + 1)
@@ -175,11 +175,13 @@ def measure(system: str, clients: Sequence[ChatClient], history: str, round_: in
     for t in threads:
         t.start()
     start.wait()
-    t0, cpu0 = time.perf_counter(), cpu_seconds(pids)
+    groups = pids or {}
+    t0, cpu0 = time.perf_counter(), {name: cpu_seconds(ps) for name, ps in groups.items()}
     for t in threads:
         t.join()
     run.wall_s = time.perf_counter() - t0
-    run.cpu_s = cpu_seconds(pids) - cpu0
+    run.cpu_by = {name: round(cpu_seconds(ps) - cpu0[name], 2) for name, ps in groups.items()}
+    run.cpu_s = sum(run.cpu_by.values())
     return run
 
 
@@ -197,7 +199,7 @@ class ChatBench:
         self.systems = [FLEET, *([BLIND] if several else []), self.peer]  # the peer last: ratios are over it
         self.per_slot = 0
         self.needed = 0
-        self.pids: dict[str, list[int]] = {}  # each system's processes
+        self.pids: dict[str, dict[str, list[int]]] = {}  # each system's processes, by group
 
     def _context(self) -> int:
         self.needed = context_needed(self.tok, self.cfg)
@@ -224,8 +226,9 @@ class ChatBench:
         gw = start_gateway(redis.url, self.logs, name=f"gateway-{tag}")
         stack.callback(gw.stop)
         wait_until_healthy(gw, 60)
-        self.pids[FLEET if placement else BLIND] = [redis.process.pid, *with_children(gw.process.pid),
-                                                    *(w.process.pid for w in workers)]
+        self.pids[FLEET if placement else BLIND] = {"redis": [redis.process.pid],
+                                                    "gateway": with_children(gw.process.pid),
+                                                    "workers": [w.process.pid for w in workers]}
         return [gw.url]
 
     def _servers(self, stack: contextlib.ExitStack) -> list[str]:
@@ -241,7 +244,7 @@ class ChatBench:
                                                          ctx=per_server * self.per_slot, threads=threads,
                                                          extra_args=args, cpus=cores))
             urls.append(srv.url)
-            self.pids.setdefault(self.peer, []).append(srv.process.pid)
+            self.pids.setdefault(self.peer, {}).setdefault("servers", []).append(srv.process.pid)
         return urls
 
     def run(self) -> list[ChatRun]:
@@ -263,7 +266,7 @@ class ChatBench:
                 order = self.systems if round_ % 2 == 0 else self.systems[::-1]
                 for name in order:
                     run = measure(name, clients[name], history, round_, cfg.users, cfg.turns,
-                                  cfg.max_tokens, cfg.seed, self.pids.get(name, ()))
+                                  cfg.max_tokens, cfg.seed, self.pids.get(name))
                     runs.append(run)
                     self.console.log(f"round {round_} {history:6} {name}: {run.tok_s:.1f} tok/s, later-turn "
                                      f"TTFT p50 {percentile(run.ttft_later_ms, 50) or 0:.0f} ms"

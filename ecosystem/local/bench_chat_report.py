@@ -31,6 +31,7 @@ class ChatRun:
     first_prompt_tokens: int = 0  # turn 1's prompt tokens over all users: both sides render alike
     errors: list[str] = field(default_factory=list)  # a failed turn ends its conversation
     cpu_s: float = 0.0  # CPU seconds of the system's processes (workers, gateway, Redis; or servers)
+    cpu_by: dict[str, float] = field(default_factory=dict)  # the same by process group
 
     @property
     def tok_s(self) -> float:
@@ -75,6 +76,8 @@ def summarise(runs: Sequence[ChatRun], systems: Sequence[str], histories: Sequen
                 "ttft_later_p95_vs_peer": _median([_ratio(_later(a, 95), _later(b, 95)) for a, b in pairs]),
                 "cpu_s_per_1k": _median([r.cpu_per_1k for r in mine]),
                 "cpu_vs_peer": _median([_ratio(a.cpu_per_1k, b.cpu_per_1k) for a, b in pairs]),
+                "cpu_s_per_1k_by": {g: _median([1000 * r.cpu_by[g] / r.tokens for r in mine if r.tokens])
+                                    for g in (mine[0].cpu_by if mine else {})},
                 "round_tok_s": [round(r.tok_s, 1) for r in mine],
                 "errors": len(errors),
                 "first_error": errors[0] if errors else None,
