@@ -85,3 +85,7 @@ def test_one_tiny_chat_run_end_to_end(tmp_path: Path) -> None:
         # both sides render the same prompt (llama.cpp's gemma template; with jinja llama-server
         # would render the template's name): turn 1 counts the same tokens, two ~480-token openings
         assert mine["first_prompt_tokens"] == theirs["first_prompt_tokens"] > 2 * 400
+        # CPU by process group: the fleet's worker does the decoding, the peer is one server
+        assert set(mine["cpu_by"]) == {"workers", "gateway", "redis"} and set(theirs["cpu_by"]) == {"servers"}
+        assert mine["cpu_by"]["workers"] > mine["cpu_by"]["redis"]
+        assert mine["cpu_s"] == pytest.approx(sum(mine["cpu_by"].values()), abs=0.05)
