@@ -20,23 +20,28 @@ from backends.model import default_model_path
 
 # ggml reads its kernel switches once per process, at the first matmul; the first model decides
 _kernels_invariant: bool | None = None
+KERNEL_SWITCH = "GGML_CPU_TILED_MM_FORCE"
 
 # tokens that text becomes only with special parsing (user-defined ones are split out either way)
 _SPLIT_ONLY_WITH_SPECIAL = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_UNKNOWN
 
 
-def _choose_kernels(invariant: bool) -> None:
+def _choose_kernels(invariant: bool) -> bool:
     """Batch-invariant kernels: ggml's tiled K-quant matmul for every batch size (by default it
     is taken only from 8 rows, below that a vec_dot kernel that rounds differently), so a row's
-    result never depends on how many rows share its batch."""
+    result never depends on how many rows share its batch. True: this call put ggml's switch in
+    the environment, and the caller takes it out after the first decode (see _warm_up)."""
     global _kernels_invariant
     if _kernels_invariant is None:
-        if invariant:
-            os.environ["GGML_CPU_TILED_MM_FORCE"] = "1"
-        _kernels_invariant = invariant or os.environ.get("GGML_CPU_TILED_MM_FORCE") == "1"
-    elif invariant and not _kernels_invariant:
+        set_here = invariant and KERNEL_SWITCH not in os.environ
+        if set_here:
+            os.environ[KERNEL_SWITCH] = "1"
+        _kernels_invariant = invariant or os.environ.get(KERNEL_SWITCH) == "1"
+        return set_here
+    if invariant and not _kernels_invariant:
         raise RuntimeError("batch_invariant needs the first llama.cpp model of this process to be "
                            "loaded with batch_invariant=true (ggml fixes its kernels at first use)")
+    return False
 
 
 @ll.llama_log_callback
@@ -58,7 +63,7 @@ class LoadedModel:
         ll.llama_log_set(_quiet_log, ctypes.c_void_p())
         if chat_template is not None:
             check_builtin_template(chat_template)  # before anything is loaded
-        _choose_kernels(batch_invariant)
+        switched = _choose_kernels(batch_invariant)
         model = load_weights(path)
         self.model = model
         self.path = path
@@ -95,6 +100,18 @@ class LoadedModel:
         self.jinja = self._jinja(chat_template_file) if jinja else None
         eos = ll.llama_vocab_eos(self.vocab)
         self.eog_token = eos if eos >= 0 else ll.llama_vocab_eot(self.vocab)
+        if switched:
+            self._warm_up()
+            # ggml has read the switch: a process this one starts (a worker, a llama-server)
+            # chooses its own kernels from its own settings, not this process's
+            del os.environ[KERNEL_SWITCH]
+
+    def _warm_up(self) -> None:
+        """One token decoded and forgotten: ggml's first matmul, where it reads its switches."""
+        token = (ctypes.c_int32 * 1)(max(0, ll.llama_vocab_bos(self.vocab)))
+        if ll.llama_decode(self.ctx, ll.llama_batch_get_one(token, 1)) != 0:
+            raise RuntimeError("llama.cpp could not decode a warm-up token")
+        ll.llama_memory_clear(self.memory, True)
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as text (None when the model has no such key)."""
