@@ -20,6 +20,7 @@ from backends.model_card import capabilities, gguf_card
 MAGIC = b"GGUF"
 MAX_STRING = 1 << 24  # longer strings (or counts) mean a corrupt or hostile file
 MAX_ITEMS = 1 << 24
+DEFAULT_ALIGNMENT = 32  # GGUF's, when general.alignment does not say
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
            12: "<d"}
 STRING, ARRAY = 8, 9
@@ -36,6 +37,14 @@ class GgufHeader:
     metadata: dict[str, Any]  # scalars and strings, typed; arrays left out
     n_params: int
     path: Path
+    last_tensor_at: int = 0  # where the last tensor's data starts: a complete file is longer
+
+    def cut_short(self) -> str | None:
+        """Why the file is cut short (its tensors start past its end), None if it seems whole."""
+        size = self.path.stat().st_size
+        if size > self.last_tensor_at:
+            return None
+        return f"{self.path}: cut short: {size} bytes, its tensors' data start at byte {self.last_tensor_at}"
 
     def text_metadata(self) -> dict[str, str]:
         """The metadata as llama.cpp renders it (every value text), for model_card.gguf_card."""
@@ -80,7 +89,7 @@ def read_header(path: Path) -> GgufHeader:
             value = _value(f, _unpack(f, "<I")[0])
             if value is not SKIPPED_ARRAY:
                 metadata[key] = value
-        n_params = 0
+        n_params = last = 0
         for _ in range(n_tensors):
             _string(f)
             (n_dims,) = _unpack(f, "<I")
@@ -89,9 +98,12 @@ def read_header(path: Path) -> GgufHeader:
             count = 1
             for dim in _unpack(f, f"<{n_dims}Q"):
                 count *= dim
-            _unpack(f, "<IQ")  # type, offset
+            last = max(last, _unpack(f, "<IQ")[1])  # type, offset in the data section
             n_params += count
-    return GgufHeader(metadata, n_params, path)
+        align = metadata.get("general.alignment")
+        align = align if isinstance(align, int) and align > 0 else DEFAULT_ALIGNMENT
+        data_at = -(-f.tell() // align) * align
+    return GgufHeader(metadata, n_params, path, data_at + last)
 
 
 def file_card(path: Path, defaults: SamplingDefaults | None = None) -> dict[str, Any]:

@@ -12,6 +12,9 @@ which engine holds the job.
 Memory: each model's RAM is its entry's `memory_mb`, else estimated before loading from its
 file's size plus the KV its slots take (backends/gguf.py), and corrected by the RSS the load
 really added; the models held never exceed the budget.
+
+A load that fails is remembered for FAILED_LOAD_HOLD seconds while its file stays as it was:
+the model's other waiting jobs fail with the same error at once rather than load it again each.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +53,8 @@ log = logging.getLogger("fleet.worker")
 MIB = 2**20
 COMPUTE_MB = 64  # llama.cpp's compute buffers and the sampler's state beside weights and KV
 BUDGET_SHARE = 0.8  # of the host's RAM, when no budget is set
+FAILED_LOAD_HOLD = 30.0  # seconds a failed load stands for its model's jobs while its file is unchanged
+FileVersion = tuple[int, int, int] | None  # a file's inode, size and mtime; None: no file there
 
 
 def default_budget_mb() -> int:
@@ -65,6 +71,26 @@ def estimate_mb(entry: ModelEntry, n_ctx: int, slots: int) -> int:
     except (OSError, GgufError):
         return COMPUTE_MB  # the load will fail and say why; no reason to refuse it here
     return int((size + kv) / MIB) + COMPUTE_MB
+
+
+def file_version(path: os.PathLike[str]) -> FileVersion:
+    """What tells a replaced or rewritten file apart (a stat only: no read of a file that may block)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def why_not_loaded(name: str, entry: ModelEntry, error: Exception) -> str:
+    """A failed load's reason: the file's own problem when its header shows one (llama.cpp's
+    error only says it could not load the file), else the engine's."""
+    if isinstance(error, RuntimeError):
+        try:
+            error = RuntimeError(read_header(entry.path).cut_short() or error)
+        except (OSError, GgufError) as e:
+            error = e
+    return f"model {name!r} could not be loaded: {error}"
 
 
 def give_back_heap() -> None:
@@ -115,6 +141,8 @@ class ModelShelf:
         self.loads = 0
         self.unloads = 0
         self.proc = psutil.Process()
+        self._needs: dict[str, tuple[FileVersion, int]] = {}  # model -> (its file then, its need)
+        self._failed: dict[str, tuple[FileVersion, float, str]] = {}  # model -> (its file, when, why)
 
     # -- what a model's copy is -------------------------------------------------------------------
 
@@ -125,8 +153,15 @@ class ModelShelf:
         return self.base.model_copy(update={k: v for k, v in wanted.items() if v is not None and k in fields})
 
     def need_mb(self, name: str) -> int:
-        s = self.settings[name]
-        return estimate_mb(self.entries[name], int(getattr(s, "n_ctx_per_seq", 0) or 0), s.slots)
+        """The RAM a copy of `name` takes, estimated once per version of its file (reading a
+        header takes a few hundred ms: not on every claim)."""
+        entry, s = self.entries[name], self.settings[name]
+        version = file_version(entry.path)
+        known = self._needs.get(name)
+        if known is None or known[0] != version:
+            known = version, estimate_mb(entry, int(getattr(s, "n_ctx_per_seq", 0) or 0), s.slots)
+            self._needs[name] = known
+        return known[1]
 
     def used_mb(self) -> int:
         return sum(m.memory_mb for m in self.held.values())
@@ -139,10 +174,20 @@ class ModelShelf:
 
     # -- loading and unloading --------------------------------------------------------------------
 
+    def room_mb(self, name: str) -> int:
+        """The most RAM `name` could ever have here: the budget less what pinned models hold."""
+        return self.budget_mb - sum(m.memory_mb for m in self.held.values() if m.pinned and m.name != name)
+
     def fits(self, name: str) -> bool:
-        """Whether `name` could ever load here: the budget less what pinned models hold."""
-        pinned = sum(m.memory_mb for m in self.held.values() if m.pinned and m.name != name)
-        return self.need_mb(name) <= self.budget_mb - pinned
+        """Whether `name` could ever load here."""
+        return self.need_mb(name) <= self.room_mb(name)
+
+    def cannot_hold(self) -> dict[str, dict[str, Any]]:
+        """pool -> the model, its need and this worker's room, for every model that could never
+        load here: what the worker publishes, so that the gateway refuses a model no live worker
+        could hold rather than leave its requests waiting."""
+        return {pool: {"model": name, "need_mb": self.need_mb(name), "room_mb": self.room_mb(name)}
+                for pool, name in self.pool_model.items() if not self.fits(name)}
 
     def can_load(self, name: str) -> bool:
         """Whether `name` fits in the budget now, counting what idle unpinned models would free."""
@@ -163,17 +208,24 @@ class ModelShelf:
         if self.used_mb() + need > self.budget_mb:
             raise BackendUnavailable(f"model {name!r} needs ~{need} MB; {self.used_mb()} of this worker's "
                                      f"{self.budget_mb} MB are held by models with running jobs or pinned")
+        entry = self.entries[name]
+        version = file_version(entry.path)
+        failed = self._failed.get(name)
+        if failed is not None and failed[0] == version and time.monotonic() - failed[1] < FAILED_LOAD_HOLD:
+            raise JobRejected(failed[2])
         rss, started = self.proc.memory_info().rss, time.monotonic()
         try:
             engine = self.make(self.settings[name])
         except (OSError, ValueError, RuntimeError) as e:
-            raise JobRejected(f"model {name!r} could not be loaded: {e}") from e
+            why = why_not_loaded(name, entry, e)
+            self._failed[name] = version, time.monotonic(), why
+            raise JobRejected(why) from e
         took = time.monotonic() - started
         grown = int((self.proc.memory_info().rss - rss) / MIB)
-        entry = self.entries[name]
         model = Loaded(name, entry.pool_of(name), engine, max(need, grown), time.time(), round(took, 3),
                        entry.keep_alive, entry.pinned)
         self.held[name] = model
+        self._failed.pop(name, None)
         self.loads += 1
         log.info("loaded model %s in %.2fs (~%d MB)", name, took, model.memory_mb)
         return model
@@ -335,10 +387,15 @@ class Unloadable:
     """The engine of a model that could not be loaded: every job it is given fails with why (a
     bad file: JobRejected) or goes back to its queue (no room now: BackendUnavailable)."""
 
+    embed_batch = 1  # an embedding job fails (or goes back) with why, too
+
     def __init__(self, error: JobRejected | BackendUnavailable) -> None:
         self.error, self.name, self.slots = error, "unloaded", 0
 
     def admit(self, job_id: str, request: GenerateRequest) -> None:
+        raise self.error
+
+    def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
         raise self.error
 
     def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:

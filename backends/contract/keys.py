@@ -194,14 +194,15 @@ def model_copies_key(pool: str) -> str:
 
 
 def model_loading_key(pool: str) -> str:
-    """The worker loading the pool's model now (SET NX, PX MODEL_LOADING_MS): a burst for a cold
-    model loads it on one worker, not on every idle one."""
+    """The worker loading the pool's model now (SET NX, PX three of its heartbeat intervals,
+    extended by its heartbeat while it loads, released once the load is over, loaded or failed):
+    a burst for a cold model loads it on one worker, not on every idle one, and a loader that
+    dies keeps the others off it for no longer than it takes to look dead."""
     return f"fleet:loading:{pool}"
 
 
 MODEL_COPIES_TTL = 10  # seconds
 MODEL_HOLD_MS = 5000  # a copy's entry not refreshed this long is a worker that unloaded or died
-MODEL_LOADING_MS = 120_000  # the longest a load may keep others off a cold model
 
 
 def hub_wake_key(hub_id: str) -> str:

@@ -26,3 +26,5 @@ def queue_script(pipe: Pipeline | Redis, script: str, keys: Sequence[Any], args:
 
 # Release a lock only while we still own it (the reaper's lock, a batch submitter's lock).
 RELEASE_LOCK = lua_script("backends.contract", "release_lock.lua")
+# Extend a lock only while we still own it (a model's loading lock, by its loader's heartbeat).
+EXTEND_LOCK = lua_script("backends.contract", "extend_lock.lua")

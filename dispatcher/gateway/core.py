@@ -44,6 +44,7 @@ from dispatcher.tenants import LimitReached, Limits, NeverAdmitted, admit_plan, 
 log = logging.getLogger("fleet.gateway")
 REFRESH_INTERVAL = 1.0  # seconds between reads of the workers' status hashes
 NOT_SERVING = ("draining", "stopped")  # worker states that claim no new job
+MEMORY_SAID = ("need_mb", "room_mb")  # what a worker's cannot_hold entry says of a model (ints)
 
 
 class ApiError(Exception):
@@ -190,6 +191,8 @@ class Gateway:
         self.thinking_pools: set[str] = set()  # pools whose live workers' templates think
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
         self.pool_members: dict[str, list[str]] = {}  # pool -> the names of those workers
+        # pool -> what each of those workers that could never load its model says (need, room)
+        self.cannot_hold: dict[str, list[dict[str, Any]]] = {}
         self.redis_up = False
         self._keys = caller_keys(settings.gateway)
         self._refresher: asyncio.Task[None] | None = None
@@ -244,7 +247,7 @@ class Gateway:
             names = sorted(as_str(n) or "" for n in await redis.smembers(WORKERS_SET))
             async with redis.pipeline(transaction=False) as pipe:
                 for name in names:
-                    pipe.hmget(worker_key(name), ["pool", "state", "model", "thinks", "pools"])
+                    pipe.hmget(worker_key(name), ["pool", "state", "model", "thinks", "pools", "cannot_hold"])
                 replies = await pipe.execute()
         except OUTAGE_ERRORS as e:
             if self.redis_up:
@@ -256,14 +259,20 @@ class Gateway:
         members: dict[str, list[str]] = {}
         model_names: dict[str, str] = {}
         thinking: set[str] = set()
-        for name, (pool_raw, state_raw, model_raw, thinks, pools_raw) in zip(names, replies, strict=True):
+        cannot_hold: dict[str, list[dict[str, Any]]] = {}
+        for name, (pool_raw, state_raw, model_raw, thinks, pools_raw, too_big_raw) in zip(names, replies,
+                                                                                           strict=True):
             if pool_raw is None:
                 continue  # its hash expired: dead (the reaper collects it)
             pool, state = json.loads(pool_raw), json.loads(state_raw or '""')
             if state not in NOT_SERVING:
+                too_big = json.loads(too_big_raw or "{}")
                 for served in json.loads(pools_raw or "null") or [pool]:  # a catalogue worker: every model's
                     counts[served] = counts.get(served, 0) + 1
                     members.setdefault(served, []).append(name)
+                    said = too_big.get(served) if isinstance(too_big, dict) else None
+                    if isinstance(said, dict) and all(isinstance(said.get(k), int) for k in MEMORY_SAID):
+                        cannot_hold.setdefault(served, []).append(said)
                 model = json.loads(model_raw or '""')
                 if isinstance(model, str) and model and pool not in model_names:
                     model_names[pool] = model
@@ -272,6 +281,7 @@ class Gateway:
         self.model_names = {**self.model_names, **model_names}
         self.live_workers = counts
         self.pool_members = members
+        self.cannot_hold = cannot_hold
         self.thinking_pools = thinking
         self.redis_up = True
 
@@ -379,6 +389,7 @@ class Gateway:
                 raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable")
             if not self.live_workers.get(pool) and not self.cold_start(pool):
                 raise ApiError(503, f"no live worker serves pool '{pool}'", code="no_workers")
+        self.refuse_too_big(pool)
         fleet = self.fleet_for(pool)
         try:
             depth = await self.queue_depth(pool, priority, caller.tenant, in_use=True)
@@ -406,6 +417,19 @@ class Gateway:
         if not self.live_workers.get(pool):  # scale from zero: the queued jobs start a worker
             await self.wait_for_worker(pool, jobs)
         return jobs
+
+    def refuse_too_big(self, pool: str) -> None:
+        """422 when every live worker serving `pool` says its model could never load there (the
+        model needs more than its memory budget less its pinned models): the request would wait
+        until its timeout. A worker started later may have room, so with no live worker at all
+        (scale from zero) the request waits as before."""
+        said = self.cannot_hold.get(pool, [])
+        if not said or len(said) < self.live_workers.get(pool, 0):
+            return
+        need, room = min(s["need_mb"] for s in said), max(s["room_mb"] for s in said)
+        raise ApiError(422, f"model '{shown(said[0].get('model'))}' needs ~{need} MB of RAM, more than any "
+                       f"live worker serving it can hold: the most one has is {room} MB (its "
+                       "memory_budget_mb less its pinned models)", param="model", code="model_too_large")
 
     def cold_start(self, pool: str) -> bool:
         """Whether a request for `pool` may wait for a worker to start: a catalogue model with

@@ -4,7 +4,11 @@ catalogue models (backends/shelf.py), each model's pool by what the worker holds
 Model affinity, as prefix placement works for a chat's history: a worker claims first for the
 models it has loaded (the most recently used first), up to each one's free slots. A cold model's
 jobs (no worker holds it) are claimed by one worker only: the one that takes the model's loading
-lock, and only while its memory budget allows the load (evicting idle models if it must). While
+lock, and only while its memory budget allows the load (evicting idle models if it must). The
+lock lives three heartbeat intervals, extended by the loader's heartbeat while the load runs, and
+is released at the loader's next claim, when the load is over either way: a load that failed
+(its error remembered by the shelf) leaves the model's other jobs to the next claim at once,
+which fails them with that error; a loader that died frees the model once it looks dead. While
 some worker holds a model with a free slot, the others leave its jobs to it. When every holder is
 full (or busy in a long step) and its jobs have waited `second_copy_after` seconds, an idle worker
 that may serve it loads another copy, under the same lock: a burst that the holder drains within
@@ -32,7 +36,6 @@ from backends.contract.catalogue import live_copies
 from backends.contract.keys import (
     MODEL_COPIES_TTL,
     MODEL_HOLD_MS,
-    MODEL_LOADING_MS,
     UNLOADED_KEY,
     capacity_key,
     fair_key,
@@ -44,6 +47,7 @@ from backends.contract.keys import (
     wake_key,
     worker_wake_key,
 )
+from backends.contract.lua import EXTEND_LOCK, RELEASE_LOCK, queue_script
 from backends.shelf import ModelShelf
 from worker.claiming.claim import Claimer
 from worker.settings import FleetSettings
@@ -51,6 +55,7 @@ from worker.settings import FleetSettings
 log = logging.getLogger("fleet.worker")
 HOLDERS_EVERY = 1.0  # seconds between refreshes of this worker's holder entries
 COLD_EVERY = 0.1  # seconds between looks at cold models' queues while this worker is busy
+ROOM_EVERY = 5.0  # seconds between looks at which models could never load here (their files may change)
 
 
 class PoolClaims:
@@ -60,6 +65,7 @@ class PoolClaims:
         self.claimer = claimer
         self.queues = queue_names(pool)
         self.wake_keys = [wake_key(pool), worker_wake_key(pool, name)]
+        self.cannot_hold: dict[str, dict[str, object]] = {}  # its one model is loaded
 
     def refresh(self, pipe: Pipeline) -> None:
         pass
@@ -75,10 +81,15 @@ class ModelClaims:
     """A catalogue worker's claims, loaded models first (see the module's docstring)."""
 
     def __init__(self, redis: Redis, claimer: Claimer, shelf: ModelShelf, name: str,
-                 changed: threading.Event, second_copy_after: float = 0.0) -> None:
+                 changed: threading.Event, second_copy_after: float = 0.0, lock_ms: int = 3000) -> None:
         self.redis, self.claimer, self.shelf, self.name = redis, claimer, shelf, name
         self.changed = changed
         self.second_copy_after = second_copy_after
+        self.lock_ms = lock_ms  # a loading lock's life: three of this worker's heartbeat intervals
+        self._loading: set[str] = set()  # pools whose loading lock this worker took (their loads)
+        # pool -> why its model could never load here (ModelShelf.cannot_hold), in the worker's status
+        self.cannot_hold = shelf.cannot_hold()
+        self._room_at = time.monotonic() + ROOM_EVERY
         self._full_since: dict[str, float] = {}  # pool -> since when its holders were seen full
         self.pools = list(shelf.pool_model)
         self.queues = [q for p in self.pools for q in queue_names(p)]
@@ -97,6 +108,9 @@ class ModelClaims:
             if n > 0:
                 out += self.claimer.claim(n, [min(x, n) for x in limits], held, pool=model.pool)
         now = time.monotonic()
+        if now >= self._room_at:
+            self._room_at = now + ROOM_EVERY
+            self.cannot_hold = self.shelf.cannot_hold()
         if len(out) < free and ((not out and not self.shelf.owner) or now >= self._cold_at):
             self._cold_at = now + COLD_EVERY
             out += self._claim_cold(free - len(out), limits, held)
@@ -134,15 +148,21 @@ class ModelClaims:
                             self.shelf.need_mb(model), self.shelf.budget_mb)
             if not waiting or not self.shelf.can_load(model):
                 continue
-            if not self.redis.set(model_loading_key(pool), self.name, nx=True, px=MODEL_LOADING_MS):
+            if not self.redis.set(model_loading_key(pool), self.name, nx=True, px=self.lock_ms):
                 continue  # another worker is loading it: its jobs are that worker's
+            self._loading.add(pool)
             n = min(free, self.shelf.free_for(pool))
             got = self.claimer.claim(n, [min(x, n) for x in limits], held, pool=pool)
             if got:
                 self._full_since.pop(pool, None)
                 return got
-            self.redis.delete(model_loading_key(pool))  # someone took the work meanwhile
+            self._release(self.redis, pool)  # someone took the work meanwhile
         return []
+
+    def _release(self, pipe: Pipeline | Redis, pool: str) -> None:
+        """Let go of the pool's loading lock, if it is still this worker's."""
+        self._loading.discard(pool)
+        queue_script(pipe, RELEASE_LOCK, [model_loading_key(pool)], [self.name])
 
     def _left_to_holders(self, pool: str, waiting: bool, holders: set[str], capacity: dict[bytes, bytes],
                          server_ms: int, now: float) -> bool:
@@ -156,8 +176,10 @@ class ModelClaims:
 
     def _announce(self) -> None:
         """When what this worker holds changes: its copies entries (the heartbeat refreshes them
-        in between), a loaded model's loading lock released. Every HOLDERS_EVERY: an operator's
-        unload marks acted on."""
+        in between). Its loading locks released: the loop starts the jobs it claimed (loading
+        their model) before it claims again, so each load they were taken for is over, its model
+        held (the copies entry, written first, says so) or not (failed, or no job needed it).
+        Every HOLDERS_EVERY: an operator's unload marks acted on."""
         now = time.monotonic()
         if self.shelf.held and now >= self._holders_at:
             self._holders_at = now + HOLDERS_EVERY
@@ -166,12 +188,12 @@ class ModelClaims:
                 if mark is not None:  # Ollama's keep_alive 0, the router's /models/unload
                     self.shelf.unload_asked(pool, float(mark))
         state = {m.pool: (m.loaded_at, m.keep_alive) for m in self.shelf.held.values()}
-        if state == self._announced:
+        if state == self._announced and not self._loading:
             return
         with self.redis.pipeline(transaction=False) as pipe:
             self.refresh(pipe)
-            for pool in set(state) - set(self._announced):
-                pipe.delete(model_loading_key(pool))
+            for pool in list(self._loading):
+                self._release(pipe, pool)
             for pool in set(self._announced) - set(state):
                 pipe.hdel(model_copies_key(pool), self.name)
             pipe.execute()
@@ -182,18 +204,27 @@ class ModelClaims:
     def refresh(self, pipe: Pipeline) -> None:
         """Queue this worker's entries for the models it holds now, good for MODEL_HOLD_MS: the
         loop's claims on a change, and every beat the heartbeat, so a worker busy with a full
-        engine (which claims nothing) still says it holds its models."""
+        engine (which claims nothing) still says it holds its models. Its loading locks: one
+        whose model is now held (its entry just written) is released, as a full worker may not
+        claim again for long; the others live on while this worker beats."""
         until, now = int(time.time() * 1000) + MODEL_HOLD_MS, time.monotonic()
         for model in list(self.shelf.held.values()):  # the loop may load or unload meanwhile
             entry = {**self.shelf.described(model, now), "until": until}
             pipe.hset(model_copies_key(model.pool), self.name, json.dumps(entry))
             pipe.expire(model_copies_key(model.pool), MODEL_COPIES_TTL)
+        for pool in list(self._loading):
+            if self.shelf.holds(pool):
+                queue_script(pipe, RELEASE_LOCK, [model_loading_key(pool)], [self.name])
+            else:
+                queue_script(pipe, EXTEND_LOCK, [model_loading_key(pool)], [self.name, self.lock_ms])
 
     def forget(self) -> None:
         """This worker holds nothing any more (it is stopping)."""
         with self.redis.pipeline(transaction=False) as pipe:
             for pool in self._announced:
                 pipe.hdel(model_copies_key(pool), self.name)
+            for pool in list(self._loading):
+                self._release(pipe, pool)
             pipe.execute()
         self._announced = {}
 
@@ -209,7 +240,7 @@ def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backe
         claimer = Claimer(redis, name, [q for p in pools for q in queue_names(p)], weights=weights,
                           slots=slots, pool=pools[0], placement=placement, pools=pools)
         return ModelClaims(redis, claimer, backend, name, changed or threading.Event(),
-                           settings.second_copy_after)
+                           settings.second_copy_after, lock_ms=int(settings.heartbeat_interval * 3000))
     claimer = Claimer(redis, name, queue_names(pool), weights=weights, slots=slots, pool=pool,
                       placement=placement)
     return PoolClaims(claimer, pool, name)

@@ -136,6 +136,7 @@ class Heartbeat(threading.Thread):
             "rss_mb": round(mem.rss / 2**20, 1),
             "cpu_pct": round(self.proc.cpu_percent(), 1),
             "backend_stats": redact(stats),
+            "cannot_hold": fw.claims.cannot_hold,  # catalogue models too big for this worker, by pool
             # the loop's jobs copied in one C-level call; the engine hold is safe to read here
             **self.facts.status_fields(stats, list(fw.inflight.values()), fw.engine_hold.down),
             "updated_at": round(time.time(), 3),
