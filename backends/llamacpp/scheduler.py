@@ -134,7 +134,8 @@ class Scheduler:
     def free_slots(self) -> int:
         return self.slots - len(self.active) - len(self.waiting)
 
-    def enqueue(self, job_id: str, tokens: list[int], sampling: Sampling, resumed: int = 0) -> None:
+    def enqueue(self, job_id: str, tokens: list[int], sampling: Sampling, resumed: int = 0,
+                tenant: str = "") -> WaitingJob:
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")  # the worker checks free_slots() first
         if len(tokens) + 1 > self.n_ctx_per_seq:
@@ -142,7 +143,9 @@ class Scheduler:
                 f"prompt is {len(tokens)} tokens; the context holds {self.n_ctx_per_seq} per job "
                 f"(backend.n_ctx_per_seq)"
             )
-        self.waiting.append(WaitingJob(job_id, tokens, sampling, resumed))
+        waiting = WaitingJob(job_id, tokens, sampling, resumed, tenant)
+        self.waiting.append(waiting)
+        return waiting
 
     def can_start(self) -> bool:
         return bool(self.waiting) and self.kv.has_free_slot()
