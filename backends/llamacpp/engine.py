@@ -162,7 +162,7 @@ class LlamaCppBackend:
         assert self.store is not None
         t0 = time.perf_counter()
         kv = self.kv
-        have = kv.longest_reusable(tokens, self.scheduler.active.values(), len(tokens))
+        have = kv.longest_reusable(tokens, self.scheduler.active.values(), len(tokens), tenant)
 
         def usable(h: Header) -> int:
             return kv.reusable_stored(h.tokens, h.n_prompt, h.oldest, (p for p, _ in h.checkpoints), tokens)

@@ -216,7 +216,7 @@ class KvBookkeeper:
     def free_ids(self) -> int:
         return len(self._free_seq_ids)
 
-    def allocate(self, need: int, tokens: Sequence[int] = ()) -> int | None:
+    def allocate(self, need: int, tokens: Sequence[int] = (), tenant: str = "") -> int | None:
         """A slot's sequence id with `need` KV cells reserved, evicting cached prefixes to make
         room; None when the unified pool cannot hold `need` cells yet (running jobs will free
         some: admission waits, it never evicts a running job). With per-slot streams, the free
@@ -231,7 +231,7 @@ class KvBookkeeper:
         best = MIN_SLOT_CHOICE_PREFIX - 1
         for free in self._free_seq_ids if tokens else ():
             kept = self.slot_kv.get(free)
-            n = self._reusable(kept, tokens)[0] if kept is not None else 0
+            n = self._reusable(kept, tokens)[0] if kept is not None and kept.tenant == tenant else 0
             if n > best:
                 seq_id, best = free, n
         self._free_seq_ids.remove(seq_id)
@@ -321,15 +321,15 @@ class KvBookkeeper:
             self._queue(Copy(source.seq_id, entry_id, n))
             if restore:
                 self._queue(Restore(entry_id, n, source.seq_id))
-            self.prefixes[entry_id] = PrefixEntry(entry_id, job.tokens[:n], source.n_prompt)
+            self.prefixes[entry_id] = PrefixEntry(entry_id, job.tokens[:n], source.n_prompt, job.tenant)
         return Reuse(n, kind, source.seq_id)
 
     def _choose_source(self, job: ActiveJob, kept: PrefixEntry | None, running: Iterable[ActiveJob]
                        ) -> tuple[int, PrefixEntry, ReuseSource, bool] | None:
         """The longest reusable prefix: (its length, where from, what kind, whether it needs a
         checkpoint of the source's windowed layers restored)."""
-        sources = list(self._sources(running))
-        if kept is not None:
+        sources = list(self._sources(running, job.tenant))
+        if kept is not None and kept.tenant == job.tenant:
             sources.insert(0, (kept, "kept"))
         best: tuple[int, PrefixEntry, ReuseSource, bool] | None = None
         for source, kind in sources:
@@ -339,22 +339,27 @@ class KvBookkeeper:
                 best = (n, source, kind, restore)
         return best
 
-    def longest_reusable(self, tokens: Sequence[int], running: Iterable[ActiveJob], enough: int) -> int:
+    def longest_reusable(self, tokens: Sequence[int], running: Iterable[ActiveJob], enough: int,
+                         tenant: str = "") -> int:
         """How many of `tokens` a job could reuse now from a cached prefix, a free slot's kept
         KV, host RAM or a running job; the search stops at the first source with `enough`."""
         best = 0
-        for source, _ in self._sources(running):
+        for source, _ in self._sources(running, tenant):
             best = max(best, self._reusable(source, tokens)[0])
             if best >= enough:
                 break
         return best
 
-    def _sources(self, running: Iterable[ActiveJob]) -> Iterator[tuple[PrefixEntry, ReuseSource]]:
-        yield from ((e, "entry") for e in self.prefixes.values())
-        yield from ((e, "other slot") for e in self.slot_kv.values())
-        yield from ((e, "ram") for e in self.ram.values())
+    def _sources(self, running: Iterable[ActiveJob], tenant: str
+                 ) -> Iterator[tuple[PrefixEntry, ReuseSource]]:
+        """The KV a job of `tenant` may reuse: its tenant's only (shared KV is a timing side
+        channel between users, and affinity keys promise tenants never share it)."""
+        yield from ((e, "entry") for e in self.prefixes.values() if e.tenant == tenant)
+        yield from ((e, "other slot") for e in self.slot_kv.values() if e.tenant == tenant)
+        yield from ((e, "ram") for e in self.ram.values() if e.tenant == tenant)
         for o in running:
-            yield PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running"
+            if o.tenant == tenant:
+                yield PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens), o.tenant), "running"
 
     def _reusable(self, source: PrefixEntry, tokens: Sequence[int]) -> tuple[int, bool]:
         """How many of `tokens` can come from `source`'s KV, and whether that needs one of its
@@ -413,7 +418,7 @@ class KvBookkeeper:
                 or self._estimate(n) > self.ram_budget):
             return None
         for key in [k for k, e in self.ram.items()  # what the new entry holds all of
-                    if k != keep and len(e.tokens) <= n
+                    if k != keep and len(e.tokens) <= n and e.tenant == kept.tenant
                     and common_prefix(e.tokens, kept.tokens) == len(e.tokens)]:
             self._drop_ram(key)
         key, self._next_key = self._next_key, self._next_key - 1

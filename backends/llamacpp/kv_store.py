@@ -47,6 +47,7 @@ MAGIC = b"FLKV"
 _PREFIX = struct.Struct("<4sII")  # magic, format, header bytes
 MAX_HEADER = 8 << 20  # a header holds token ids (~7 bytes each as JSON): far below this
 SUFFIX = ".kv"
+TEMP_PREFIX = ".part-"
 QUEUE_ENTRIES = 4  # entries waiting for the writer (each a sequence's state: MBs)
 
 
@@ -171,7 +172,8 @@ class KvStore:
 
     def _listing(self, bucket: Path) -> list[Path]:
         try:
-            return [Path(e.path) for e in os.scandir(bucket) if e.name.endswith(SUFFIX)]
+            return [Path(e.path) for e in os.scandir(bucket)
+                    if e.name.endswith(SUFFIX) and not e.name.startswith(TEMP_PREFIX)]
         except OSError:  # no bucket yet (nothing written for this tenant), or the store is gone
             return []
 
@@ -272,7 +274,8 @@ class KvStore:
         raw = header.to_json()
         path = self.path_of(entry.tenant, entry.tokens)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=SUFFIX)  # 0600
+        # 0600; not named *.kv: readers and other writers never list a file being written
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(_PREFIX.pack(MAGIC, FORMAT, len(raw)))
@@ -316,7 +319,7 @@ class KvStore:
             for e in _scandir(Path(bucket.path)):
                 with contextlib.suppress(OSError):
                     st = e.stat()
-                    if e.name.startswith(".tmp-"):
+                    if e.name.startswith(TEMP_PREFIX):
                         if now - st.st_mtime > 3600:
                             os.unlink(e.path)
                         continue
