@@ -253,3 +253,11 @@ def test_a_conversation_restored_from_the_store_answers_as_a_fresh_prefill(tmp_p
     assert "kv_restored_tokens" not in intruder.extra and intruder.cached_tokens == 0
     assert after["store_restores"] == 1
     same_answer(warm, cold)  # the intruder's answer is a cold prefill's
+    # other settings that shape a sequence's state (fewer cells per sequence): nothing restored
+    other = store_engine(tmp_path, n_ctx_per_seq=2048)
+    try:
+        changed, _ = done_of(other, "turn-2", second_turn(history))
+        assert other.stats()["store_restores"] == 0
+    finally:
+        other.close()
+    assert "kv_restored_tokens" not in changed.extra and changed.cached_tokens < 30
