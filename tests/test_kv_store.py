@@ -114,6 +114,12 @@ def test_the_least_recently_used_go_past_the_budget(tmp_path: Path) -> None:
     assert store.stats.evicted == 1 and len(left) == 3
     assert store.path_of("a", prompt(300, 20_000)) not in left
     assert store.path_of("a", prompt(300, 10_000)) in left
+    # a file another worker evicted is forgotten at the next lookup: the cache holds what the disk does
+    other = KvStore(tmp_path, IDENTITY, budget_bytes=1 << 30)
+    assert find(other, "a", [*prompt(300, 30_000), 1]) is not None
+    store.path_of("a", prompt(300, 30_000)).unlink()
+    assert find(store, "a", [*prompt(300, 10_000), 1]) is not None
+    assert all(p.exists() for p in store._headers)
 
 
 def _write_many(root: str, seed: int) -> None:

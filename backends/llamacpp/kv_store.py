@@ -155,7 +155,9 @@ class KvStore:
         usable length). A bad file found on the way is removed and the next best tried."""
         t0 = time.perf_counter()
         candidates = []
-        for path in self._listing(self.bucket(tenant)):
+        listing = self._listing(self.bucket(tenant))
+        self._prune(self.bucket(tenant), listing)
+        for path in listing:
             header = self._header(path)
             if header is not None and (n := usable(header)) > better_than:
                 candidates.append((n, path, header))
@@ -256,6 +258,14 @@ class KvStore:
         if path.name not in self._logged:
             self._logged.add(path.name)
             log.warning("KV store: removed %s (%s)", path, why)
+
+    def _prune(self, bucket: Path, listing: list[Path]) -> None:
+        """Forget the headers of the bucket's files that are gone (other workers evict too): the
+        cache holds at most what the directory does."""
+        present = set(listing)
+        with self._lock:
+            for path in [p for p in self._headers if p.parent == bucket and p not in present]:
+                del self._headers[path]
 
     def _forget(self, path: Path) -> None:
         with self._lock:
