@@ -5,9 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from backends.contract.settings import EngineSettings
+
+
+class KvStoreSettings(BaseModel):
+    """A directory of finished conversations' KV that a host's workers share (kv_store.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path | None = Field(None, description="directory of the store (tmpfs or a local disk), shared "
+                              "by the host's workers; None: no store")
+    budget_mb: int = Field(4096, ge=1, description="the store's size: past it, the least recently used "
+                           "entries go")
+    fsync: bool = Field(False, description="fsync each entry before it is renamed into place (survives "
+                        "a power cut, not only a crash; costs a disk flush per entry)")
+    min_tokens: int = Field(256, ge=1, description="a finished job's KV is stored when it holds this "
+                            "many tokens (shorter: prefilling again costs about what a restore does)")
 
 
 class LlamaCppSettings(EngineSettings):
@@ -45,6 +60,9 @@ class LlamaCppSettings(EngineSettings):
         None, ge=0, description="per-slot streams: host RAM (MiB) for finished conversations' KV "
         "state, so a chat whose slot went to other jobs finds its history again (LRU; as "
         "llama-server's --cache-ram); None: an eighth of the host's memory, at most 8192; 0: off")
+    kv_store: KvStoreSettings = Field(
+        default_factory=KvStoreSettings, description="per-slot streams: a finished job's KV written to "
+        "a directory the host's workers share, restored by any of them (docs/conversations.md)")
     draft_max: int = Field(6, ge=0, le=16, description="speculation by prompt lookup: draft tokens a "
                            "decoder may verify per step, while the decoders span 1-8 neighbouring "
                            "slots and this machine's timed steps say it pays (0: off)")

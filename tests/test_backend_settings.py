@@ -15,7 +15,6 @@ import pytest
 from pydantic import BaseModel
 from redis import Redis
 
-from backends.contract.schema import SamplingDefaults
 from backends.fake import FakeSettings
 from backends.http_settings import LlamaServerSettings, OllamaSettings
 from backends.llamacpp_settings import LlamaCppSettings
@@ -287,7 +286,8 @@ def test_documented_backend_defaults_are_the_models(doc: str) -> None:
         for engine in scope or having:
             if raw == "see file":  # the shipped worker-config.json shows the defaults
                 shipped = json.loads((ROOT / "worker-config.json").read_text())["backend"][key]
-                assert SamplingDefaults.model_validate(shipped) == model_default(engine, key)
+                default = model_default(engine, key)
+                assert type(default).model_validate(shipped) == default
                 continue
             want = defaults.get(engine, defaults["*"])
             got = model_default(engine, key)

@@ -368,7 +368,9 @@ class Timings(BaseModel):
     ttft_ms: float | None = None  # claimed -> first token
     total_ms: float | None = None  # claimed -> done
     tokens_per_s: float | None = None  # completion tokens / (first token -> done)
-    # and load_ms: its model's load, only when the job's start loaded it (before ttft_ms)
+    # and load_ms: its model's load, only when the job's start loaded it (before ttft_ms);
+    # kv_restored_tokens, kv_restored_ms: of cached_tokens, those read from the host's KV store
+    # (docs/conversations.md), and the read's time (before ttft_ms), only when there were some
 
 
 class JobResultModel(BaseModel):
@@ -417,7 +419,7 @@ def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_to
                completion_tokens: int, worker: str | None, backend: str | None, attempt: int,
                cached_tokens: int = 0, queue_ms: float | None = None, ttft_ms: float | None = None,
                total_ms: float | None = None, tokens_per_s: float | None = None, load_ms: float | None = None,
-               **extra: Any) -> JobResultModel:
+               restored: tuple[int, float] | None = None, **extra: Any) -> JobResultModel:
     """The one place a job's result is put together (times rounded to 0.1); `extra`: optional
     fields (e.g. `logprobs`)."""
     return JobResultModel(
@@ -431,7 +433,9 @@ def job_result(job_id: str, text: str, finish_reason: FinishReason, *, prompt_to
         attempt=attempt,
         timings=Timings(queue_ms=_round(queue_ms), ttft_ms=_round(ttft_ms), total_ms=_round(total_ms),
                         tokens_per_s=_round(tokens_per_s),
-                        **({} if load_ms is None else {"load_ms": _round(load_ms)})),
+                        **({} if load_ms is None else {"load_ms": _round(load_ms)}),
+                        **({} if restored is None else {"kv_restored_tokens": restored[0],
+                                                        "kv_restored_ms": _round(restored[1])})),
         **extra,
     )
 

@@ -36,22 +36,28 @@ import psutil
 
 from backends.base import Done, Embedding, Event, Failed
 from backends.contract import tools
-from backends.contract.schema import GenerateRequest
+from backends.contract.schema import DEFAULT_TENANT, GenerateRequest, Sampling
 from backends.contract.text_ops import TextRequest
 from backends.llamacpp import text_ops
 from backends.llamacpp.dialect import ModelDialect
 from backends.llamacpp.embedding import EmbeddingContext
 from backends.llamacpp.executor import Executor
-from backends.llamacpp.kv import KvBookkeeper
+from backends.llamacpp.kv import MIN_STASH_TOKENS, KvBookkeeper, PrefixEntry
+from backends.llamacpp.kv_store import Header, KvStore, StoreWriter
 from backends.llamacpp.model import LoadedModel, load_weights
 from backends.llamacpp.sampling import check_format, check_logit_bias, compile_dialect, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
 from backends.llamacpp.thought_budget import thinking_off
 from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
+from backends.model import file_digest
 from backends.model_card import capabilities, gguf_card
 
 log = logging.getLogger(__name__)
+
+# at close (a model unload, a worker's drain) the KV store's writer finishes what is queued for
+# at most this long: a few entries of MBs each, on a local disk
+STORE_FLUSH_SECONDS = 10.0
 
 
 def keeps_whole_window(settings: LlamaCppSettings) -> bool:
@@ -94,6 +100,7 @@ class LlamaCppBackend:
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
                                  per_slot=self.per_slot)
+        self.store, self._writer = self._open_store(streams)
         self.kv, self.scheduler = self._bookkeeping()
         self.dialect = ModelDialect(self.model, settings.tool_format)
         self.executor.thought = self.dialect.thought
@@ -111,11 +118,64 @@ class LlamaCppBackend:
         kv = KvBookkeeper(slots=self.slots, prefix_cache=settings.prefix_cache, n_ctx=self.n_ctx,
                           n_batch=self.n_batch, per_slot=self.per_slot, invariant=settings.batch_invariant,
                           window=self.model.n_swa, checkpoints=settings.checkpoints,
-                          ram_budget=ram_budget(settings))
+                          ram_budget=ram_budget(settings),
+                          persist_min=settings.kv_store.min_tokens if self.store is not None else 0)
         self.executor.stash_sizes = kv.stash_sizes  # the RAM budget weighs what was stored
         return kv, Scheduler(kv, n_batch=self.n_batch, n_ctx_per_seq=self.n_ctx_per_seq,
                              draft_max=settings.draft_max, max_stall_ms=settings.max_stall_ms,
                              max_prefill_slowdown=settings.max_prefill_slowdown)
+
+    def _open_store(self, streams: int) -> tuple[KvStore | None, StoreWriter | None]:
+        """The KV store (kv_store.py) when kv_store.path is set, for per-slot streams (the layout
+        whose finished KV a slot keeps, and the RAM cache stashes)."""
+        cfg = self.settings.kv_store
+        if cfg.path is None or not self.per_slot:
+            return None, None
+        store = KvStore(cfg.path, self.identity(streams), budget_bytes=cfg.budget_mb << 20, fsync=cfg.fsync)
+        writer = StoreWriter(store)
+        self.executor.persist = writer.put
+        return store, writer
+
+    def identity(self, streams: int) -> dict[str, object]:
+        """What a stored state is valid for: this model file, the context settings that shape a
+        sequence's state, this llama.cpp build. An entry restores only where all are equal."""
+        path = Path(self.model.path)
+        cparams = ll.llama_context_default_params()  # what LoadedModel leaves at llama.cpp's default
+        return {"model_bytes": path.stat().st_size, "model_sha256": file_digest(path),
+                "llama_cpp": ll.__version__, "n_ctx_seq": int(ll.llama_n_ctx_seq(self.model.ctx)),
+                "n_seq_max": streams, "kv_unified": self.settings.kv_unified,
+                "swa_full": keeps_whole_window(self.settings), "n_swa": self.model.n_swa,
+                "batch_invariant": self.settings.batch_invariant, "flash_attn": int(cparams.flash_attn_type),
+                "type_k": int(cparams.type_k), "type_v": int(cparams.type_v)}
+
+    def _enqueue(self, job_id: str, tokens: list[int], sampling: Sampling, request: GenerateRequest,
+                 resumed: int = 0) -> None:
+        tenant = request.tenant or DEFAULT_TENANT
+        waiting = self.scheduler.enqueue(job_id, tokens, sampling, resumed, tenant)
+        if self.store is not None:
+            waiting.store_ms = self._from_store(tokens, tenant)
+        self._guarded(self._start_waiting)
+
+    def _from_store(self, tokens: list[int], tenant: str) -> float:
+        """When the store holds more of `tokens` than the engine's KV does (by MIN_STASH_TOKENS),
+        its state becomes a RAM entry the job reuses (kv.reuse_prefix); the ms it took."""
+        assert self.store is not None
+        t0 = time.perf_counter()
+        kv = self.kv
+        have = kv.longest_reusable(tokens, self.scheduler.active.values(), len(tokens), tenant)
+
+        def usable(h: Header) -> int:
+            return kv.reusable_stored(h.tokens, h.n_prompt, h.oldest, (p for p, _ in h.checkpoints), tokens)
+
+        found = self.store.find(tenant, tokens, usable, have + MIN_STASH_TOKENS)
+        if found is None:
+            return 0.0
+        entry = found[0]
+        size = len(entry.state) + sum(len(d) for _, d in entry.checkpoints)
+        key = kv.adopt(PrefixEntry(0, entry.tokens, entry.n_prompt, tenant), entry.oldest,
+                       [p for p, _ in entry.checkpoints], size)
+        self.executor.hold(key, entry)
+        return (time.perf_counter() - t0) * 1000
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -142,8 +202,7 @@ class LlamaCppBackend:
             check_format(self.model, sampling.format)  # a schema that cannot compile fails now
         elif dialect is not None and dialect.gbnf is not None:
             ll.llama_sampler_free(compile_dialect(self.model, dialect))
-        self.scheduler.enqueue(job_id, tokens, sampling)
-        self._guarded(self._start_waiting)
+        self._enqueue(job_id, tokens, sampling, request)
 
     def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:
         """Start a job again where a dead attempt left it: the prompt, then the text that attempt
@@ -164,8 +223,7 @@ class LlamaCppBackend:
             return False
         if sampling.format is not None and not grammar_takes(self.model, sampling.format, more):
             return False
-        self.scheduler.enqueue(job_id, self.model.prompt_tokens(request) + more, sampling, resumed=len(more))
-        self._guarded(self._start_waiting)
+        self._enqueue(job_id, self.model.prompt_tokens(request) + more, sampling, request, resumed=len(more))
         return True
 
     def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
@@ -262,12 +320,32 @@ class LlamaCppBackend:
             "decode_seconds": round(self.executor.decode_seconds, 3),
             "embedded_inputs": self.embedded_inputs,
             "faults": self.faults,
+            **self._store_stats(),
         }
+
+    def _store_stats(self) -> dict[str, object]:
+        if self.store is None:
+            return {}
+        st = self.store.stats
+        return {"store_written": st.written, "store_written_bytes": st.written_bytes,
+                "store_dropped": st.dropped, "store_write_errors": st.write_errors,
+                "store_evicted": st.evicted, "store_removed_bad": st.removed_bad,
+                "store_restores": st.restores, "store_restored_tokens": st.restored_tokens,
+                "store_restore_ms": round(st.restore_ms, 1)}
 
     def close(self) -> None:
         for job in list(self.scheduler.active.values()):
             self.scheduler.release(job)
             self.executor.close_sequence(job.seq_id)
+        if self._writer is not None:
+            # the KV of the jobs that just ended goes to the store (their Persist ops are still
+            # queued), then the writer finishes, bounded: the next worker to load finds them
+            try:
+                self.executor.apply(self.kv.take_ops())
+            except Exception:  # a fault's leftovers: the store misses these, nothing more
+                log.exception("KV store: the last conversations could not be stored")
+            if not self._writer.close(STORE_FLUSH_SECONDS):
+                log.warning("KV store: entries still queued after %.0fs were dropped", STORE_FLUSH_SECONDS)
         self.executor.close()
         if self._embedding is not None:  # before the weights it may share
             self._embedding.close()

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llama_cpp as ll
 
 from backends.base import JobRejected
 from backends.llamacpp.candidates import Candidates, TopCandidates
-from backends.llamacpp.kv import Drop, KvOp, Remove, Restore, Save, Stash, Unstash
+from backends.llamacpp.kv import Drop, KvOp, Persist, Remove, Restore, Save, Stash, Unstash
+from backends.llamacpp.kv_store import Entry
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.sampling import SequenceSampler
 from backends.llamacpp.scheduler import DecodeCall, StepPlan
@@ -57,6 +58,8 @@ class Executor:
         # (the bookkeeper's budget reads them: the engine shares one dict between the two)
         self._ram: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
         self.stash_sizes: dict[int, int] = {}
+        # the KV store's writer (Persist ops hand it copies; None: no store)
+        self.persist: Callable[[Entry], object] | None = None
         self.decode_calls = 0
         self.decode_seconds = 0.0
         self.last_decode_seconds = 0.0
@@ -95,6 +98,8 @@ class Executor:
                 self._stash(op)
             elif isinstance(op, Unstash):
                 self._set_state(op.seq_id, self._ram[op.key], 0)  # only what was stashed
+            elif isinstance(op, Persist):
+                self._persist(op)
             elif isinstance(op, Drop):
                 self._ram.pop(op.key, None)
                 self._forget_after(op.key, -1)
@@ -117,6 +122,31 @@ class Executor:
             self._checkpoints[(op.key, pos)] = moved = self._checkpoints.pop((seq_id, pos))
             size += len(moved)
         self.stash_sizes[op.key] = size
+
+    def _persist(self, op: Persist) -> None:
+        if self.persist is None:
+            return
+        size = ll.llama_state_seq_get_size_ext(self._ctx, op.seq_id, 0)
+        state = bytearray(size)  # the writer thread owns it from here: no second copy
+        if ll.llama_state_seq_get_data_ext(self._ctx, (ctypes.c_uint8 * size).from_buffer(state), size,
+                                           op.seq_id, 0) != size:
+            raise RuntimeError(f"llama.cpp could not save the state of sequence {op.seq_id}")
+        # a checkpoint's array is replaced, never changed: the writer may read it as it is
+        checkpoints = sorted((pos, memoryview(data)) for (seq_id, pos), data in self._checkpoints.items()
+                             if seq_id == op.seq_id)
+        oldest = int(ll.llama_memory_seq_pos_min(self._memory, op.seq_id)) if self.model.n_swa else 0
+        e = op.entry
+        self.persist(Entry(e.tenant, e.tokens, e.n_prompt, max(oldest, 0), state, checkpoints))
+
+    def hold(self, key: int, entry: Entry) -> int:
+        """Keep a state read from the KV store as RAM entry `key` (kv.adopt); its bytes."""
+        self._ram[key] = _array(entry.state)
+        size = len(entry.state)
+        for pos, data in entry.checkpoints:
+            self._checkpoints[(key, pos)] = _array(data)
+            size += len(data)
+        self.stash_sizes[key] = size
+        return size
 
     def _state(self, seq_id: int, flags: int) -> ctypes.Array[ctypes.c_uint8]:
         size = ll.llama_state_seq_get_size_ext(self._ctx, seq_id, flags)
@@ -297,3 +327,10 @@ class Executor:
         for seq_id in range(len(self._samplers)):
             self.close_sequence(seq_id)
         ll.llama_batch_free(self._batch)
+
+
+def _array(data: bytes | bytearray | memoryview) -> ctypes.Array[ctypes.c_uint8]:
+    """llama.cpp's view of a state's bytes (over a bytearray's own memory: no copy)."""
+    if isinstance(data, bytearray):
+        return (ctypes.c_uint8 * len(data)).from_buffer(data)
+    return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)

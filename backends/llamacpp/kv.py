@@ -101,14 +101,24 @@ class Drop:
     key: int
 
 
-KvOp = Remove | Copy | Save | Restore | Stash | Unstash | Drop
-
-
 @dataclass(slots=True)
 class PrefixEntry:
     seq_id: int
     tokens: list[int]  # in its KV
     n_prompt: int  # prompt length of the job that computed that KV (see invariance.py)
+    tenant: str = ""  # whose job computed it (the KV store keeps tenants apart)
+
+
+@dataclass(frozen=True, slots=True)
+class Persist:
+    """Copy `seq_id`'s whole state (with its checkpoints) to the KV store as `entry` (kv_store.py);
+    the sequence is left as it is."""
+
+    seq_id: int
+    entry: PrefixEntry
+
+
+KvOp = Remove | Copy | Save | Restore | Stash | Unstash | Drop | Persist
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +133,7 @@ class Reuse:
 class KvBookkeeper:
     def __init__(self, *, slots: int, prefix_cache: int, n_ctx: int, n_batch: int, per_slot: bool,
                  invariant: bool = False, window: int = 0, checkpoints: int = 1,
-                 ram_budget: int = 0) -> None:
+                 ram_budget: int = 0, persist_min: int = 0) -> None:
         self.slots = slots
         self.n_streams = slots + prefix_cache
         self.n_ctx = n_ctx  # cells of the unified pool (checked by fits() only when not invariant)
@@ -159,6 +169,10 @@ class KvBookkeeper:
         self.stash_sizes: dict[int, int] = {}
         self._next_key = -1
         self.ram_reuses = 0
+        # KV store (kv_store.py): a finished job's KV of at least `persist_min` tokens is copied
+        # there (0: no store); RAM entries read back from it, until a job reuses them
+        self.persist_min = persist_min if per_slot else 0
+        self.from_store: set[int] = set()
         self.reserved = 0
         self.reused_tokens = 0
         self._ops: list[KvOp] = []
@@ -202,7 +216,7 @@ class KvBookkeeper:
     def free_ids(self) -> int:
         return len(self._free_seq_ids)
 
-    def allocate(self, need: int, tokens: Sequence[int] = ()) -> int | None:
+    def allocate(self, need: int, tokens: Sequence[int] = (), tenant: str = "") -> int | None:
         """A slot's sequence id with `need` KV cells reserved, evicting cached prefixes to make
         room; None when the unified pool cannot hold `need` cells yet (running jobs will free
         some: admission waits, it never evicts a running job). With per-slot streams, the free
@@ -217,7 +231,7 @@ class KvBookkeeper:
         best = MIN_SLOT_CHOICE_PREFIX - 1
         for free in self._free_seq_ids if tokens else ():
             kept = self.slot_kv.get(free)
-            n = self._reusable(kept, tokens)[0] if kept is not None else 0
+            n = self._reusable(kept, tokens)[0] if kept is not None and kept.tenant == tenant else 0
             if n > best:
                 seq_id, best = free, n
         self._free_seq_ids.remove(seq_id)
@@ -245,7 +259,10 @@ class KvBookkeeper:
         """Free a finished/cancelled/failed job's slot and reservation. A per-slot stream keeps
         its KV for the slot's next job (see slot_kv) unless keep_kv is false."""
         if self.per_slot and keep_kv:
-            self.slot_kv[job.seq_id] = PrefixEntry(job.seq_id, job.kv_tokens(), len(job.tokens))
+            kept = PrefixEntry(job.seq_id, job.kv_tokens(), len(job.tokens), job.tenant)
+            self.slot_kv[job.seq_id] = kept
+            if self.persist_min and len(kept.tokens) >= self.persist_min and job.n_past > job.reused:
+                self._ops.append(Persist(job.seq_id, kept))  # changes nothing: not `_changing`
         else:
             self._queue(Remove(job.seq_id))
         self._free_seq_ids.append(job.seq_id)
@@ -286,6 +303,9 @@ class KvBookkeeper:
                 self._queue(Remove(job.seq_id, n))
                 self.ram.move_to_end(source.seq_id)
                 self.ram_reuses += 1
+                if source.seq_id in self.from_store:  # its first use: read from the store for this job
+                    self.from_store.discard(source.seq_id)
+                    job.restored = n
             else:
                 self._queue(Copy(source.seq_id, job.seq_id, n))
             if restore:
@@ -301,15 +321,15 @@ class KvBookkeeper:
             self._queue(Copy(source.seq_id, entry_id, n))
             if restore:
                 self._queue(Restore(entry_id, n, source.seq_id))
-            self.prefixes[entry_id] = PrefixEntry(entry_id, job.tokens[:n], source.n_prompt)
+            self.prefixes[entry_id] = PrefixEntry(entry_id, job.tokens[:n], source.n_prompt, job.tenant)
         return Reuse(n, kind, source.seq_id)
 
     def _choose_source(self, job: ActiveJob, kept: PrefixEntry | None, running: Iterable[ActiveJob]
                        ) -> tuple[int, PrefixEntry, ReuseSource, bool] | None:
         """The longest reusable prefix: (its length, where from, what kind, whether it needs a
         checkpoint of the source's windowed layers restored)."""
-        sources = list(self._sources(running))
-        if kept is not None:
+        sources = list(self._sources(running, job.tenant))
+        if kept is not None and kept.tenant == job.tenant:
             sources.insert(0, (kept, "kept"))
         best: tuple[int, PrefixEntry, ReuseSource, bool] | None = None
         for source, kind in sources:
@@ -319,35 +339,49 @@ class KvBookkeeper:
                 best = (n, source, kind, restore)
         return best
 
-    def longest_reusable(self, tokens: Sequence[int], running: Iterable[ActiveJob], enough: int) -> int:
+    def longest_reusable(self, tokens: Sequence[int], running: Iterable[ActiveJob], enough: int,
+                         tenant: str = "") -> int:
         """How many of `tokens` a job could reuse now from a cached prefix, a free slot's kept
         KV, host RAM or a running job; the search stops at the first source with `enough`."""
         best = 0
-        for source, _ in self._sources(running):
+        for source, _ in self._sources(running, tenant):
             best = max(best, self._reusable(source, tokens)[0])
             if best >= enough:
                 break
         return best
 
-    def _sources(self, running: Iterable[ActiveJob]) -> Iterator[tuple[PrefixEntry, ReuseSource]]:
-        yield from ((e, "entry") for e in self.prefixes.values())
-        yield from ((e, "other slot") for e in self.slot_kv.values())
-        yield from ((e, "ram") for e in self.ram.values())
+    def _sources(self, running: Iterable[ActiveJob], tenant: str
+                 ) -> Iterator[tuple[PrefixEntry, ReuseSource]]:
+        """The KV a job of `tenant` may reuse: its tenant's only (shared KV is a timing side
+        channel between users, and affinity keys promise tenants never share it)."""
+        yield from ((e, "entry") for e in self.prefixes.values() if e.tenant == tenant)
+        yield from ((e, "other slot") for e in self.slot_kv.values() if e.tenant == tenant)
+        yield from ((e, "ram") for e in self.ram.values() if e.tenant == tenant)
         for o in running:
-            yield PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens)), "running"
+            if o.tenant == tenant:
+                yield PrefixEntry(o.seq_id, o.tokens[: o.n_past], len(o.tokens), o.tenant), "running"
 
     def _reusable(self, source: PrefixEntry, tokens: Sequence[int]) -> tuple[int, bool]:
         """How many of `tokens` can come from `source`'s KV, and whether that needs one of its
         checkpoints restored (its window has moved past the point where they diverge)."""
-        # the last prompt token must run, for the first logits
-        n = min(common_prefix(source.tokens, tokens), len(tokens) - 1)
-        if self.invariant:
-            n = reusable_prefix(n, source.n_prompt, len(tokens), self.n_batch)
+        n = self._shared(source.tokens, source.n_prompt, tokens)
         if self._window_held(source.seq_id, n):
             return n, False
         if source.seq_id in self._changing:
             return 0, False  # queued operations will change what its checkpoints stand for
-        return max((p for p in self.checkpoints.get(source.seq_id, ()) if p <= n), default=0), True
+        return _checkpoint_at(self.checkpoints.get(source.seq_id, ()), n), True
+
+    def _shared(self, source: Sequence[int], n_prompt: int, tokens: Sequence[int]) -> int:
+        # the last prompt token must run, for the first logits
+        n = min(common_prefix(source, tokens), len(tokens) - 1)
+        return reusable_prefix(n, n_prompt, len(tokens), self.n_batch) if self.invariant else n
+
+    def reusable_stored(self, source: Sequence[int], n_prompt: int, oldest: int, checkpoints: Iterable[int],
+                        tokens: Sequence[int]) -> int:
+        """How many of `tokens` a stored entry gives (the rule of _reusable, for a state whose
+        windowed layers held positions from `oldest` on, with checkpoints at `checkpoints`)."""
+        n = self._shared(source, n_prompt, tokens)
+        return n if not self.window or oldest <= max(0, n - self.window) else _checkpoint_at(checkpoints, n)
 
     def _window_held(self, seq_id: int, n: int) -> bool:
         """Does `seq_id` still hold the window the token at position n attends to? (Windowed
@@ -363,6 +397,18 @@ class KvBookkeeper:
 
     # -- host RAM ---------------------------------------------------------------------------------
 
+    def adopt(self, entry: PrefixEntry, oldest: int, checkpoints: list[int], size: int) -> int:
+        """A state read from the KV store becomes a RAM entry (the executor was given its bytes
+        under the id returned): the next job that reuses it is counted as restored."""
+        key, self._next_key = self._next_key, self._next_key - 1
+        self.ram[key] = PrefixEntry(key, entry.tokens, entry.n_prompt, entry.tenant)
+        self.ram_oldest[key] = oldest if self.window else 0
+        self.checkpoints[key] = sorted(checkpoints)
+        self.stash_sizes[key] = size
+        self.from_store.add(key)
+        self._fit_ram(0, key)
+        return key
+
     def _stash(self, kept: PrefixEntry, keep: int | None = None) -> int | None:
         """Keep a free slot's KV in host RAM before it is emptied, within the byte budget: the
         entry's id, or None (too short, too big, or no budget). Entry `keep` stays whatever
@@ -372,12 +418,12 @@ class KvBookkeeper:
                 or self._estimate(n) > self.ram_budget):
             return None
         for key in [k for k, e in self.ram.items()  # what the new entry holds all of
-                    if k != keep and len(e.tokens) <= n
+                    if k != keep and len(e.tokens) <= n and e.tenant == kept.tenant
                     and common_prefix(e.tokens, kept.tokens) == len(e.tokens)]:
             self._drop_ram(key)
         key, self._next_key = self._next_key, self._next_key - 1
         self._queue(Stash(kept.seq_id, key))
-        self.ram[key] = PrefixEntry(key, kept.tokens, kept.n_prompt)
+        self.ram[key] = PrefixEntry(key, kept.tokens, kept.n_prompt, kept.tenant)
         held = self.oldest_held[kept.seq_id] if kept.seq_id < len(self.oldest_held) else 0
         self.ram_oldest[key] = held if self.window else 0
         self.checkpoints[key] = self.checkpoints.pop(kept.seq_id, [])  # the executor moves them too
@@ -401,6 +447,7 @@ class KvBookkeeper:
 
     def _drop_ram(self, key: int) -> None:
         del self.ram[key]
+        self.from_store.discard(key)
         self.ram_oldest.pop(key, None)
         self.checkpoints.pop(key, None)
         self.stash_sizes.pop(key, None)  # the executor frees the bytes when it applies the Drop
@@ -410,6 +457,11 @@ class KvBookkeeper:
         """Bytes of the RAM entries. Stats may be read while a step runs on another thread
         (backend.overlap): the sizes are copied (in C) first."""
         return sum(size for key, size in list(self.stash_sizes.items()) if key in self.ram)
+
+
+def _checkpoint_at(positions: Iterable[int], n: int) -> int:
+    """The latest checkpoint at or before position n (0: none)."""
+    return max((p for p in positions if p <= n), default=0)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

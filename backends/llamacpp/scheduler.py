@@ -134,7 +134,8 @@ class Scheduler:
     def free_slots(self) -> int:
         return self.slots - len(self.active) - len(self.waiting)
 
-    def enqueue(self, job_id: str, tokens: list[int], sampling: Sampling, resumed: int = 0) -> None:
+    def enqueue(self, job_id: str, tokens: list[int], sampling: Sampling, resumed: int = 0,
+                tenant: str = "") -> WaitingJob:
         if self.free_slots() <= 0:
             raise RuntimeError("no free slot")  # the worker checks free_slots() first
         if len(tokens) + 1 > self.n_ctx_per_seq:
@@ -142,7 +143,9 @@ class Scheduler:
                 f"prompt is {len(tokens)} tokens; the context holds {self.n_ctx_per_seq} per job "
                 f"(backend.n_ctx_per_seq)"
             )
-        self.waiting.append(WaitingJob(job_id, tokens, sampling, resumed))
+        waiting = WaitingJob(job_id, tokens, sampling, resumed, tenant)
+        self.waiting.append(waiting)
+        return waiting
 
     def can_start(self) -> bool:
         return bool(self.waiting) and self.kv.has_free_slot()
@@ -166,12 +169,12 @@ class Scheduler:
         while len(self.waiting) > held and self.kv.free_ids() > held:
             waiting = self.waiting[held]
             need = min(len(waiting.tokens) + waiting.sampling.max_tokens, self.n_ctx_per_seq)
-            if self._prefix_coming(waiting.tokens):
+            if self._prefix_coming(waiting.tokens, waiting.tenant):
                 held, held_cells = held + 1, held_cells + need
                 continue
             if held_cells and not self.kv.fits(need + held_cells):
                 break  # the pool's cells go to the held jobs first
-            seq_id = self.kv.allocate(need, waiting.tokens)
+            seq_id = self.kv.allocate(need, waiting.tokens, waiting.tenant)
             if seq_id is None:
                 self.deferred_admissions += 1
                 break  # running jobs will free KV cells; the job keeps its place in line
@@ -184,13 +187,13 @@ class Scheduler:
             started.append(job)
         return started
 
-    def _prefix_coming(self, tokens: Sequence[int]) -> bool:
+    def _prefix_coming(self, tokens: Sequence[int], tenant: str = "") -> bool:
         """Is a job still prefilling a long prefix of `tokens` that no KV holds yet? Then the
         waiting job starts once it is there and reuses it: the same tokens prefilled beside it
         would cost as much of the CPU as the wait does (a burst with a new system prompt)."""
         coming = 0
         for job in self.active.values():
-            if job.next_token is None:
+            if job.next_token is None and job.tenant == tenant:
                 n = min(common_prefix(job.tokens, tokens), len(tokens) - 1)
                 if self.kv.invariant:  # what the reuse rule will allow of it
                     n = reusable_prefix(n, len(job.tokens), len(tokens), self.n_batch)
@@ -199,7 +202,7 @@ class Scheduler:
         if coming < MIN_HELD_PREFIX:
             return False
         enough = coming - MIN_HELD_PREFIX + 1  # a source with this much: no wait
-        return self.kv.longest_reusable(tokens, self.active.values(), enough) < enough
+        return self.kv.longest_reusable(tokens, self.active.values(), enough, tenant) < enough
 
     def cancel_waiting(self, job_id: str) -> bool:
         for i, waiting in enumerate(self.waiting):

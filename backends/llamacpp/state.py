@@ -17,6 +17,8 @@ class WaitingJob:
     tokens: list[int]  # the prompt (for a resumed job, then the tokens of the text it delivered)
     sampling: Sampling
     resumed: int = 0  # of `tokens`, the last ones a dead attempt generated: counted as output
+    tenant: str = ""  # whose job (the KV store keeps tenants apart)
+    store_ms: float = 0.0  # reading a state from the KV store for it took this long (admission)
 
 
 @dataclass(slots=True)
@@ -38,12 +40,15 @@ class ActiveJob:
     ngrams: NgramIndex | None = None  # prompt + output, for drafts (speculation on)
     resumed: int = 0  # the last `resumed` of `tokens` are a dead attempt's output, prefilled again
     reused: int = 0  # of `tokens`, the first ones whose KV was found, not prefilled (kv.reuse_prefix)
+    tenant: str = ""
+    restored: int = 0  # of `reused`, those read from the KV store (kv_store.py)
+    store_ms: float = 0.0
 
     @classmethod
     def start(cls, job: WaitingJob, seq_id: int, reserved: int) -> ActiveJob:
         text = TextAssembler(job.sampling.stop, job.sampling.end_at_repeated_call, job.sampling.dialect)
         return cls(job.job_id, seq_id, job.tokens, job.sampling, reserved, text, generated=job.resumed,
-                   resumed=job.resumed)
+                   resumed=job.resumed, tenant=job.tenant, store_ms=job.store_ms)
 
     @property
     def prompt_tokens(self) -> int:
@@ -53,8 +58,11 @@ class ActiveJob:
     def ended(self, reason: FinishReason) -> Done:
         """The job's Done: its usage, the prompt tokens it did not prefill counted as cached
         (a resumed job's delivered text is output, not prompt, whether reused or not)."""
+        extra: dict[str, object] = {}
+        if self.restored:  # read from the KV store (kv_store.py): in the result's timings
+            extra = {"kv_restored_tokens": self.restored, "kv_restored_ms": round(self.store_ms, 1)}
         return Done(self.job_id, reason, self.prompt_tokens, self.generated,
-                    cached_tokens=min(self.reused, self.prompt_tokens))
+                    cached_tokens=min(self.reused, self.prompt_tokens), extra=extra)
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV this job's sequence holds, in position order."""

@@ -96,8 +96,15 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
         backend=str(done.extra.get("backend", backend)), attempt=job.attempt, queue_ms=queue_ms,
         ttft_ms=ttft_ms, total_ms=(now - job.claimed_at) * 1000,
         tokens_per_s=done.completion_tokens / gen_s if gen_s > 0 else None,
-        load_ms=load_ms if isinstance(load_ms := done.extra.get("load_ms"), float) else None, **extra,
+        load_ms=load_ms if isinstance(load_ms := done.extra.get("load_ms"), float) else None,
+        restored=_restored(done), **extra,
     ).model_dump()
+
+
+def _restored(done: Done) -> tuple[int, float] | None:
+    """Prompt tokens the engine read from the host's KV store, and the read's ms (none: None)."""
+    tokens, ms = done.extra.get("kv_restored_tokens"), done.extra.get("kv_restored_ms")
+    return (tokens, float(ms)) if isinstance(tokens, int) and isinstance(ms, int | float) else None
 
 
 def finished(job: ClaimedJob, done: Done, now: float, worker: str, backend: str) -> Ending:
