@@ -44,6 +44,7 @@ from backends.contract.keys import (
     wake_key,
     worker_wake_key,
 )
+from backends.contract.lua import RELEASE_LOCK, queue_script
 from backends.shelf import ModelShelf
 from worker.claiming.claim import Claimer
 from worker.settings import FleetSettings
@@ -190,10 +191,15 @@ class ModelClaims:
             pipe.expire(model_copies_key(model.pool), MODEL_COPIES_TTL)
 
     def forget(self) -> None:
-        """This worker holds nothing any more (it is stopping)."""
+        """This worker holds nothing any more (it is stopping, or leaving hung): its copies entries,
+        and a loading lock it still holds (a model it loaded and never claimed for again: the
+        loop got stuck in that model's first job), so the model's jobs are not left waiting
+        MODEL_LOADING_MS for it."""
         with self.redis.pipeline(transaction=False) as pipe:
             for pool in self._announced:
                 pipe.hdel(model_copies_key(pool), self.name)
+            for pool in self.pools:
+                queue_script(pipe, RELEASE_LOCK, [model_loading_key(pool)], [self.name])
             pipe.execute()
         self._announced = {}
 
