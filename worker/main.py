@@ -29,6 +29,7 @@ from worker.assembly import job_hooks
 from worker.liveness.heartbeat import Heartbeat, clear_status, static_status
 from worker.liveness.link import RedisLink
 from worker.liveness.reaper import Reaper, recover_own
+from worker.liveness.watchdog import Watchdog
 from worker.machine.pinning import pin
 from worker.serving.burst import BurstSummary
 from worker.serving.loop import FleetWorker
@@ -84,6 +85,8 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     hb = Heartbeat(fw, rq_worker, reaper, static, card)
     hb.beat()  # visible before the first job
     hb.start()
+    watchdog = Watchdog(hb)  # a loop stuck in one engine call past stall_limit: the process goes
+    watchdog.start()
     if card is not None and not card.get("digest"):
         learn_digest(hb, card, settings.backend)
     fw.claimer.require_live = True  # from now on a claim needs the status key the heartbeat keeps
@@ -94,6 +97,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
         else:
             fw.run()
     finally:
+        watchdog.halt()
         hb.halt()
         hb.join(timeout=5)
         fw.requeue_all("worker exiting")

@@ -56,6 +56,12 @@ class FleetSettings(ProducerSettings):
                                    "engine: a few tokens a write at one user); a job's first text and "
                                    "every ending go out at once; 0: after every step")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
+    stall_limit: float = Field(20.0, gt=0, description="seconds one engine call of the loop (a job's "
+                               "admission: its chat template, its tokens, its grammar; a step) may take "
+                               "before the worker is taken for hung: the job(s) of that call are marked "
+                               "(two such hangs fail a job), its jobs handed back, and the process exits "
+                               "(code 70) for its supervisor to restart (worker/liveness/watchdog.py). "
+                               "Above a render's own limit (5 s) and the slowest step on this host")
     reconcile_interval: float = Field(5.0, gt=0, le=60, description="seconds between checks that Redis "
                                       "and the loop agree on the jobs this worker holds")
     observe: bool = Field(True, description="job history, counters and histograms in Redis (the "

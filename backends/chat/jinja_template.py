@@ -4,7 +4,8 @@ The reference is the llama.cpp vendored in llama-cpp-python 0.3.36: its own Jinj
 (common/jinja: lexer options, builtins, operators) and what common/chat.cpp does around it (messages
 and tools rebuilt in llama.cpp's shape, capabilities probed by rendering trial chats, the
 workarounds a missing capability turns on, the variables a render gets). Jinja2's
-ImmutableSandboxedEnvironment runs the template; where llama.cpp's engine answers otherwise (none
+ImmutableSandboxedEnvironment runs the template within a budget no template can escape (size,
+steps, time: backends/chat/render_budget.py); where llama.cpp's engine answers otherwise (none
 prints as "", `default` also replaces none, `tojson` keeps UTF-8 and has its own separators, a
 string `+`/`~` none is the string), the difference is patched in here. A last assistant message
 is rendered as a finished turn, as llama-server does with --no-prefill-assistant (by default it
@@ -19,18 +20,29 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import ChainableUndefined, TemplateSyntaxError, Undefined
-from jinja2.compiler import CodeGenerator, Frame
+from jinja2.compiler import Frame
 from jinja2.nodes import Concat, Impossible
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.sandbox import SecurityError
 
-MAX_OUTPUT_CHARS = 4 * 1024 * 1024  # past this a template is hostile, not a chat
-MAX_LOOP_STEPS = 1_000_000  # range() steps in one render: nested loops multiply
-MAX_RANGE = 100_000  # one range(), as Jinja2's sandbox caps it
+from backends.chat.render_budget import (
+    MAX_LOOP_STEPS,
+    MAX_OUTPUT_CHARS,
+    MAX_RANGE,
+    BoundedCodegen,
+    BoundedEnvironment,
+    Limit,
+    charge,
+    current,
+    fits,
+    rendering,
+    stringified,
+)
+
+__all__ = ["MAX_LOOP_STEPS", "MAX_OUTPUT_CHARS", "MAX_RANGE", "ChatTemplate", "TemplateCaps", "TemplateError"]
 
 
 class TemplateError(ValueError):
@@ -52,28 +64,6 @@ class TemplateCaps:
     supports_typed_content: bool = False
 
 
-class _Limit(SecurityError):
-    """A render went past a size or step limit: the template is hostile, whatever the chat."""
-
-
-@dataclass
-class _Render:
-    guard: Callable[[str], str] | None
-    chars: int = 0  # every piece printed, what macros and {% set %} blocks buffer included
-    steps: int = 0  # range() steps
-
-
-_STATE: ContextVar[_Render | None] = ContextVar("jinja_template_render", default=None)
-
-
-def _charge(chars: int = 0, steps: int = 0) -> None:
-    if (state := _STATE.get()) is not None:
-        state.chars, state.steps = state.chars + chars, state.steps + steps
-        if state.chars > MAX_OUTPUT_CHARS or state.steps > MAX_LOOP_STEPS:
-            raise _Limit(f"template printed past {MAX_OUTPUT_CHARS} characters or looped past "
-                         f"{MAX_LOOP_STEPS} steps")
-
-
 def _text(v: Any) -> str:
     """A value as text, as llama.cpp's as_string (a float through std::to_string, zeros cut)."""
     if v is None or isinstance(v, Undefined):
@@ -81,27 +71,37 @@ def _text(v: Any) -> str:
     if isinstance(v, float):
         text = f"{v:.6f}".rstrip("0")
         return text + "0" if text.endswith(".") else text
-    return str(v)
+    return stringified(v)
 
 
 def _finalize(v: Any) -> str:
     """What `{{ v }}` prints: none, objects and undefined print nothing, a list its items."""
-    text = "" if isinstance(v, Mapping) else _text(v) if not isinstance(v, list | tuple) \
-        else "".join(_finalize(x) for x in v)
-    _charge(len(text))
+    if isinstance(v, Mapping):
+        return ""
+    if isinstance(v, list | tuple):
+        charge(steps=1)  # each item charges its own text
+        return "".join(_finalize(x) for x in v)
+    text = _text(v)
+    charge(len(text))
     return text
 
 
 def _json(v: Any, indent: int | None, seps: tuple[str, str], ascii_: bool, level: int = 0) -> str:
     """llama.cpp's value_to_json: insertion order, floats as C++ streams them (%g), each string
-    through the render's guard before it is escaped."""
+    through the render's guard before it is escaped. Charged as it is written (a list holding
+    another twice, twenty times over, is refused long before its text could be built)."""
+    charge(steps=1)
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
-        return f"{v:g}" if isinstance(v, float) else str(v)
+        number = f"{v:g}" if isinstance(v, float) else str(v)
+        charge(len(number))
+        return number
     if isinstance(v, str):
-        state = _STATE.get()
-        return json.dumps(state.guard(v) if state and state.guard else v, ensure_ascii=ascii_)
+        state = current()
+        text = json.dumps(state.guard(v) if state and state.guard else v, ensure_ascii=ascii_)
+        charge(len(text))
+        return text
     if isinstance(v, Mapping):
         body = [_json(_text(k), None, seps, ascii_) + seps[1] + _json(v[k], indent, seps, ascii_, level + 1)
                 for k in v]
@@ -112,8 +112,11 @@ def _json(v: Any, indent: int | None, seps: tuple[str, str], ascii_: bool, level
     else:
         return "null"  # none, undefined, anything else
     if not body or indent is None:
+        charge(len(seps[0]) * len(body) + len(seps[1]) * len(body))
         return open_ + seps[0].join(body) + close
+    fits(indent * (level + 1), "tojson's indentation")
     pad = "\n" + " " * indent * (level + 1)
+    charge((len(pad) + len(seps[0]) + len(seps[1])) * len(body))
     return open_ + pad + (seps[0] + pad).join(body) + "\n" + " " * indent * level + close
 
 
@@ -126,9 +129,7 @@ def _tojson(value: Any, ensure_ascii: Any = False, indent: Any = None, separator
     width = indent if isinstance(indent, int) and not isinstance(indent, bool) else None
     seps = [_text(s) for s in separators] if isinstance(separators, list | tuple) else []
     seps += ["," if width is not None else ", ", ": "][len(seps):]
-    text = _json(value, width, (seps[0], seps[1]), bool(ensure_ascii))
-    _charge(len(text))
-    return text
+    return _json(value, width, (seps[0], seps[1]), bool(ensure_ascii))
 
 
 def _default(value: Any, default_value: Any = "", boolean: bool = False) -> Any:
@@ -139,26 +140,11 @@ def _default(value: Any, default_value: Any = "", boolean: bool = False) -> Any:
     return default_value if missing else value
 
 
-class _Steps(list[int]):
-    """range()'s list: each step of a loop over it counts against the render's budget."""
-
-    def __iter__(self) -> Iterator[int]:
-        for i in super().__iter__():
-            _charge(steps=1)
-            yield i
-
-
-def _range(*args: int) -> list[int]:
-    if len(values := range(*args)) > MAX_RANGE:
-        raise _Limit(f"range() longer than {MAX_RANGE}")
-    return _Steps(values)
-
-
 def _raise(message: Any) -> None:
     raise TemplateError(_text(message))  # the template's own words are the error
 
 
-class _Codegen(CodeGenerator):
+class _Codegen(BoundedCodegen):
     """`a ~ b` through the environment (Jinja2 joins str() of each: "None" for none), and no
     output folded at compile time: every piece, literal text too, goes through _finalize."""
 
@@ -173,28 +159,20 @@ class _Codegen(CodeGenerator):
         self.write("))")
 
 
-class _Env(ImmutableSandboxedEnvironment):
+class _Env(BoundedEnvironment):
     code_generator_class = _Codegen
-    intercepted_binops = frozenset({"+", "*"})
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "+" and (isinstance(left, str) or isinstance(right, str)) \
                 and not isinstance(left, Mapping) and not isinstance(right, Mapping):
             return self.concat_values((left, right))  # llama.cpp: "a" + 1 == "a1", "a" + none == "a"
-        seq, times = (left, right) if isinstance(left, str | list) else (right, left)
-        if operator == "*" and isinstance(seq, str | list) and isinstance(times, int) \
-                and len(seq) * times > MAX_OUTPUT_CHARS:
-            raise _Limit(f"repetition longer than {MAX_OUTPUT_CHARS}")
-        result = super().call_binop(context, operator, left, right)
-        if isinstance(result, list) and len(result) > MAX_OUTPUT_CHARS:  # [x] + [x], doubled in a loop
-            raise _Limit(f"list longer than {MAX_OUTPUT_CHARS}")
-        return result
+        return super().call_binop(context, operator, left, right)
 
     def concat_values(self, values: tuple[Any, ...]) -> str:
-        text = "".join(_text(v) for v in values)
-        if len(text) > MAX_OUTPUT_CHARS:
-            raise _Limit(f"string longer than {MAX_OUTPUT_CHARS}")
-        return text
+        charge(steps=1)
+        texts = [_text(v) for v in values]
+        fits(sum(map(len, texts)), "a string")
+        return "".join(texts)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Undefined:
         # Jinja2 answers with an undefined that prints as "": an escape attempt fails instead
@@ -357,7 +335,7 @@ class ChatTemplate:
                    undefined=ChainableUndefined, finalize=_finalize, autoescape=False, optimized=False)
         env.filters.update(tojson=_tojson, default=_default, d=_default)
         env.tests["string"] = _is_string
-        env.globals.update(raise_exception=_raise, range=_range,
+        env.globals.update(raise_exception=_raise,
                            strftime_now=lambda fmt: time.strftime(fmt, time.localtime()))
         try:
             self._template = env.from_string(patched)
@@ -432,21 +410,19 @@ class ChatTemplate:
         return msgs
 
     def _run(self, ctx: dict[str, Any], guard: Callable[[str], str] | None) -> str:
-        token = _STATE.set(_Render(guard))
         try:
-            chunks, total = [], 0
-            for chunk in self._template.generate(ctx):
-                total += len(chunk)
-                if total > MAX_OUTPUT_CHARS:
-                    raise _Limit(f"template output past {MAX_OUTPUT_CHARS} characters")
-                chunks.append(chunk)
-            return "".join(chunks)
+            with rendering(guard):
+                chunks, total = [], 0
+                for chunk in self._template.generate(ctx):
+                    total += len(chunk)
+                    if total > MAX_OUTPUT_CHARS:
+                        raise Limit(f"template output past {MAX_OUTPUT_CHARS} characters")
+                    chunks.append(chunk)
+                return "".join(chunks)
         except TemplateError:
             raise
         except Exception as e:  # any Jinja2, sandbox or Python error inside the template
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
-        finally:
-            _STATE.reset(token)
 
     def _try(self, messages: list[Any], tools: list[Any] | None = None, **extra: Any) -> str | None:
         """A trial render as llama.cpp's caps_get makes it; None when it fails (a limit fails the
@@ -456,7 +432,7 @@ class ChatTemplate:
         try:
             return self._run(ctx, None)
         except TemplateError as e:
-            if isinstance(e.__cause__, _Limit):
+            if isinstance(e.__cause__, Limit):
                 raise
             return None
 

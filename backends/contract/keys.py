@@ -221,6 +221,10 @@ EXECUTION_FIELD = "fleet_execution"  # the RQ execution (rq:wip member) of the r
 # the worker whose engine is setting the job up in a step that could kill it (a grammar compile,
 # the first constrained token); a worker that dies while named here fails the job, never re-runs it
 SUSPECT_FIELD = "fleet_suspect"
+# workers whose loop hung in this job's engine call (its admission, a step it was in) and were
+# restarted, comma-separated; at POISON_HANGS the job fails instead of going to another worker
+HUNG_FIELD = "fleet_hung"
+POISON_HANGS = 2
 ENQUEUED_MS_META = "fleet_enqueued_ms"  # job meta: Redis server time of the enqueue (ms)
 
 OWNERS_SET = "fleet:owners"  # names of workers that claimed jobs: what the reaper looks at

@@ -35,10 +35,10 @@ def resume_text(redis: Redis, job: ClaimedJob) -> str:
     return stream.delivered_text((fields for _id, fields in entries), job.attempt)
 
 
-def resume(redis: Redis, backend: Resumable, job: ClaimedJob, request: GenerateRequest) -> bool:
-    """Admit a new attempt to continue its last attempt's text; the text is replayed as this
-    attempt's first delta, so a reader's stream goes on where it was. False: admit it anew."""
-    text = resume_text(redis, job)
+def resume(backend: Resumable, job: ClaimedJob, request: GenerateRequest, text: str) -> bool:
+    """Admit a new attempt to continue its last attempt's text (`resume_text`); the text is
+    replayed as this attempt's first delta, so a reader's stream goes on where it was. False:
+    admit it anew."""
     if not text or not backend.resume(job.id, request, text):
         return False
     job.text.append(text)

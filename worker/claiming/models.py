@@ -219,11 +219,14 @@ class ModelClaims:
                 queue_script(pipe, EXTEND_LOCK, [model_loading_key(pool)], [self.name, self.lock_ms])
 
     def forget(self) -> None:
-        """This worker holds nothing any more (it is stopping)."""
+        """This worker holds nothing any more (it is stopping, or leaving hung): its copies entries,
+        and a loading lock it still holds (a model it loaded and never claimed for again: the
+        loop got stuck in that model's first job), so the model's jobs are not left waiting
+        MODEL_LOADING_MS for it."""
         with self.redis.pipeline(transaction=False) as pipe:
             for pool in self._announced:
                 pipe.hdel(model_copies_key(pool), self.name)
-            for pool in list(self._loading):
+            for pool in self.pools:  # any lock still this worker's, not only one it knows it took
                 self._release(pipe, pool)
             pipe.execute()
         self._announced = {}

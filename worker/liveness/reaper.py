@@ -8,7 +8,8 @@ used `max_attempts`, fails with a reason naming the workers that died running it
 at-least-once; stream entries carry the attempt, so readers drop a dead attempt's partial text.
 A job the dead worker was setting up in a step that could have killed it (SUSPECT_FIELD names
 that worker: its grammar, before its first text) fails at once instead: handing it to the next
-worker would likely kill that one too.
+worker would likely kill that one too. So does a job that has hung POISON_HANGS workers (HUNG_FIELD,
+written by the watchdog of each: worker/liveness/watchdog.py): it is poison, not bad luck.
 
 Right after this worker's own Redis connection comes back, it waits one heartbeat TTL before
 reaping: the others were cut off too, and their keys may have expired in the meantime.
@@ -28,7 +29,9 @@ from backends.contract.keys import (
     DIED_ON_FIELD,
     DRAINS_FIELD,
     EXECUTION_FIELD,
+    HUNG_FIELD,
     OWNERS_SET,
+    POISON_HANGS,
     REAPER_LOCK,
     SUSPECT_FIELD,
     WORKERS_SET,
@@ -90,32 +93,36 @@ class Reaper:
         finally:
             self._unlock(keys=[REAPER_LOCK], args=[self.me])
 
-    def reap_worker(self, name: str, *, gone: bool = True) -> int:
-        """Hand back (or fail) every job `name` held; `gone`: it also leaves RQ's worker registry."""
+    def reap_worker(self, name: str, *, gone: bool = True, why: str | None = None) -> int:
+        """Hand back (or fail) every job `name` held; `gone`: it also leaves RQ's worker registry;
+        `why`: what happened to it (by default: it died)."""
         inflight = inflight_key(name)
+        died = why or _died(name, gone)
         n = 0
         for raw in self.redis.lrange(inflight, 0, -1):
             job_id = as_str(raw) or ""
-            fields = ["origin", ATTEMPT_FIELD, DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD, SUSPECT_FIELD]
-            origin, attempts, died_on, drains, execution, suspect = (
+            fields = ["origin", ATTEMPT_FIELD, DIED_ON_FIELD, DRAINS_FIELD, EXECUTION_FIELD, SUSPECT_FIELD,
+                      HUNG_FIELD]
+            origin, attempts, died_on, drains, execution, suspect, hung = (
                 as_str(v) for v in self._job_fields(job_id, fields))
             used = as_int(attempts) + 1 - as_int(drains)  # drain hand-backs are not failures
+            hung_on = [w for w in (hung or "").split(",") if w]
             if origin is None:  # job hash gone (expired/deleted, or an id that is not text)
                 self.redis.lrem(inflight, 1, raw)  # type: ignore[arg-type]  # raw bytes as stored
                 log.warning("worker %s is dead: dropped %r (no job hash)", name, raw)
-            elif used >= self.max_attempts or suspect == name:
+            elif used >= self.max_attempts or suspect == name or len(hung_on) >= POISON_HANGS:
                 self._end_execution(job_id, origin, execution)
-                if suspect == name:
+                if len(hung_on) >= POISON_HANGS:
+                    self._fail_poison(job_id, origin, name, hung_on, used + as_int(drains))
+                elif suspect == name:
                     self._fail_suspect(job_id, origin, name, used, gone, as_int(drains))
                 else:
                     self._fail(job_id, origin, name, used, died_on, as_int(drains))
-                restart = Restart(job_id, origin, used, _died(name, gone), self.me, reaped=True,
-                                  requeued=False)
+                restart = Restart(job_id, origin, used, died, self.me, reaped=True, requeued=False)
                 endings.record_restart(self.redis, self.hooks, restart)
             else:  # the requeue script removes the attempt's RQ execution itself
                 attempt = endings.requeue_and_record(self.redis, self._requeue, inflight, job_id, origin,
-                                                     _died(name, gone), self.me, self.hooks, died_on=name,
-                                                     reaped=True)
+                                                     died, self.me, self.hooks, died_on=name, reaped=True)
                 if attempt >= 0:
                     log.warning("worker %s is dead: requeued %s at the front (attempt %d)", name, job_id,
                                 attempt + 1)
@@ -173,6 +180,12 @@ class Reaper:
                   f"grammar or sampling its first token); not retried on another worker, which the same "
                   f"request could crash too")
         self._write_failure(job_id, queue, worker, used + drains, reason)
+
+    def _fail_poison(self, job_id: str, queue: str, worker: str, hung_on: list[str], attempt: int) -> None:
+        reason = (f"failed: this job hung {len(hung_on)} workers ({', '.join(hung_on)}): each was stuck in "
+                  f"its engine call (its chat template, its prompt or a step) past stall_limit and was "
+                  f"restarted; not handed to another worker")
+        self._write_failure(job_id, queue, worker, attempt, reason)
 
     def _write_failure(self, job_id: str, queue: str, worker: str, attempt: int, reason: str) -> None:
         job = unloaded(self.redis, job_id, queue, attempt, Ending(error=reason))

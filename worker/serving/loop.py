@@ -53,6 +53,7 @@ from worker.claiming.models import make_claims
 from worker.claiming.priority import ClaimPolicy
 from worker.hooks import JobHook
 from worker.liveness.link import RedisLink
+from worker.liveness.stall import ADMITTING, STEPPING, LoopWatch
 from worker.serving import endings, limits, rqjobs
 from worker.serving.burst import BurstSummary
 from worker.serving.counters import EngineHold, WorkerCounters
@@ -104,6 +105,7 @@ class FleetWorker:
         self.engine_hold = EngineHold()  # after an engine failure: pause claiming (read by the heartbeat)
         self._waiting_idle = False  # in the blocking wait on the wake list (the signal handler looks)
         self.pacer = WritePacer(settings.stream_interval)  # when a step's writes go out
+        self.watch = LoopWatch()  # the engine call the loop is in, for the watchdog (liveness/watchdog.py)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -126,6 +128,10 @@ class FleetWorker:
     def stop(self) -> None:
         self._drain_deadline = time.monotonic() + self.settings.drain_grace
         self.stopping.set()
+
+    def drain_overdue(self, now: float) -> bool:
+        """Stopped, and the drain's grace is over (a second signal ends it at once)."""
+        return self.stopping.is_set() and self._drain_deadline is not None and now > self._drain_deadline
 
     def run(self) -> None:
         """Serve until stop(); then finish in-flight jobs within the grace period, requeue the rest."""
@@ -302,15 +308,18 @@ class FleetWorker:
         self.inflight[job_id] = job
         request = job.request
         assert request is not None
+        resumable = isinstance(backend, Resumable) and not isinstance(request, TextRequest | EmbedRequest)
+        delivered = handover.resume_text(self.redis, job) if resumable else ""  # Redis: outside the watch
         try:
-            if isinstance(request, TextRequest):  # answered now: a tokenizer call, no slot held
-                self._apply([answer_text(backend, job_id, request)], time.monotonic())
-            elif isinstance(request, EmbedRequest):
-                self.embeds.add(job_id, request, backend)
-            elif isinstance(backend, Resumable) and handover.resume(self.redis, backend, job, request):
-                self.counters.resumed += 1  # continues its last attempt's text (worker/claiming/handover.py)
-            else:
-                backend.admit(job_id, request)
+            with self.watch.engine(ADMITTING, lambda: (job_id,)):
+                if isinstance(request, TextRequest):  # answered now: a tokenizer call, no slot held
+                    self._apply([answer_text(backend, job_id, request)], time.monotonic())
+                elif isinstance(request, EmbedRequest):
+                    self.embeds.add(job_id, request, backend)
+                elif isinstance(backend, Resumable) and handover.resume(backend, job, request, delivered):
+                    self.counters.resumed += 1  # continues its last attempt's text (claiming/handover.py)
+                else:
+                    backend.admit(job_id, request)
         except JobRejected as e:
             job.ending = Ending(error=str(e))
         except BackendUnavailable as e:
@@ -325,7 +334,8 @@ class FleetWorker:
         # wait for events while the engine holds work, or while Redis is away (no spinning through
         # an outage); endings still to flush (a refused or finished job) go out at once
         busy = self.backend.free_slots() < self.backend.slots
-        events = self.embeds.step() + self.backend.step(0.05 if busy or not self.link.ready() else 0.0)
+        with self.watch.engine(STEPPING, self._in_step):
+            events = self.embeds.step() + self.backend.step(0.05 if busy or not self.link.ready() else 0.0)
         now = time.monotonic()  # deadlines, durations: this host's clock, never the wall (hosts differ)
         n_tokens = self._apply(events, now)
         self.counters.record_step(n_tokens)
@@ -337,6 +347,11 @@ class FleetWorker:
             self._talk("writing results", lambda: self._flush(due))
         if not self.link.up:
             self._bound_buffer()
+
+    def _in_step(self) -> tuple[str, ...]:
+        """The jobs a stuck step is blamed on: the ones it was starting (no token yet), else all."""
+        running = [j for j in list(self.inflight.values()) if j.ending is None]
+        return tuple(j.id for j in [j for j in running if j.first_token_at is None] or running)
 
     def _apply(self, events: list[Event], now: float) -> int:
         n_tokens = 0

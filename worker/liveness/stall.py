@@ -1,0 +1,41 @@
+"""What the loop is doing in the engine, for the watchdog (worker/liveness/watchdog.py): the loop
+runs each engine call inside `LoopWatch.engine`, the watchdog thread reads `LoopWatch.call`."""
+
+from __future__ import annotations
+
+import faulthandler
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+ADMITTING = "admitting a job"
+STEPPING = "stepping"
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    what: str  # "admitting a job", "stepping"
+    jobs: Callable[[], tuple[str, ...]]  # the jobs it is for, read when it is found stuck
+    started: float  # time.monotonic()
+
+
+class LoopWatch:
+    """What the loop is doing in the engine now: set by the loop, read by the watchdog thread."""
+
+    def __init__(self) -> None:
+        self.call: EngineCall | None = None
+        self.backstop: float | None = None  # seconds: the worker process arms a C timer for admissions
+
+    @contextmanager
+    def engine(self, what: str, jobs: Callable[[], tuple[str, ...]]) -> Iterator[None]:
+        outer, self.call = self.call, EngineCall(what, jobs, time.monotonic())
+        armed = self.backstop is not None and what == ADMITTING
+        if self.backstop is not None and armed:
+            faulthandler.dump_traceback_later(self.backstop, exit=True)
+        try:
+            yield
+        finally:
+            if armed:
+                faulthandler.cancel_dump_traceback_later()
+            self.call = outer
