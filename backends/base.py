@@ -156,7 +156,8 @@ class Embedder(Protocol):
 class TextOps(Protocol):
     """An engine that answers text jobs (backends/contract/text_ops.py) with its model's tokenizer
     and chat template: llama-server's /tokenize, /detokenize and /apply-template. The worker calls
-    it between steps; each call is short (no decode)."""
+    it on a thread of its own while the loop steps the engine (worker/serving/text_jobs.py), so it
+    reads only what a step never changes: the vocabulary and the template (no decode)."""
 
     def text_op(self, request: TextRequest) -> dict[str, object]:
         """The body llama-server answers for the same request. Raises JobRejected (the request

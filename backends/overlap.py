@@ -61,12 +61,12 @@ class OverlappedBackend:
             return self.inner.embed(texts, truncate)
 
     def text_op(self, request: TextRequest) -> dict[str, object]:
-        """Between steps too (the vocabulary is read while no step runs)."""
+        """Beside a step, not between: it reads only the vocabulary and the template (TextOps),
+        and a long text would otherwise hold the next step for as long as it takes."""
         answer = getattr(self.inner, "text_op", None)  # backends.base.TextOps
         if answer is None:
             raise JobRejected(f"this worker's engine ({self.name}) does not tokenize")
-        with self._lock:
-            return answer(request)
+        return answer(request)
 
     def cancel(self, job_id: str) -> None:
         with self._lock:

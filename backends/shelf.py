@@ -382,6 +382,15 @@ class ModelView:
             raise JobRejected(f"model {self.model.name!r}'s engine does not answer text jobs")
         return self.engine.text_op(request)
 
+    def hold(self, job_id: str) -> None:
+        """A text job of this model runs beside the loop (on the worker's text thread): the model
+        is not unloaded under it. Called by the loop, as `release` is."""
+        self.model.jobs.add(job_id)
+
+    def release(self, job_id: str) -> None:
+        self.model.jobs.discard(job_id)
+        self.model.last_used = time.monotonic()
+
 
 class Unloadable:
     """The engine of a model that could not be loaded: every job it is given fails with why (a

@@ -57,6 +57,6 @@ def test_a_request_longer_than_the_context_allows_fails_before_tokenizing(redis_
 def test_the_producer_bounds_all_messages_together() -> None:
     fleet = Fleet("redis://127.0.0.1:1/0")  # never reached: validation comes first
     messages = [{"role": "user", "content": "x" * 600_000}, {"role": "user", "content": "y" * 600_000}]
-    expected = "messages hold 1,200,000 characters together; the limit is 1,000,000"
+    expected = "holds 1,200,000 characters together; the limit is 1,000,000"
     with pytest.raises(ValueError, match=expected):
         fleet.submit(messages=messages)

@@ -105,6 +105,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
             fw.claims.forget()
             rq_worker.register_death()
             clear_status(redis, name)
+        fw.texts.close()  # its thread may still read the engine's vocabulary
         backend.close()
         c = fw.counters
         log.info("worker %s: stopped (%d done, %d failed)", name, c.jobs_done, c.jobs_failed)

@@ -31,6 +31,7 @@ from backends.contract.tool_specs import (
     ToolChoice,
     answer_schema,
     check_tools,
+    tools_chars,
 )
 
 MAX_TOKENS_LIMIT = 8192
@@ -78,8 +79,10 @@ class Message(BaseModel):
         return self
 
     def chars(self) -> int:
-        return (len(self.content) + len(self.reasoning_content or "")
-                + sum(len(c.arguments) for c in self.tool_calls or []))
+        """Every text field: what a template may render from this message."""
+        calls = sum(len(c.id) + len(c.name) + len(c.arguments) for c in self.tool_calls or [])
+        return (len(self.content) + len(self.reasoning_content or "") + calls
+                + len(self.tool_call_id or "") + len(self.name or ""))
 
 
 class SamplingDefaults(BaseModel):
@@ -219,14 +222,24 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt is empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
-        total = sum(m.chars() for m in self.messages or [])
+        total = self.chars()
         if total > MAX_REQUEST_CHARS:
             limit = MAX_REQUEST_CHARS
-            raise ValueError(f"messages hold {total:,} characters together; the limit is {limit:,}")
+            raise ValueError(f"the request's text (prompt or messages, tools, template values) holds "
+                             f"{total:,} characters together; the limit is {limit:,}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         self._check_tools()
         return self
+
+    def chars(self) -> int:
+        """The characters the request carries into a prompt: the prompt or every text field of
+        every message, the tools' definitions, the template variables' names and text values. The
+        one count the producer's bound and a worker's context budget both apply."""
+        kwargs = sum(len(k) + (len(v) if isinstance(v, str) else 0)
+                     for k, v in (self.chat_template_kwargs or {}).items())
+        return (len(self.prompt or "") + sum(m.chars() for m in self.messages or [])
+                + (tools_chars(self.tools) if self.tools else 0) + kwargs)
 
     def _check_tools(self) -> None:
         if self.tools is None:

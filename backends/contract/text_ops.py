@@ -4,16 +4,19 @@ model). Told apart from generation and embedding jobs on the wire by `"kind": "t
 which of the three.
 
 A finished text job's result holds `answer`: the body llama-server sends for the same request
-(`{"tokens": [...]}`, `{"content": ...}`, `{"prompt": ...}`). A request that is well formed but
-cannot be answered by this model (a token id outside its vocabulary, a text of too many tokens,
-an engine without a tokenizer) fails with a reason starting `REJECTED`, which the gateway
-answers with a 400.
+(`{"tokens": [...]}`, `{"content": ...}`, `{"prompt": ...}`) as JSON text, encoded once where it
+was made (an answer of 262,144 tokens with their pieces is ~9 MB: as a structure it would be
+encoded again for the job's stream, for RQ's result and by the gateway). A request that is well
+formed but cannot be answered by this model (a token id outside its vocabulary, a text of too
+many tokens, an engine without a tokenizer) fails with a reason starting `REJECTED`, which the
+gateway answers with a 400.
 
 Importable without llama_cpp and without Redis.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -72,6 +75,26 @@ class TextRequest(BaseModel):
             raise ValueError(f"{self.op} takes no '{others[0]}'")
         return self
 
+    def chars(self) -> int:
+        """The characters the job carries (a worker bounds them as a prompt's): the text to
+        tokenize, or the chat to render; none for ids to detokenize (MAX_TEXT_TOKENS bounds them)."""
+        if self.chat is not None:
+            return self.chat.chars()
+        return len(self.content or "")
+
+    def tokens_handled(self, answer: dict[str, Any]) -> int:
+        """What the job counts as its tenant's tokens (usage, tokens_per_minute): the tokens it
+        made or read; a rendered chat is text, no tokens."""
+        if self.op == "tokenize":
+            tokens = answer.get("tokens")
+            return len(tokens) if isinstance(tokens, list) else 0
+        return len(self.tokens or [])
+
+
+def encode_answer(answer: dict[str, Any]) -> str:
+    """The result's `answer`: llama-server's body as JSON text."""
+    return json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
+
 
 def text_fields(op: TextOp, **fields: Any) -> dict[str, Any]:
     """The fields of a text job (for `Fleet.submit`)."""
@@ -104,5 +127,5 @@ def valid_utf8(piece: bytes) -> str | list[int]:
         return list(piece)
 
 
-__all__ = ["MAX_TEXT_TOKENS", "REJECTED", "TOKENIZE_FIELDS", "TextOp", "TextRequest", "out_of_vocabulary",
-           "text_fields", "too_many", "valid_utf8"]
+__all__ = ["MAX_TEXT_TOKENS", "REJECTED", "TOKENIZE_FIELDS", "TextOp", "TextRequest", "encode_answer",
+           "out_of_vocabulary", "text_fields", "too_many", "valid_utf8"]

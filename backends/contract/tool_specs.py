@@ -64,12 +64,18 @@ def check_tools(tools: list[Tool], choice: ToolChoice | None) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"tools: each tool needs its own name; {', '.join(twice)} appears more than once")
-    size = len(json.dumps([t.model_dump(exclude_none=True) for t in tools]))
+    size = tools_chars(tools)
     if size > MAX_TOOLS_CHARS:
         raise ValueError(f"tools: {size:,} characters together; the limit is {MAX_TOOLS_CHARS:,}")
     if isinstance(choice, NamedTool) and choice.name not in names:
         raise ValueError(f"tool_choice names the function '{choice.name}', which is not among the tools "
                          f"({', '.join(names)})")
+
+
+def tools_chars(tools: list[Tool]) -> int:
+    """The tools' text as a prompt carries it: every tool serialized (names, descriptions,
+    parameters)."""
+    return len(json.dumps([t.model_dump(exclude_none=True) for t in tools]))
 
 
 def max_calls(choice: ToolChoice | None, parallel: bool | None) -> int:

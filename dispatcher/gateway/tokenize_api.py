@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from backends.contract.text_ops import REJECTED, TOKENIZE_FIELDS, TextOp, text_fields
 from dispatcher.gateway.core import ApiError, Gateway, unsupported
@@ -50,10 +50,10 @@ async def apply_template(request: Request) -> Response:
 
 
 async def answer(request: Request, body: dict[str, Any], op: TextOp, fields: dict[str, Any]) -> Response:
-    """Run the text job; its answer is llama-server's body."""
+    """Run the text job; its answer is llama-server's body, sent as the worker encoded it."""
     pool = pool_of(request, body.get("model"))
     result, headers = await run_one(request, pool, text_fields(op, **fields), REJECTED, op.replace("_", "-"))
-    return JSONResponse(result.get("answer") or {}, headers=headers)
+    return Response(result.get("answer") or "{}", media_type="application/json", headers=headers)
 
 
 def pool_of(request: Request, model: object) -> str:

@@ -11,8 +11,8 @@ the worker's slots (the claim counts it), which bounds how many are taken.
 Vectors are cut to the request's `dimensions` and normalised here (backends/contract/embed.py),
 whichever engine pooled them.
 
-Text jobs (tokenize, detokenize, apply-template: backends/contract/text_ops.py) need no slot and
-no decode: `answer_text` answers one as soon as it starts, with the event the loop applies.
+Text jobs (tokenize, detokenize, apply-template) run on a thread of their own:
+worker/serving/text_jobs.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import logging
 from dataclasses import dataclass, field
 
 from backends.base import (
-    Backend,
     BackendUnavailable,
     Done,
     Embedder,
@@ -29,13 +28,8 @@ from backends.base import (
     Failed,
     InputRejected,
     JobRejected,
-    TextOps,
 )
-from backends.contract import tools
 from backends.contract.embed import REJECTED, EmbedRequest, encode_vector, finish_vector
-from backends.contract.schema import GenerateRequest
-from backends.contract.text_ops import REJECTED as TEXT_REJECTED
-from backends.contract.text_ops import TextRequest
 
 log = logging.getLogger("fleet.worker")
 
@@ -126,31 +120,3 @@ class EmbedQueue:
     def _fail(self, events: list[Event], job: _Job, reason: str, retryable: bool = False) -> None:
         self.jobs.pop(job.id, None)
         events.append(Failed(job.id, reason, retryable=retryable))
-
-
-def answer_text(backend: Backend | TextOps, job_id: str, request: TextRequest) -> Event:
-    """A text job's answer (in the result's `answer`), or its failure: the model cannot take the
-    request, or this engine does not tokenize (REJECTED: the gateway's 400), or the engine is
-    unreachable (retried like any job)."""
-    if not isinstance(backend, TextOps):
-        return Failed(job_id, f"{TEXT_REJECTED}this worker's engine ({backend.name}) does not tokenize")
-    if request.chat is not None:
-        request = request.model_copy(update={"chat": as_run(backend, request.chat)})
-    try:
-        answer = backend.text_op(request)
-    except JobRejected as e:
-        return Failed(job_id, f"{TEXT_REJECTED}{e}")
-    except BackendUnavailable as e:
-        return Failed(job_id, str(e), retryable=True)
-    except Exception as e:  # one odd request must not end the worker
-        log.exception("text job %s failed", job_id)
-        return Failed(job_id, f"internal error answering a text job: {e}")
-    return Done(job_id, "stop", 0, 0, extra={"answer": answer})
-
-
-def as_run(backend: object, chat: GenerateRequest) -> GenerateRequest:
-    """The chat as a generation job of it runs (so apply-template shows the prompt that job
-    gets): as sent where the engine speaks its model's own dialect (`speaks`), else lowered to
-    the generic tool format, the rule rqjobs.load applies."""
-    speaks = getattr(backend, "speaks", None)
-    return chat if speaks is not None and speaks(chat) else tools.lower(chat)[0]

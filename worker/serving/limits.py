@@ -38,7 +38,7 @@ class TooLarge(Exception):
 
 @dataclass(frozen=True)
 class RequestBudget:
-    max_chars: int  # prompt / message characters, all messages together
+    max_chars: int  # a request's text, every field together (request_chars)
     context_tokens: int | None  # what the character limit comes from (None: the absolute bound)
 
     @property
@@ -83,15 +83,12 @@ def check_payload(redis: Redis, job_id: str, budget: RequestBudget) -> None:
 
 
 def request_chars(request: JobRequest) -> int:
-    """What one context must hold: the prompt or all messages; an embedding job's longest input;
-    nothing for a text job (no context holds it: the contract bounds its sizes)."""
-    if isinstance(request, TextRequest):
-        return 0
-    if not isinstance(request, GenerateRequest):
-        return max(map(len, request.input))
-    if request.prompt is not None:
-        return len(request.prompt)
-    return sum(len(m.content) for m in request.messages or [])
+    """What one context must hold: every text field of a generation job (GenerateRequest.chars)
+    or of a text job (a text to tokenize, a chat to render: bounded as a prompt is, though no
+    context holds it, since tokenizing it costs as much); an embedding job's longest input."""
+    if isinstance(request, GenerateRequest | TextRequest):
+        return request.chars()
+    return max(map(len, request.input))
 
 
 def check_request(request: JobRequest, budget: RequestBudget) -> None:

@@ -57,10 +57,11 @@ from worker.liveness.stall import ADMITTING, STEPPING, LoopWatch
 from worker.serving import endings, limits, rqjobs
 from worker.serving.burst import BurstSummary
 from worker.serving.counters import EngineHold, WorkerCounters
-from worker.serving.embed_jobs import EmbedQueue, answer_text
+from worker.serving.embed_jobs import EmbedQueue
 from worker.serving.endings import AttemptWriter, Contended
 from worker.serving.pacing import EVERYTHING, Due, WritePacer
 from worker.serving.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
+from worker.serving.text_jobs import TextJobs
 from worker.settings import FleetSettings
 
 log = logging.getLogger("fleet.worker")
@@ -80,6 +81,7 @@ class FleetWorker:
         self.settings = settings
         self.backend = backend
         self.embeds = EmbedQueue()  # embedding jobs, run between generation steps
+        self.texts = TextJobs()  # text jobs, answered on a thread of their own beside the steps
         self.redis = redis
         self.name = name
         self.link = link or RedisLink()
@@ -240,7 +242,7 @@ class FleetWorker:
 
     def _room(self) -> tuple[int, Counter[str]]:
         """Free slots, and the jobs in flight by tenant (their share of the slots)."""
-        return (self.backend.free_slots() - len(self.unstarted) - self.embeds.held(),
+        return (self.backend.free_slots() - len(self.unstarted) - self.embeds.held() - self.texts.held(),
                 Counter(rqjobs.tenant_of(j) for j in self.inflight.values()))
 
     def _wait_for_wake(self) -> bool:
@@ -312,8 +314,8 @@ class FleetWorker:
         delivered = handover.resume_text(self.redis, job) if resumable else ""  # Redis: outside the watch
         try:
             with self.watch.engine(ADMITTING, lambda: (job_id,)):
-                if isinstance(request, TextRequest):  # answered now: a tokenizer call, no slot held
-                    self._apply([answer_text(backend, job_id, request)], time.monotonic())
+                if isinstance(request, TextRequest):  # a tokenizer call: on the text jobs' thread
+                    self.texts.add(job_id, request, backend)
                 elif isinstance(request, EmbedRequest):
                     self.embeds.add(job_id, request, backend)
                 elif isinstance(backend, Resumable) and handover.resume(backend, job, request, delivered):
@@ -334,8 +336,11 @@ class FleetWorker:
         # wait for events while the engine holds work, or while Redis is away (no spinning through
         # an outage); endings still to flush (a refused or finished job) go out at once
         busy = self.backend.free_slots() < self.backend.slots
+        # only text jobs running (on their thread): wait for one rather than spin on the claim
+        only_texts = not busy and not self.embeds.held() and self.link.ready()
         with self.watch.engine(STEPPING, self._in_step):
-            events = self.embeds.step() + self.backend.step(0.05 if busy or not self.link.ready() else 0.0)
+            events = (self.embeds.step() + self.texts.step(0.02 if only_texts else 0.0)
+                      + self.backend.step(0.05 if busy or not self.link.ready() else 0.0))
         now = time.monotonic()  # deadlines, durations: this host's clock, never the wall (hosts differ)
         n_tokens = self._apply(events, now)
         self.counters.record_step(n_tokens)
@@ -449,7 +454,7 @@ class FleetWorker:
             log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
     def _cancel(self, job_id: str) -> None:
-        if not self.embeds.cancel(job_id):
+        if not self.embeds.cancel(job_id) and not self.texts.cancel(job_id):
             self.backend.cancel(job_id)
 
     def _end(self, job: ClaimedJob, ending: Ending) -> None:

@@ -157,17 +157,17 @@ def load(redis: Redis, job_id: str, queue: str, job_timeout: int, queue_ttl: flo
     claimed.deadline = claimed.claimed_at + timeout
     _check_code(claimed, job)
     request = _request(claimed, job)
+    if budget is not None:  # as sent: lowering and tokenizing come after, and cost with its size
+        try:
+            limits.check_request(request, budget)
+        except limits.TooLarge as e:
+            raise BadJob(claimed, str(e)) from None
     if isinstance(request, GenerateRequest) and as_sent is not None and as_sent(request):
         claimed.request, claimed.tool_answer = request, tools.answers_in_json(request)
     elif isinstance(request, GenerateRequest):
         claimed.request, claimed.tool_answer = tools.lower(request)
     else:
         claimed.request = request
-    if budget is not None:
-        try:
-            limits.check_request(claimed.request, budget)
-        except limits.TooLarge as e:
-            raise BadJob(claimed, str(e)) from None
     _check_queue_ttl(claimed, job.meta, queue_ttl)
     return claimed
 
