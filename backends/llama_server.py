@@ -32,7 +32,7 @@ from httpx_sse import connect_sse
 
 from backends.base import BackendUnavailable, Event, JobRejected
 from backends.chat.openai_deltas import DeltaAnswer
-from backends.chat.placeholders import message_stand_in, place
+from backends.chat.placeholders import StandIns
 from backends.contract import tools
 from backends.contract.schema import LOGIT_BIAS_BAN, GenerateRequest, Sampling
 from backends.contract.text_ops import TOKENIZE_FIELDS, TextRequest, out_of_vocabulary, too_many
@@ -189,9 +189,11 @@ class LlamaServerBackend(HttpStreamBackend):
         as text where its placeholder was (trimmed if the template trimmed it), and each run of text
         between two control tokens is tokenized whole, so an ordinary chat would get the very tokens
         the server's own rendering gets."""
-        stand_ins = [{**m, "content": message_stand_in(i)} for i, m in enumerate(chat["messages"])]
-        rendered = self._post("/apply-template", {**chat, "messages": stand_ins})["prompt"]
-        segments, placed = place(rendered, contents)  # the template's text, each message as text
+        stand_ins = StandIns()
+        messages = [{**m, "content": stand_ins.message(c)}
+                    for m, c in zip(chat["messages"], contents, strict=True)]
+        rendered = self._post("/apply-template", {**chat, "messages": messages})["prompt"]
+        segments, placed = stand_ins.place(rendered)  # the template's text, each message as text
         items: list[int | str] = []  # control token ids and text, in order
         for i, split in enumerate(self._split_control(segments)):
             items += split

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends.contract.schema import MAX_TOKENS_LIMIT
+from backends.contract.schema import MAX_TOKENS_LIMIT, REASONING_EFFORTS
 from dispatcher.gateway.core import ApiError
 
 FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
-EFFORTS = ("minimal", "low", "medium", "high")
 BUDGET_FIELDS = ("reasoning_budget", "thinking_budget", "reasoning_budget_tokens", "thinking_budget_tokens")
 
 
@@ -69,8 +68,8 @@ def reasoning_fields(thinks: bool, *, fmt: object = None, kwargs: object = None,
                            code="invalid_value")
         template.update(kwargs)
     if effort is not None:
-        if effort not in EFFORTS:
-            raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(EFFORTS)}",
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}",
                            param="reasoning_effort", code="invalid_value")
         template["reasoning_effort"] = effort
     if enable is not None:
