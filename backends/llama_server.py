@@ -129,7 +129,7 @@ class LlamaServerBackend(HttpStreamBackend):
         path = "/completion"
         if request.messages is not None:
             native = self.speaks(request)
-            texts = rendered_texts(request) if native else [m.content for m in request.messages]
+            texts = rendered_texts(request)
             if self._read_as_text(texts):
                 body = chat_body(request, s, native=native)
                 path = "/v1/chat/completions"
@@ -190,9 +190,13 @@ class LlamaServerBackend(HttpStreamBackend):
         between two control tokens is tokenized whole, so an ordinary chat would get the very tokens
         the server's own rendering gets."""
         stand_ins = StandIns()
-        messages = [{**m, "content": stand_ins.message(c)}
-                    for m, c in zip(chat["messages"], contents, strict=True)]
-        rendered = self._post("/apply-template", {**chat, "messages": messages})["prompt"]
+        chat = {**chat, "messages": [{**m, "content": stand_ins.message(c)}
+                                     for m, c in zip(chat["messages"], contents, strict=True)]}
+        if "chat_template_kwargs" in chat:  # a setting holding a control token's text: as text too
+            chat["chat_template_kwargs"] = {
+                k: stand_ins.literal(v) if isinstance(v, str) and not self._read_as_text([v]) else v
+                for k, v in chat["chat_template_kwargs"].items()}
+        rendered = self._post("/apply-template", chat)["prompt"]
         segments, placed = stand_ins.place(rendered)  # the template's text, each message as text
         items: list[int | str] = []  # control token ids and text, in order
         for i, split in enumerate(self._split_control(segments)):
