@@ -16,8 +16,9 @@ sends them to /completion, which streams raw text: the chat endpoint's parsing o
 A chat with tools goes to a server with Jinja as sent, in its model's own dialect, where the
 server's template renders tools (backends/llama_server_native.py); its parsed deltas stream as the
 answer JSON. Such a chat is checked for control-token text in every text the template renders
-(tools, calls, thoughts too); one that holds any is lowered to the generic tool format here and
-goes the way above, its answer the generic format's JSON, which producers read alike.
+(tools, calls' names, ids and arguments, thoughts, template settings too); one that holds any is
+lowered to the generic tool format here and goes the way above, its answer the generic format's
+JSON, which producers read alike.
 """
 
 from __future__ import annotations

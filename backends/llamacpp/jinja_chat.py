@@ -10,6 +10,9 @@ the strings of chat_template_kwargs) goes in as it is where it reads as text, so
 checks an id's length or compares a name still sees the client's words, and as a stand-in where
 it holds a control token's text. A string the template writes through `tojson` is guarded there:
 one holding stand-ins or a control token's text goes in as a stand-in of its JSON-escaped text.
+(A text that reads as text alone could still complete a control token's text with the template's
+own beside it only where a template writes part of one next to a client's text, which none of
+the public templates in tests/fixtures does.)
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class _Texts:
 
     def __init__(self, stand_ins: StandIns | None, reads_as_text: Callable[[str], bool]) -> None:
         self.stand_ins, self._reads_as_text = stand_ins, reads_as_text
+        self._plain: dict[str, str] = {}  # one stand-in per text: a schema's key and its `required` agree
 
     def content(self, s: str) -> str:
         """A message's content or thought: a stand-in, but for none at all (which a template
@@ -64,9 +68,11 @@ class _Texts:
 
     def plain(self, s: str) -> str:
         """Text a template may test, compare or print: as it is where it reads as text."""
-        if self.stand_ins is None or self._reads_as_text(s):
+        if self.stand_ins is None:
             return s
-        return self.stand_ins.literal(s)
+        if s not in self._plain:
+            self._plain[s] = s if self._reads_as_text(s) else self.stand_ins.literal(s)
+        return self._plain[s]
 
     def walk(self, value: Any) -> Any:
         """Every string of a JSON value through plain(), object keys too."""

@@ -1,7 +1,8 @@
 """A thinking model's thoughts, as each API asks for them, to job fields: `reasoning_format` (how
 the worker returns them: apart from the answer by default where the pool's model thinks, as
 llama-server's `--reasoning-format auto`) and `chat_template_kwargs` (what the model's template
-reads: `enable_thinking`, `reasoning_effort`).
+reads: `enable_thinking`, `reasoning_effort`; the settings a request may give are the contract's
+TEMPLATE_SETTINGS).
 
 OpenAI-style bodies send `reasoning_format`, `chat_template_kwargs` and `reasoning_effort`;
 Ollama's `think` (true/false or "low"/"medium"/"high"); Anthropic's `thinking` ({"type":
