@@ -24,6 +24,7 @@ from rich.console import Console
 from ecosystem.local.processes import RedisServer
 from ecosystem.soak.client import Call, Record, classify
 from ecosystem.soak.faults import MAIN_KINDS, SENTINEL_KINDS
+from ecosystem.soak.kinds import Kinds
 from ecosystem.soak.plan import SoakPlan
 from ecosystem.soak.proxy import LinkProxy
 from ecosystem.soak.report import (
@@ -61,10 +62,18 @@ def assert_faults_hit(phase: PhaseResult, kinds: tuple[str, ...]) -> None:
             "no named tenant's job was cancelled while queued"
 
 
+def assert_hostile_met(phase: PhaseResult, fake: bool) -> None:
+    """Every hostile input was sent and refused (a 4xx: the checks hold any other answer a
+    violation), none left a worker's loop or a model's lock held (the run's own invariants)."""
+    met = {r.case for r in phase.records if r.kind == "hostile_input" and r.outcome == "refused"}
+    assert met == set(Kinds(fake).hostile_cases()), met
+
+
 def test_short_soak_on_the_fake_engine(tmp_path: Path) -> None:
     result = soak(tmp_path, seed=11, duration=55, backend="fake")
     phase = result.phases[0]
     assert_faults_hit(phase, MAIN_KINDS)
+    assert_hostile_met(phase, fake=True)
     assert len(phase.records) > 100 and phase.batches
     assert result.ok, report(result)
 
@@ -73,6 +82,7 @@ def test_short_soak_on_the_real_model(tmp_path: Path) -> None:
     result = soak(tmp_path, seed=12, duration=30, backend="llama-cpp", clients=3, slots=4,
                   faults=("worker_kill9", "queued_cancel"))
     assert_faults_hit(result.phases[0], ("worker_kill9", "queued_cancel"))
+    assert_hostile_met(result.phases[0], fake=False)
     assert result.ok, report(result)
 
 

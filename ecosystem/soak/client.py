@@ -90,6 +90,7 @@ class Record:
     queued_when_left: bool | None = None  # a cancel: was its job still queued when the client left
     outcome: str = ""
     expect_refusal: bool = False
+    case: str | None = None  # a bad or hostile input's case (X-Soak-Case)
     exception: str | None = None
     body: dict[str, Any] | None = None  # a JSON answer, kept only where later steps need it
 
@@ -146,6 +147,7 @@ def send(http: httpx.Client, base_url: str, call: Call, record: Record, clock: C
     read_timeout = call.client_timeout if call.client_timeout is not None else deadline
     timeout = httpx.Timeout(connect=10.0, read=read_timeout, write=30.0, pool=10.0)
     record.expect_refusal = call.expect_refusal
+    record.case = call.headers.get("X-Soak-Case")
     try:
         request = http.build_request(call.method, base_url + call.path, json=call.body, files=call.files,
                                      data=call.data, headers=call.request_headers(), timeout=timeout)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ecosystem.soak.client import Call
-from ecosystem.soak.plan import MODEL, OTHER_MODEL, tenant_key
+from ecosystem.soak.plan import BROKEN_MODEL, HOSTILE_MODEL, MODEL, OTHER_MODEL, tenant_key
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform",
@@ -202,3 +202,28 @@ class Kinds:
             "ollama chat without messages": lambda rng, t: Call(
                 "bad_input", t, tenant_key(t), "/api/chat", {"model": MODEL, "messages": 7}),
         }
+
+    def hostile_input(self, tenant: str, case: int) -> Call:
+        """The `case`-th (cyclically) hostile input: work that once held a worker's loop or a
+        model's lock for minutes, each now a 4xx at once."""
+        name, build = list(self.hostile_cases().items())[case % len(self.hostile_cases())]
+        call = build(tenant)
+        call.kind = "hostile_input"
+        call.expect_refusal = True
+        call.headers["X-Soak-Case"] = name
+        return call
+
+    def hostile_cases(self) -> dict[str, Callable[[str], Call]]:
+        def chat(model: str, messages: list[dict[str, str]]) -> Callable[[str], Call]:
+            return lambda t: Call("hostile_input", t, tenant_key(t), "/v1/chat/completions",
+                                  {"model": model, "messages": messages, "max_tokens": 8})
+
+        # a million characters: refused like a prompt past the limit, never tokenized on a loop
+        cases = {"tokenize past the prompt limit": lambda t: Call(
+            "hostile_input", t, tenant_key(t), "/tokenize", {"model": MODEL, "content": "word " * 200_000})}
+        if not self.fake:  # chat templates and model files are the real engine's
+            turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                     {"role": "user", "content": "and now?"}]
+            cases["a chat template that runs away"] = chat(HOSTILE_MODEL, turns)
+            cases["a model file cut short"] = chat(BROKEN_MODEL, [{"role": "user", "content": "hi"}])
+        return cases

@@ -15,12 +15,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from backends.model import default_model_path
+
 Backend = Literal["fake", "llama-cpp"]
 
 DEFAULT_KEY = "soak-default-key"
 ADMIN_KEY = "soak-admin-key"
 MODEL = "llm"  # the pool's own name
 OTHER_MODEL = "other"  # a second name for the same pool: outside the `trial` tenant's allow-list
+# on the real model, two more catalogue models that no request may get past a 4xx: the embedded
+# model behind a chat template that runs away on longer chats, and a file cut short
+HOSTILE_MODEL = "hostile"
+BROKEN_MODEL = "broken"
+# renders a plain chat (the load-time probes pass), then builds strings without end once a chat
+# has three messages: without a render budget it holds a worker's loop for hours
+HOSTILE_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+    "{% if messages | length > 2 %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{{ ''.ljust(100000)[:0] }}{% endfor %}{% endfor %}{% endif %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 TENANTS: dict[str, dict[str, Any]] = {
     "search": {"api_keys": ["soak-search-key"], "weight": 3, "max_concurrent": 10},
@@ -120,6 +133,25 @@ class FleetConfig:
                 "n_batch": 256, "prefix_cache": 2, "embed_n_ctx": 256, "embed_batch": 8,
                 "sampling": {"max_tokens": 32, "temperature": 0.7}}
 
+    @property
+    def hostile_template(self) -> Path:
+        return self.plan.run_dir / "hostile.jinja"
+
+    @property
+    def broken_model(self) -> Path:
+        return self.plan.run_dir / "broken.gguf"
+
+    def catalogue(self) -> dict[str, Any]:
+        """The real model's catalogue: the pool's own model pinned (it serves as the one-model
+        worker did), the hostile-template and broken-file models loaded when asked for."""
+        if self.plan.fake:
+            return {}
+        path = str(default_model_path())
+        return {MODEL: {"path": path, "pinned": True},
+                HOSTILE_MODEL: {"path": path, "chat_template_file": str(self.hostile_template),
+                                "keep_alive": 60},
+                BROKEN_MODEL: {"path": str(self.broken_model)}}
+
     def settings(self) -> dict[str, Any]:
         plan = self.plan
         return {
@@ -131,6 +163,7 @@ class FleetConfig:
             "drain_grace": plan.drain_grace,
             "placement": True,
             "backend": self.backend(),
+            "models": self.catalogue(),
             "gateway": {
                 "api_keys": [DEFAULT_KEY],
                 "admin_keys": [ADMIN_KEY],
@@ -144,5 +177,9 @@ class FleetConfig:
 
     def write(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.plan.fake:
+            self.hostile_template.write_text(HOSTILE_TEMPLATE)
+            with default_model_path().open("rb") as f:  # the header and a little: its tensors are cut
+                self.broken_model.write_bytes(f.read(1 << 20))
         self.path.write_text(json.dumps(self.settings(), indent=1) + "\n")
         return self.path

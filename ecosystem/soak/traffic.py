@@ -10,10 +10,11 @@ not the same timeline.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ KIND_WEIGHTS = {
     "chat": 10, "chat_stream": 10, "completion": 5, "completion_stream": 5, "ollama_chat": 6, "responses": 6,
     "tools": 5, "structured": 5, "embeddings": 4, "multiturn": 5, "long_stream": 5, "batch": 2,
     "cancel_mid_stream": 3, "cancel_early": 3, "client_timeout": 2, "gateway_timeout": 2, "bad_input": 6,
+    "hostile_input": 2,
 }
 TENANT_WEIGHTS = {DEFAULT_TENANT: 3, **{t: 2 for t in named_tenants()}}
 
@@ -124,21 +126,24 @@ class Traffic:
 
     def _client(self, index: int) -> None:
         rng = random.Random(f"{self.plan.seed}:{self.phase}:client:{index}")
+        hostile = itertools.count(index)  # the cases a client sends in turn, client i from the i-th
         with httpx.Client() as http:
+            kind: str | None = "hostile_input"  # each client opens with one: a short run meets every case
             while not self._stop.is_set():
-                kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
+                kind = kind or rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
                 tenant = rng.choices(list(TENANT_WEIGHTS), weights=list(TENANT_WEIGHTS.values()))[0]
                 gateway = rng.randrange(self.plan.gateways)
                 try:
-                    self._one(http, rng, kind, tenant, gateway, index)
+                    self._one(http, rng, kind, tenant, gateway, index, hostile)
                 except Exception as e:  # a bug of the soak's own: recorded, the client goes on
                     call = Call(kind, tenant, None, "")
                     record = self.new_record(call, index, gateway)
                     record.outcome, record.exception = "soak_error", f"{type(e).__name__}: {e}"
+                kind = None
                 self._stop.wait(rng.uniform(0.0, 0.3))
 
     def _one(self, http: httpx.Client, rng: random.Random, kind: str, tenant: str, gateway: int,
-             client: int) -> None:
+             client: int, hostile: Iterator[int]) -> None:
         k = self.kinds
         if kind == "multiturn":
             self._conversation(http, rng, tenant, gateway, client)
@@ -163,6 +168,7 @@ class Traffic:
                 "cancel_early": lambda: k.cancel_early(rng, tenant),
                 "client_timeout": lambda: k.client_timeout(rng, tenant),
                 "bad_input": lambda: k.bad_input(rng, tenant),
+                "hostile_input": lambda: k.hostile_input(tenant, next(hostile)),
             }
             self.run(http, builders[kind](), gateway, client)
 
