@@ -19,8 +19,8 @@ import pytest
 from backends.base import Done, Token
 from backends.contract.schema import GenerateRequest, Message
 from backends.llamacpp import LlamaCppBackend
-from backends.llamacpp.kv import KvBookkeeper, common_prefix
-from backends.llamacpp.kv_store import SUFFIX, Entry, KvStore, StoreWriter
+from backends.llamacpp.kv import KvBookkeeper, common_prefix, holds_window
+from backends.llamacpp.kv_store import _PREFIX, SUFFIX, Entry, Header, KvStore, StoreWriter
 from backends.llamacpp.scheduler import Scheduler
 from backends.llamacpp_settings import KvStoreSettings, LlamaCppSettings
 from tests.engine_state import execute, prompt, sampling
@@ -322,3 +322,32 @@ def done_of_started(engine: LlamaCppBackend, job_id: str) -> tuple[Done, list[An
         for event in engine.step(0.01):
             if isinstance(event, Done) and event.job_id == job_id:
                 return event, list(event.extra.get("logprobs", []))  # type: ignore[call-overload]
+
+
+def _header_of(path: Path) -> Header:
+    with path.open("rb") as f:
+        header = KvStore(path.parent.parent, IDENTITY, budget_bytes=0)._parse_header(f.read(_PREFIX.size), f)
+    assert header is not None
+    return header
+
+
+def test_an_entry_carries_a_window_checkpoint_only_where_the_window_moved_past_it(tmp_path: Path) -> None:
+    """A chat whose sequence still holds the window of its prompt's end: its state serves every
+    prefix, and its entry has no checkpoint (the window's size again). One whose answer moved the
+    window past its prompt's end keeps the checkpoint taken there: that prefix comes back
+    through it (windowed layers keep n_swa + n_batch cells, padded: 768 here)."""
+    engine = store_engine(tmp_path)
+    long_facts = " ".join(f"Fact {i}: river {i} flows north past the town of Alder{i}." for i in range(35))
+    try:
+        for job_id, text, tenant, n in (("short", FACTS, "a", 16), ("moved on", long_facts, "b", 320)):
+            chat = [Message(role="user", content=text + " Go on.")]
+            run(engine, job_id, GenerateRequest(messages=chat, max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                tenant=tenant))
+        window = engine.model.n_swa
+    finally:
+        engine.close()
+    short, moved = sorted((_header_of(p) for p in files(tmp_path)), key=lambda h: len(h.tokens))
+    assert short.checkpoints == [] and short.oldest == 0
+    assert not holds_window(moved.oldest, moved.n_prompt, window), "the answer did not move the window on"
+    [(at, _)] = moved.checkpoints
+    assert at <= moved.n_prompt and not holds_window(moved.oldest, at, window)
