@@ -279,6 +279,10 @@ class LlamaCppBackend:
         if self.scheduler.active:
             self._decode_step(self._finished)
             self._start_waiting()  # slots freed this step go to waiting jobs at once
+        if self._writer is not None and not self.scheduler.active:
+            # the last jobs' KV goes to the store now, not with the next job's plan: a worker
+            # that idles, then is killed, has stored it
+            self.executor.apply(self.kv.take_ops())
 
     def _guarded(self, work: Callable[[], None]) -> None:
         """An exception out of the engine's own work is a fault (a bug some mix of jobs met),
