@@ -9,17 +9,18 @@ import multiprocessing
 import os
 import stat
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from backends.base import Done
+from backends.base import Done, Token
 from backends.contract.schema import GenerateRequest, Message
 from backends.llamacpp import LlamaCppBackend
-from backends.llamacpp.kv import KvBookkeeper, common_prefix
-from backends.llamacpp.kv_store import SUFFIX, Entry, KvStore, StoreWriter
+from backends.llamacpp.kv import KvBookkeeper, common_prefix, holds_window
+from backends.llamacpp.kv_store import _PREFIX, SUFFIX, Entry, Header, KvStore, StoreWriter
 from backends.llamacpp.scheduler import Scheduler
 from backends.llamacpp_settings import KvStoreSettings, LlamaCppSettings
 from tests.engine_state import execute, prompt, sampling
@@ -214,10 +215,7 @@ def second_turn(history: list[Message], tenant: str = "a") -> GenerateRequest:
 
 def done_of(engine: LlamaCppBackend, job_id: str, request: GenerateRequest) -> tuple[Done, list[Any]]:
     engine.admit(job_id, request)
-    while True:
-        for event in engine.step(0.01):
-            if isinstance(event, Done) and event.job_id == job_id:
-                return event, list(event.extra.get("logprobs", []))  # type: ignore[call-overload]
+    return done_of_started(engine, job_id)
 
 
 def same_answer(warm: list[Any], cold: list[Any]) -> None:
@@ -267,3 +265,89 @@ def test_a_conversation_restored_from_the_store_answers_as_a_fresh_prefill(tmp_p
     finally:
         other.close()
     assert "kv_restored_tokens" not in changed.extra and changed.cached_tokens < 30
+
+
+def _release(fifo: Path) -> None:
+    """Open a FIFO's other end and write what is not an entry: a reader blocked on it goes on."""
+    fd = os.open(fifo, os.O_RDWR)  # never blocks, unlike a write-only open with no reader yet
+    try:
+        os.write(fd, b"not a KV store entry" * 4)
+    finally:
+        os.close(fd)
+
+
+def test_the_steps_go_on_while_the_store_is_read(tmp_path: Path) -> None:
+    """A read that does not end (a FIFO in the job's bucket: opening it blocks until someone
+    writes) holds up its own job only: the running job keeps generating meanwhile. Then the bad
+    file is removed and the job starts cold."""
+    engine = store_engine(tmp_path)
+    released = threading.Event()
+    fifo = engine.store.bucket("b") / ("0" * 32 + SUFFIX)  # type: ignore[union-attr]
+
+    def unblock() -> None:  # a read that hangs the engine's thread ends the test, failed
+        released.set()
+        _release(fifo)
+
+    watchdog = threading.Timer(120, unblock)
+    try:
+        engine.admit("running", GenerateRequest(prompt="Count: one, two, three,", max_tokens=60,
+                                                temperature=0.0, ignore_eos=True, tenant="a"))
+        while "running" not in engine.scheduler.active:
+            engine.step(0.01)
+        fifo.parent.mkdir(parents=True)
+        os.mkfifo(fifo, 0o600)
+        watchdog.start()
+        engine.admit("reading", GenerateRequest(prompt=FACTS + " Which river flows past Alder4?",
+                                                max_tokens=4, temperature=0.0, tenant="b"))
+        tokens_meanwhile = 0
+        while tokens_meanwhile < 5:
+            events = engine.step(0.01)
+            if released.is_set():
+                break
+            assert "reading" not in engine.scheduler.active
+            tokens_meanwhile += sum(isinstance(e, Token) and e.job_id == "running" for e in events)
+        assert not released.is_set(), "no step ran while the store was read"
+        watchdog.cancel()
+        _release(fifo)
+        done, _ = done_of_started(engine, "reading")
+    finally:
+        watchdog.cancel()
+        engine.close()
+    assert done.finish_reason == "length" and done.cached_tokens == 0
+    assert engine.stats()["store_removed_bad"] == 1 and not fifo.exists()
+
+
+def done_of_started(engine: LlamaCppBackend, job_id: str) -> tuple[Done, list[Any]]:
+    while True:
+        for event in engine.step(0.01):
+            if isinstance(event, Done) and event.job_id == job_id:
+                return event, list(event.extra.get("logprobs", []))  # type: ignore[call-overload]
+
+
+def _header_of(path: Path) -> Header:
+    with path.open("rb") as f:
+        header = KvStore(path.parent.parent, IDENTITY, budget_bytes=0)._parse_header(f.read(_PREFIX.size), f)
+    assert header is not None
+    return header
+
+
+def test_an_entry_carries_a_window_checkpoint_only_where_the_window_moved_past_it(tmp_path: Path) -> None:
+    """A chat whose sequence still holds the window of its prompt's end: its state serves every
+    prefix, and its entry has no checkpoint (the window's size again). One whose answer moved the
+    window past its prompt's end keeps the checkpoint taken there: that prefix comes back
+    through it (windowed layers keep n_swa + n_batch cells, padded: 768 here)."""
+    engine = store_engine(tmp_path)
+    long_facts = " ".join(f"Fact {i}: river {i} flows north past the town of Alder{i}." for i in range(35))
+    try:
+        for job_id, text, tenant, n in (("short", FACTS, "a", 16), ("moved on", long_facts, "b", 320)):
+            chat = [Message(role="user", content=text + " Go on.")]
+            run(engine, job_id, GenerateRequest(messages=chat, max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                tenant=tenant))
+        window = engine.model.n_swa
+    finally:
+        engine.close()
+    short, moved = sorted((_header_of(p) for p in files(tmp_path)), key=lambda h: len(h.tokens))
+    assert short.checkpoints == [] and short.oldest == 0
+    assert not holds_window(moved.oldest, moved.n_prompt, window), "the answer did not move the window on"
+    [(at, _)] = moved.checkpoints
+    assert at <= moved.n_prompt and not holds_window(moved.oldest, at, window)

@@ -18,6 +18,10 @@ PROMPT_SHOWN = 160  # characters of a prompt kept in the history
 TOKENS = "tokens_generated"
 PROMPT_TOKENS = "prompt_tokens"
 CACHED_TOKENS = "cached_tokens"  # of the prompt tokens, those found in the KV cache (not prefilled)
+# of the cached tokens, those read from the host's KV store (backends/llamacpp/kv_store.py)
+STORE_RESTORES = "kv_store_restores"
+STORE_RESTORED_TOKENS = "kv_store_restored_tokens"
+STORE_RESTORE_MS = "kv_store_restore_ms"
 REAPED = "jobs_reaped"
 STARTS = "worker_starts"
 OUTCOMES = ("finished", "failed", "cancelled")

@@ -43,10 +43,11 @@ from backends.llamacpp.dialect import ModelDialect
 from backends.llamacpp.embedding import EmbeddingContext
 from backends.llamacpp.executor import Executor
 from backends.llamacpp.kv import MIN_STASH_TOKENS, KvBookkeeper, PrefixEntry
-from backends.llamacpp.kv_store import Header, KvStore, StoreWriter
+from backends.llamacpp.kv_store import Header, KvStore, Read, StoreReader, StoreWriter
 from backends.llamacpp.model import LoadedModel, load_weights
 from backends.llamacpp.sampling import check_format, check_logit_bias, compile_dialect, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
+from backends.llamacpp.state import WaitingJob
 from backends.llamacpp.thought_budget import thinking_off
 from backends.llamacpp.updates import CallUpdate
 from backends.llamacpp_settings import LlamaCppSettings
@@ -100,7 +101,7 @@ class LlamaCppBackend:
         self.n_ctx_per_seq = min(settings.n_ctx_per_seq, ll.llama_n_ctx_seq(self.model.ctx))
         self.executor = Executor(self.model, n_batch=self.n_batch, n_streams=streams,
                                  per_slot=self.per_slot)
-        self.store, self._writer = self._open_store(streams)
+        self.store, self._writer, self._reader = self._open_store(streams)
         self.kv, self.scheduler = self._bookkeeping()
         self.dialect = ModelDialect(self.model, settings.tool_format)
         self.executor.thought = self.dialect.thought
@@ -125,16 +126,16 @@ class LlamaCppBackend:
                              draft_max=settings.draft_max, max_stall_ms=settings.max_stall_ms,
                              max_prefill_slowdown=settings.max_prefill_slowdown)
 
-    def _open_store(self, streams: int) -> tuple[KvStore | None, StoreWriter | None]:
+    def _open_store(self, streams: int) -> tuple[KvStore | None, StoreWriter | None, StoreReader | None]:
         """The KV store (kv_store.py) when kv_store.path is set, for per-slot streams (the layout
         whose finished KV a slot keeps, and the RAM cache stashes)."""
         cfg = self.settings.kv_store
         if cfg.path is None or not self.per_slot:
-            return None, None
+            return None, None, None
         store = KvStore(cfg.path, self.identity(streams), budget_bytes=cfg.budget_mb << 20, fsync=cfg.fsync)
         writer = StoreWriter(store)
         self.executor.persist = writer.put
-        return store, writer
+        return store, writer, StoreReader(store)
 
     def identity(self, streams: int) -> dict[str, object]:
         """What a stored state is valid for: this model file, the context settings that shape a
@@ -152,30 +153,40 @@ class LlamaCppBackend:
                  resumed: int = 0) -> None:
         tenant = request.tenant or DEFAULT_TENANT
         waiting = self.scheduler.enqueue(job_id, tokens, sampling, resumed, tenant)
-        if self.store is not None:
-            waiting.store_ms = self._from_store(tokens, tenant)
+        if self._reader is not None:
+            self._ask_store(waiting)
         self._guarded(self._start_waiting)
 
-    def _from_store(self, tokens: list[int], tenant: str) -> float:
-        """When the store holds more of `tokens` than the engine's KV does (by MIN_STASH_TOKENS),
-        its state becomes a RAM entry the job reuses (kv.reuse_prefix); the ms it took."""
-        assert self.store is not None
-        t0 = time.perf_counter()
-        kv = self.kv
-        have = kv.longest_reusable(tokens, self.scheduler.active.values(), len(tokens), tenant)
+    def _ask_store(self, waiting: WaitingJob) -> None:
+        """Look for more of the job's tokens in the store than the engine's KV holds (by
+        MIN_STASH_TOKENS), on the reader's thread: the job waits (`reading`), the steps go on."""
+        assert self._reader is not None
+        kv, tokens = self.kv, waiting.tokens
+        have = kv.longest_reusable(tokens, self.scheduler.active.values(), len(tokens), waiting.tenant)
 
-        def usable(h: Header) -> int:
+        def usable(h: Header) -> int:  # the bookkeeper's settings only: safe on the reader's thread
             return kv.reusable_stored(h.tokens, h.n_prompt, h.oldest, (p for p, _ in h.checkpoints), tokens)
 
-        found = self.store.find(tenant, tokens, usable, have + MIN_STASH_TOKENS)
-        if found is None:
-            return 0.0
-        entry = found[0]
-        size = len(entry.state) + sum(len(d) for _, d in entry.checkpoints)
-        key = kv.adopt(PrefixEntry(0, entry.tokens, entry.n_prompt, tenant), entry.oldest,
-                       [p for p, _ in entry.checkpoints], size)
-        self.executor.hold(key, entry)
-        return (time.perf_counter() - t0) * 1000
+        waiting.reading = True
+        self._reader.submit(Read(waiting, waiting.tenant, tokens, usable, have + MIN_STASH_TOKENS))
+
+    def _take_reads(self) -> None:
+        """Reads the reader finished: an entry found becomes a RAM entry the job reuses
+        (kv.reuse_prefix) and the job may start. A job that left meanwhile (cancelled, or handed
+        back by a fault) is not waited for: its entry is dropped."""
+        if self._reader is None:
+            return
+        for read in self._reader.done():
+            waiting = read.job
+            assert isinstance(waiting, WaitingJob)
+            waiting.reading, waiting.store_ms = False, read.ms
+            if read.found is None or not any(w is waiting for w in self.scheduler.waiting):
+                continue
+            entry = read.found[0]
+            size = len(entry.state) + sum(len(d) for _, d in entry.checkpoints)
+            key = self.kv.adopt(PrefixEntry(0, entry.tokens, entry.n_prompt, waiting.tenant), entry.oldest,
+                                [p for p, _ in entry.checkpoints], size)
+            self.executor.hold(key, entry)
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -262,11 +273,16 @@ class LlamaCppBackend:
         return events
 
     def _step(self) -> None:
+        self._take_reads()
         if not self.scheduler.active:
             self._start_waiting()
         if self.scheduler.active:
             self._decode_step(self._finished)
             self._start_waiting()  # slots freed this step go to waiting jobs at once
+        if self._writer is not None and not self.scheduler.active:
+            # the last jobs' KV goes to the store now, not with the next job's plan: a worker
+            # that idles, then is killed, has stored it
+            self.executor.apply(self.kv.take_ops())
 
     def _guarded(self, work: Callable[[], None]) -> None:
         """An exception out of the engine's own work is a fault (a bug some mix of jobs met),
@@ -337,6 +353,8 @@ class LlamaCppBackend:
         for job in list(self.scheduler.active.values()):
             self.scheduler.release(job)
             self.executor.close_sequence(job.seq_id)
+        if self._reader is not None:
+            self._reader.close()
         if self._writer is not None:
             # the KV of the jobs that just ended goes to the store (their Persist ops are still
             # queued), then the writer finishes, bounded: the next worker to load finds them

@@ -20,7 +20,7 @@ import llama_cpp as ll
 
 from backends.base import JobRejected
 from backends.llamacpp.candidates import Candidates, TopCandidates
-from backends.llamacpp.kv import Drop, KvOp, Persist, Remove, Restore, Save, Stash, Unstash
+from backends.llamacpp.kv import Drop, KvOp, Persist, Remove, Restore, Save, Stash, Unstash, holds_window
 from backends.llamacpp.kv_store import Entry
 from backends.llamacpp.model import LoadedModel
 from backends.llamacpp.sampling import SequenceSampler
@@ -131,12 +131,14 @@ class Executor:
         if ll.llama_state_seq_get_data_ext(self._ctx, (ctypes.c_uint8 * size).from_buffer(state), size,
                                            op.seq_id, 0) != size:
             raise RuntimeError(f"llama.cpp could not save the state of sequence {op.seq_id}")
-        # a checkpoint's array is replaced, never changed: the writer may read it as it is
+        oldest = max(0, int(ll.llama_memory_seq_pos_min(self._memory, op.seq_id))) if self.model.n_swa else 0
+        # only the checkpoints the window has moved past: where the state still holds a
+        # checkpoint's window it serves that prefix itself (most chats shorter than the window).
+        # A checkpoint's array is replaced, never changed: the writer may read it as it is.
         checkpoints = sorted((pos, memoryview(data)) for (seq_id, pos), data in self._checkpoints.items()
-                             if seq_id == op.seq_id)
-        oldest = int(ll.llama_memory_seq_pos_min(self._memory, op.seq_id)) if self.model.n_swa else 0
+                             if seq_id == op.seq_id and not holds_window(oldest, pos, self.model.n_swa))
         e = op.entry
-        self.persist(Entry(e.tenant, e.tokens, e.n_prompt, max(oldest, 0), state, checkpoints))
+        self.persist(Entry(e.tenant, e.tokens, e.n_prompt, oldest, state, checkpoints))
 
     def hold(self, key: int, entry: Entry) -> int:
         """Keep a state read from the KV store as RAM entry `key` (kv.adopt); its bytes."""

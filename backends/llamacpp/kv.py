@@ -381,7 +381,7 @@ class KvBookkeeper:
         """How many of `tokens` a stored entry gives (the rule of _reusable, for a state whose
         windowed layers held positions from `oldest` on, with checkpoints at `checkpoints`)."""
         n = self._shared(source, n_prompt, tokens)
-        return n if not self.window or oldest <= max(0, n - self.window) else _checkpoint_at(checkpoints, n)
+        return n if holds_window(oldest, n, self.window) else _checkpoint_at(checkpoints, n)
 
     def _window_held(self, seq_id: int, n: int) -> bool:
         """Does `seq_id` still hold the window the token at position n attends to? (Windowed
@@ -389,11 +389,11 @@ class KvBookkeeper:
         if not self.window:
             return True
         if seq_id < 0:  # a host-RAM entry: as its sequence was when stashed
-            return self.ram_oldest[seq_id] <= max(0, n - self.window)
+            return holds_window(self.ram_oldest[seq_id], n, self.window)
         # not read, or queued operations will change what was read
         if seq_id in self._changing or seq_id >= len(self.oldest_held):
             return False
-        return self.oldest_held[seq_id] <= max(0, n - self.window)
+        return holds_window(self.oldest_held[seq_id], n, self.window)
 
     # -- host RAM ---------------------------------------------------------------------------------
 
@@ -457,6 +457,12 @@ class KvBookkeeper:
         """Bytes of the RAM entries. Stats may be read while a step runs on another thread
         (backend.overlap): the sizes are copied (in C) first."""
         return sum(size for key, size in list(self.stash_sizes.items()) if key in self.ram)
+
+
+def holds_window(oldest: int, n: int, window: int) -> bool:
+    """Does KV whose windowed layers hold positions from `oldest` on serve a prefix of n tokens
+    (the window the token at n attends to)? Always, without windowed layers."""
+    return not window or oldest <= max(0, n - window)
 
 
 def _checkpoint_at(positions: Iterable[int], n: int) -> int:

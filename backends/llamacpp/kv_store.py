@@ -19,7 +19,8 @@ per file name: a name stands for its tokens); the longest common prefix wins, as
 that is truncated, corrupt or not what its name says is removed and never restored.
 
 Writes happen on a thread of their own (`StoreWriter`), fed a bounded queue: a step never waits
-for the disk; when the queue is full the entry is dropped (counted).
+for the disk; when the queue is full the entry is dropped (counted). Reads too (`StoreReader`):
+the engine asks at admission and keeps stepping; the job starts once its entry is in RAM.
 """
 
 from __future__ import annotations
@@ -420,3 +421,53 @@ class StoreWriter:
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)
         return done
+
+
+@dataclass(slots=True)
+class Read:
+    """A lookup for a job (`find`'s arguments); `found` and `ms` are set by the reader thread."""
+
+    job: object  # the caller's, handed back as it was
+    tenant: str
+    tokens: Sequence[int]
+    usable: Callable[[Header], int]
+    better_than: int
+    found: tuple[Entry, int] | None = None
+    ms: float = 0.0
+
+
+class StoreReader:
+    """The store's lookups on a thread of their own: `submit` never blocks, `done` hands back the
+    reads finished since the last call (in the order submitted). A read that fails finds nothing:
+    its job starts cold."""
+
+    def __init__(self, store: KvStore) -> None:
+        self.store = store
+        self._todo: queue.Queue[Read | None] = queue.Queue()
+        self._done: queue.Queue[Read] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="fleet-kv-store-reader", daemon=True)
+        self._thread.start()
+
+    def submit(self, read: Read) -> None:
+        self._todo.put(read)
+
+    def done(self) -> list[Read]:
+        out: list[Read] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self._done.get_nowait())
+        return out
+
+    def _run(self) -> None:
+        while (read := self._todo.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                read.found = self.store.find(read.tenant, read.tokens, read.usable, read.better_than)
+            except Exception:  # a bug in a read must not stop the reads after it
+                log.exception("KV store: reading an entry failed")
+            read.ms = (time.perf_counter() - t0) * 1000
+            self._done.put(read)
+
+    def close(self) -> None:
+        """Stop after the read in flight (a read blocked on a dead mount: the thread is a daemon)."""
+        self._todo.put(None)

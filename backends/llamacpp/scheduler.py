@@ -158,7 +158,8 @@ class Scheduler:
 
     def start_waiting(self, oldest_held: Sequence[int] = ()) -> list[ActiveJob]:
         """Give free slots to waiting jobs, first come first served, but for a job waiting for a
-        prefix another job is prefilling (`_prefix_coming`): it keeps its slot (and in the
+        prefix another job is prefilling (`_prefix_coming`) or for the KV store's read of its
+        entry (`reading`): it keeps its slot (and in the
         unified pool its cells), and jobs behind it that need neither may start. Each newcomer
         reuses what KV it can (the bookkeeper queues the copies). oldest_held: per sequence id,
         the oldest position its windowed layers still hold, read now (the bookkeeper's reuse
@@ -169,7 +170,7 @@ class Scheduler:
         while len(self.waiting) > held and self.kv.free_ids() > held:
             waiting = self.waiting[held]
             need = min(len(waiting.tokens) + waiting.sampling.max_tokens, self.n_ctx_per_seq)
-            if self._prefix_coming(waiting.tokens, waiting.tenant):
+            if waiting.reading or self._prefix_coming(waiting.tokens, waiting.tenant):
                 held, held_cells = held + 1, held_cells + need
                 continue
             if held_cells and not self.kv.fits(need + held_cells):

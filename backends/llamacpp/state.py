@@ -19,6 +19,7 @@ class WaitingJob:
     resumed: int = 0  # of `tokens`, the last ones a dead attempt generated: counted as output
     tenant: str = ""  # whose job (the KV store keeps tenants apart)
     store_ms: float = 0.0  # reading a state from the KV store for it took this long (admission)
+    reading: bool = False  # the KV store's reader is looking for it: it starts when that is done
 
 
 @dataclass(slots=True)

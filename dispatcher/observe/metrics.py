@@ -33,6 +33,12 @@ COUNTERS = {
     "prompt_tokens": ("Prompt tokens of ended jobs", observe_schema.PROMPT_TOKENS),
     "cached_prompt_tokens": ("Prompt tokens of ended jobs found in the KV cache (not prefilled)",
                              observe_schema.CACHED_TOKENS),
+    "kv_store_restores": ("Ended jobs whose prompt's KV was read from the host's KV store",
+                          observe_schema.STORE_RESTORES),
+    "kv_store_restored_tokens": ("Prompt tokens of ended jobs read from the host's KV store (of the cached)",
+                                 observe_schema.STORE_RESTORED_TOKENS),
+    "kv_store_restore_milliseconds": ("Milliseconds ended jobs spent reading their KV from the store",
+                                      observe_schema.STORE_RESTORE_MS),
     "jobs_reaped": ("Jobs recovered from dead workers (requeued or failed for good)", observe_schema.REAPED),
     "worker_starts": ("Worker processes started (restarts included)", observe_schema.STARTS),
 }

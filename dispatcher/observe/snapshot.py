@@ -161,5 +161,8 @@ def totals(ws: list[dict[str, Any]], qs: list[dict[str, Any]], counters: dict[st
         "tokens_generated": counters.get(observe_schema.TOKENS, 0),
         "prompt_tokens": counters.get(observe_schema.PROMPT_TOKENS, 0),
         "cached_tokens": counters.get(observe_schema.CACHED_TOKENS, 0),
+        "store_restores": counters.get(observe_schema.STORE_RESTORES, 0),
+        "store_restored_tokens": counters.get(observe_schema.STORE_RESTORED_TOKENS, 0),
+        "store_restore_ms": counters.get(observe_schema.STORE_RESTORE_MS, 0),
         "jobs": {o: counters.get(observe_schema.jobs_field(o), 0) for o in observe_schema.OUTCOMES},
     }

@@ -134,10 +134,20 @@ def totals_text(snap: dict[str, Any]) -> Text:
     text.append(f"queued {tot['queued']} · running {tot['running']} · failed in the last hour "
                 f"{tot['failed_1h']}\n")
     text.append(f"since start: {num(tot['tokens_generated'])} tokens generated, "
-                f"{num(tot['prompt_tokens'])} prompt ({num(tot['cached_tokens'])} cached); jobs "
+                f"{num(tot['prompt_tokens'])} prompt ({num(tot['cached_tokens'])} cached"
+                f"{_from_store(tot)}); jobs "
                 f"{jobs['finished']} finished, {jobs['failed']} failed, {jobs['cancelled']} cancelled",
                 style="dim")
     return text
+
+
+def _from_store(tot: dict[str, Any]) -> str:
+    """Of the cached tokens, those read from the host's KV store (a store on: restores happened)."""
+    n = int(tot.get("store_restores") or 0)
+    if not n:
+        return ""
+    return (f", {num(tot['store_restored_tokens'])} from the KV store in {n} restores,"
+            f" {num(tot['store_restore_ms'])} ms")
 
 
 def status_view(snap: dict[str, Any], header: str | None = None) -> RenderableType:

@@ -126,8 +126,8 @@ def record_end(job: ClaimedJob, ending: Ending, pipe: Pipe, worker: str, backend
         observe_schema.TOKENS: int(job.completion_tokens),
         observe_schema.PROMPT_TOKENS: int(usage.get("prompt_tokens") or 0),
         observe_schema.CACHED_TOKENS: int(usage.get("cached_tokens") or 0),
+        **_restored(timings := dict((result or {}).get("timings") or {})),
     })
-    timings = dict((result or {}).get("timings") or {})
     if ran_here:
         total = time.monotonic() - job.claimed_at  # claimed_at, first_token_at: monotonic
         _observe(pipe, "job_duration", pool, total)
@@ -148,6 +148,15 @@ def record_end(job: ClaimedJob, ending: Ending, pipe: Pipe, worker: str, backend
         pipe.zadd(failed, {job.id: now})
         pipe.zremrangebyrank(failed, 0, -observe_schema.HISTORY_CAP - 1)
         pipe.expire(failed, observe_schema.HISTORY_TTL)
+
+
+def _restored(timings: dict[str, Any]) -> dict[str, int]:
+    """The job's KV read from the host's KV store, as counters (none: nothing)."""
+    tokens, ms = timings.get("kv_restored_tokens"), timings.get("kv_restored_ms")
+    if not isinstance(tokens, int) or not isinstance(ms, int | float) or tokens <= 0:
+        return {}
+    return {observe_schema.STORE_RESTORES: 1, observe_schema.STORE_RESTORED_TOKENS: tokens,
+            observe_schema.STORE_RESTORE_MS: round(ms)}
 
 
 def record_restart(pipe: Pipe, job_id: str, queue: str, attempt: int, reason: str, by: str,
