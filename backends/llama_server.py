@@ -16,8 +16,9 @@ sends them to /completion, which streams raw text: the chat endpoint's parsing o
 A chat with tools goes to a server with Jinja as sent, in its model's own dialect, where the
 server's template renders tools (backends/llama_server_native.py); its parsed deltas stream as the
 answer JSON. Such a chat is checked for control-token text in every text the template renders
-(tools, calls, thoughts too); one that holds any is lowered to the generic tool format here and
-goes the way above, its answer the generic format's JSON, which producers read alike.
+(tools, calls' names, ids and arguments, thoughts, template settings too); one that holds any is
+lowered to the generic tool format here and goes the way above, its answer the generic format's
+JSON, which producers read alike.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from httpx_sse import connect_sse
 
 from backends.base import BackendUnavailable, Event, JobRejected
 from backends.chat.openai_deltas import DeltaAnswer
-from backends.chat.placeholders import message_stand_in, place
+from backends.chat.placeholders import StandIns
 from backends.contract import tools
 from backends.contract.schema import LOGIT_BIAS_BAN, GenerateRequest, Sampling
 from backends.contract.text_ops import TOKENIZE_FIELDS, TextRequest, out_of_vocabulary, too_many
@@ -129,7 +130,7 @@ class LlamaServerBackend(HttpStreamBackend):
         path = "/completion"
         if request.messages is not None:
             native = self.speaks(request)
-            texts = rendered_texts(request) if native else [m.content for m in request.messages]
+            texts = rendered_texts(request)
             if self._read_as_text(texts):
                 body = chat_body(request, s, native=native)
                 path = "/v1/chat/completions"
@@ -189,9 +190,15 @@ class LlamaServerBackend(HttpStreamBackend):
         as text where its placeholder was (trimmed if the template trimmed it), and each run of text
         between two control tokens is tokenized whole, so an ordinary chat would get the very tokens
         the server's own rendering gets."""
-        stand_ins = [{**m, "content": message_stand_in(i)} for i, m in enumerate(chat["messages"])]
-        rendered = self._post("/apply-template", {**chat, "messages": stand_ins})["prompt"]
-        segments, placed = place(rendered, contents)  # the template's text, each message as text
+        stand_ins = StandIns()
+        chat = {**chat, "messages": [{**m, "content": stand_ins.message(c)}
+                                     for m, c in zip(chat["messages"], contents, strict=True)]}
+        if "chat_template_kwargs" in chat:  # a setting holding a control token's text: as text too
+            chat["chat_template_kwargs"] = {
+                k: stand_ins.literal(v) if isinstance(v, str) and not self._read_as_text([v]) else v
+                for k, v in chat["chat_template_kwargs"].items()}
+        rendered = self._post("/apply-template", chat)["prompt"]
+        segments, placed = stand_ins.place(rendered)  # the template's text, each message as text
         items: list[int | str] = []  # control token ids and text, in order
         for i, split in enumerate(self._split_control(segments)):
             items += split

@@ -93,13 +93,16 @@ def tool_fields(request: GenerateRequest) -> dict[str, Any]:
 
 def rendered_texts(request: GenerateRequest) -> list[str]:
     """Every text of the client's the server's template would render: messages, thoughts, past
-    calls' arguments, the tools' descriptions and schemas. The server tokenizes the rendered chat
-    with control tokens parsed, so none of these may hold a control token's text."""
+    calls' names, ids and arguments, tool results' ids and names, the tools' descriptions and
+    schemas, chat_template_kwargs' strings. The server tokenizes the rendered chat with control
+    tokens parsed, so none of these may hold a control token's text."""
     texts: list[str] = []
     for m in request.messages or []:
-        texts += [m.content, m.reasoning_content or "", *(c.arguments for c in m.tool_calls or [])]
+        texts += [m.content, m.reasoning_content or "", m.tool_call_id or "", m.name or "",
+                  *(x for c in m.tool_calls or [] for x in (c.id, c.name, c.arguments))]
     for t in request.tools or [] if tools.calls_tools(request) else []:
         texts += [t.description or "", json.dumps(t.parameters, ensure_ascii=False)]
+    texts += [v for v in (request.chat_template_kwargs or {}).values() if isinstance(v, str)]
     return [t for t in texts if t]
 
 

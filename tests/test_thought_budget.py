@@ -119,10 +119,10 @@ def test_a_refused_or_other_token_ends_the_forcing() -> None:
 
 
 def test_budget_zero_turns_the_templates_thinking_off() -> None:
+    kwargs = {"enable_thinking": True, "reasoning_effort": "low"}
     request = GenerateRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}],
-                                              "reasoning_budget": 0,
-                                              "chat_template_kwargs": {"enable_thinking": True, "x": 1}})
-    assert thinking_off(request).chat_template_kwargs == {"enable_thinking": False, "x": 1}
+                                              "reasoning_budget": 0, "chat_template_kwargs": kwargs})
+    assert thinking_off(request).chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
     other = request.model_copy(update={"reasoning_budget": 5})
     assert thinking_off(other) is other
 

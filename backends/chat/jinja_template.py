@@ -369,7 +369,9 @@ class ChatTemplate:
                add_generation_prompt: bool = True, extra: dict[str, Any] | None = None,
                guard: Callable[[str], str] | None = None) -> str:
         """The prompt llama-server's /apply-template answers for the same request, `extra` being
-        its chat_template_kwargs. `guard` maps every string that tojson writes."""
+        its chat_template_kwargs (which, unlike llama-server's, cannot replace the chat, the
+        tools, the special tokens, the date or the template's functions). `guard` maps every
+        string that tojson writes."""
         extra = dict(extra or {})
         if isinstance(extra.get("enable_thinking"), str):
             raise TemplateError('invalid type for "enable_thinking" (expected boolean, got string)')
@@ -380,13 +382,17 @@ class ChatTemplate:
                        truncate_history_thinking=not keep, drop_thinking=not keep)
         if isinstance(effort := extra.get("reasoning_effort"), str) and effort:
             ctx["reasoning_strength"] = effort
+        # the request's settings never stand in for the template's own names: its functions, the
+        # chat and the variables set below
+        ctx.update((k, v) for k, v in extra.items() if k not in self._template.globals)
         now = time.localtime()
         ctx.update(messages=self._adapt([_message(m) for m in messages]), bos_token=self.bos_token,
                    eos_token=self.eos_token, datetime=time.strftime("%b %d %Y", now),
                    date_string=time.strftime("%d %b %Y", now))
+        ctx.pop("tools", None)
+        ctx.pop("add_generation_prompt", None)
         if tools:
             ctx["tools"] = [_tool(t) for t in tools]
-        ctx.update(extra)
         if add_generation_prompt:
             ctx["add_generation_prompt"] = True
         out = self._run(ctx, guard)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -51,6 +51,23 @@ PRIORITIES: tuple[Priority, ...] = ("high", "default", "low")
 # tool_calls: the answer called tools (the result's `tool_calls`; backends/contract/tools.py)
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 ReasoningFormat = Literal["none", "auto", "deepseek", "deepseek-legacy"]
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def _flag(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+# What a request may set in a model's own template (chat_template_kwargs): each setting, the values
+# it takes and what an error says of them. The template's other variables (the chat, the tools,
+# special tokens, dates, add_generation_prompt, builtin tools) are the renderer's alone.
+TEMPLATE_SETTINGS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "enable_thinking": (_flag, "true or false"),
+    "reasoning_effort": (lambda v: v in REASONING_EFFORTS, "one of " + ", ".join(REASONING_EFFORTS)),
+    "model_identity": (lambda v: isinstance(v, str) and 0 < len(v) <= 256, "text of 1 to 256 characters"),
+    "preserve_reasoning": (_flag, "true or false"),
+    "tools_in_user_message": (_flag, "true or false"),
+}
 
 
 class Message(BaseModel):
@@ -148,7 +165,7 @@ class GenerateRequest(BaseModel):
     # the most tokens a thinking model's thought may have: then the engine writes the thought's
     # end marker and the answer follows (0: no thought; enable_thinking false). None: no limit
     reasoning_budget: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
-    # variables the model's own (Jinja) chat template reads: enable_thinking, reasoning_effort...
+    # settings the model's own (Jinja) chat template reads (TEMPLATE_SETTINGS)
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = Field(None, max_length=16)
     # Ollama's keep_alive, in seconds (-1: for good): how long the model stays loaded once idle,
     # from this request on (a catalogue model: backends/shelf.py); None: as it was
@@ -182,12 +199,17 @@ class GenerateRequest(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        for key, value in (v or {}).items():
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", key):
-                raise ValueError(f"{key[:80]!r} is not a template variable's name")
-            if isinstance(value, str) and len(value) > 256:
-                raise ValueError(f"{key}: values are at most 256 characters")
-        return v
+        """Only TEMPLATE_SETTINGS, each with a value it takes; null: as if not sent."""
+        if v is None:
+            return None
+        for key, value in v.items():
+            if key not in TEMPLATE_SETTINGS:
+                raise ValueError(f"{key[:80]!r} is not a setting a request may give the template; "
+                                 f"these are: {', '.join(TEMPLATE_SETTINGS)}")
+            fits, takes = TEMPLATE_SETTINGS[key]
+            if value is not None and not fits(value):
+                raise ValueError(f"{key} must be {takes}")
+        return {k: x for k, x in v.items() if x is not None} or None
 
     @field_validator("stop")
     @classmethod

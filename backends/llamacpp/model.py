@@ -12,7 +12,7 @@ from pathlib import Path
 import llama_cpp as ll
 
 from backends.base import JobRejected
-from backends.chat.placeholders import SPACE, message_stand_in, place
+from backends.chat.placeholders import SPACE, StandIns
 from backends.contract.schema import GenerateRequest, Message
 from backends.llamacpp.jinja_chat import JinjaChat
 from backends.llamacpp.speculation import DRAFT_CALL_ROWS
@@ -190,18 +190,19 @@ class LoadedModel:
 
     def chat_tokens(self, request: GenerateRequest) -> list[int]:
         """The templated chat's tokens, where only the template's own text may hold control tokens:
-        message content is always text, so "<end_of_turn>" typed by a user cannot close their turn
-        and forge another. The template is rendered with a placeholder per content, its text
-        tokenized with special tokens, each content spliced in as text (as the template would have
-        placed it, trimmed or not: backends/chat/placeholders.py), and each text run between two
-        control tokens tokenized whole (so a chat without such text gets exactly the tokens the
-        rendered string would)."""
+        the client's text is always text (message content; with the model's own template also
+        names, ids, arguments, thoughts, tools and template settings: jinja_chat.py), so
+        "<end_of_turn>" typed by a user cannot close their turn and forge another. The template is
+        rendered with a placeholder per such text, its own text tokenized with special tokens,
+        each client text spliced in as text (as the template would have placed it, trimmed or not:
+        backends/chat/placeholders.py), and each text run between two control tokens tokenized
+        whole (so a chat without such text gets exactly the tokens the rendered string would)."""
+        stand_ins = StandIns()
         if self.jinja is not None:
-            rendered, texts = self.jinja.render(request, stand_ins=True)
+            rendered = self.jinja.render(request, stand_ins)
         else:
-            texts = [m.content for m in request.messages or []]
-            rendered = self._render(request, [message_stand_in(i) for i in range(len(texts))])
-        segments, placed = place(rendered, texts)
+            rendered = self._render(request, [stand_ins.message(m.content) for m in request.messages or []])
+        segments, placed = stand_ins.place(rendered)
         items: list[int | str] = []  # control token ids and text, in order
         for i, segment in enumerate(segments):
             items += self._split_control(segment)
@@ -256,7 +257,7 @@ class LoadedModel:
         it would read control-token text inside the messages as control tokens, and llama.cpp
         reads each content as a C string, so a NUL byte would cut it)."""
         if self.jinja is not None:
-            return self.jinja.render(request, stand_ins=False)[0]
+            return self.jinja.render(request, None)
         return self._render(request, [m.content for m in request.messages or []])
 
     def _render(self, request: GenerateRequest, contents: list[str]) -> str:

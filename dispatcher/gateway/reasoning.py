@@ -1,7 +1,8 @@
 """A thinking model's thoughts, as each API asks for them, to job fields: `reasoning_format` (how
 the worker returns them: apart from the answer by default where the pool's model thinks, as
 llama-server's `--reasoning-format auto`) and `chat_template_kwargs` (what the model's template
-reads: `enable_thinking`, `reasoning_effort`).
+reads: `enable_thinking`, `reasoning_effort`; the settings a request may give are the contract's
+TEMPLATE_SETTINGS).
 
 OpenAI-style bodies send `reasoning_format`, `chat_template_kwargs` and `reasoning_effort`;
 Ollama's `think` (true/false or "low"/"medium"/"high"); Anthropic's `thinking` ({"type":
@@ -17,11 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends.contract.schema import MAX_TOKENS_LIMIT
+from backends.contract.schema import MAX_TOKENS_LIMIT, REASONING_EFFORTS
 from dispatcher.gateway.core import ApiError
 
 FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
-EFFORTS = ("minimal", "low", "medium", "high")
 BUDGET_FIELDS = ("reasoning_budget", "thinking_budget", "reasoning_budget_tokens", "thinking_budget_tokens")
 
 
@@ -69,8 +69,8 @@ def reasoning_fields(thinks: bool, *, fmt: object = None, kwargs: object = None,
                            code="invalid_value")
         template.update(kwargs)
     if effort is not None:
-        if effort not in EFFORTS:
-            raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(EFFORTS)}",
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}",
                            param="reasoning_effort", code="invalid_value")
         template["reasoning_effort"] = effort
     if enable is not None:
