@@ -193,11 +193,10 @@ class LoadedModel:
         the client's text is always text (message content; with the model's own template also
         names, ids, arguments, thoughts, tools and template settings: jinja_chat.py), so
         "<end_of_turn>" typed by a user cannot close their turn and forge another. The template is
-        rendered with a placeholder per content, its text
-        tokenized with special tokens, each content spliced in as text (as the template would have
-        placed it, trimmed or not: backends/chat/placeholders.py), and each text run between two
-        control tokens tokenized whole (so a chat without such text gets exactly the tokens the
-        rendered string would)."""
+        rendered with a placeholder per such text, its own text tokenized with special tokens,
+        each client text spliced in as text (as the template would have placed it, trimmed or not:
+        backends/chat/placeholders.py), and each text run between two control tokens tokenized
+        whole (so a chat without such text gets exactly the tokens the rendered string would)."""
         stand_ins = StandIns()
         if self.jinja is not None:
             rendered = self.jinja.render(request, stand_ins)
