@@ -218,9 +218,10 @@ class Kinds:
             return lambda t: Call("hostile_input", t, tenant_key(t), "/v1/chat/completions",
                                   {"model": model, "messages": messages, "max_tokens": 8})
 
-        # a million characters: refused like a prompt past the limit, never tokenized on a loop
+        # 900k characters (under the producer's limit, far over a worker's prompt limit): refused
+        # like a prompt, never tokenized on a loop (the fake engine refuses text jobs outright)
         cases = {"tokenize past the prompt limit": lambda t: Call(
-            "hostile_input", t, tenant_key(t), "/tokenize", {"model": MODEL, "content": "word " * 200_000})}
+            "hostile_input", t, tenant_key(t), "/tokenize", {"model": MODEL, "content": "word " * 180_000})}
         if not self.fake:  # chat templates and model files are the real engine's
             turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                      {"role": "user", "content": "and now?"}]
