@@ -133,13 +133,18 @@ def test_the_characters_a_request_carries_count_every_text_field() -> None:
         "tool result's id and name": {"messages": [{"role": "user", "content": "hi"}, {
             "role": "tool", "tool_call_id": "t" * 256, "name": "n" * 256}]},
         "tools": {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]},
-        "chat_template_kwargs": {"messages": [{"role": "user", "content": "hi"}],
-                                 "chat_template_kwargs": {f"k{i}": "v" * 250 for i in range(4)}},
     }
     for what, body in fields.items():
         request = GenerateRequest.model_validate(body)
         assert request.chars() >= 512, (what, request.chars())
         assert limits.request_chars(request) == request.chars(), what
+    # the template's settings take at most 256 characters of text (schema.TEMPLATE_SETTINGS):
+    # counted too, key and value
+    settings = {"model_identity": "v" * 256, "reasoning_effort": "high"}
+    with_settings = GenerateRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                    "chat_template_kwargs": settings})
+    assert with_settings.chars() == len("hi") + sum(len(k) + len(v) for k, v in settings.items())
+    assert limits.request_chars(with_settings) == with_settings.chars()
     assert GenerateRequest(prompt="p" * n).chars() == n
     call_chars = 2 * 256 + len(call["arguments"])
     with_call = GenerateRequest.model_validate(fields["tool call id, name, arguments"])
