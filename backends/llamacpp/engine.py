@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import llama_cpp as ll
@@ -342,12 +342,8 @@ class LlamaCppBackend:
     def _store_stats(self) -> dict[str, object]:
         if self.store is None:
             return {}
-        st = self.store.stats
-        return {"store_written": st.written, "store_written_bytes": st.written_bytes,
-                "store_dropped": st.dropped, "store_write_errors": st.write_errors,
-                "store_evicted": st.evicted, "store_removed_bad": st.removed_bad,
-                "store_restores": st.restores, "store_restored_tokens": st.restored_tokens,
-                "store_restore_ms": round(st.restore_ms, 1)}
+        return {f"store_{k}": round(v, 1) if isinstance(v, float) else v
+                for k, v in asdict(self.store.stats).items()}
 
     def close(self) -> None:
         for job in list(self.scheduler.active.values()):

@@ -30,12 +30,12 @@ class LoopWatch:
     @contextmanager
     def engine(self, what: str, jobs: Callable[[], tuple[str, ...]]) -> Iterator[None]:
         outer, self.call = self.call, EngineCall(what, jobs, time.monotonic())
-        armed = self.backstop is not None and what == ADMITTING
-        if self.backstop is not None and armed:
-            faulthandler.dump_traceback_later(self.backstop, exit=True)
+        backstop = self.backstop if what == ADMITTING else None
+        if backstop is not None:
+            faulthandler.dump_traceback_later(backstop, exit=True)
         try:
             yield
         finally:
-            if armed:
+            if backstop is not None:
                 faulthandler.cancel_dump_traceback_later()
             self.call = outer
