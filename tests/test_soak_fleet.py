@@ -84,6 +84,12 @@ def test_short_soak_on_the_real_model(tmp_path: Path) -> None:
     assert_faults_hit(result.phases[0], ("worker_kill9", "queued_cancel"))
     assert_hostile_met(result.phases[0], fake=False)
     assert result.ok, report(result)
+    # the workers shared a KV store through kills and tenants: entries written, none ever found
+    # truncated, corrupt or foreign (each would be removed with a warning in a worker's log)
+    run = tmp_path / "run"
+    assert list((run / "kv-store").rglob("*.kv")), "no conversation reached the KV store"
+    logs = "".join(f.read_text(errors="replace") for f in run.rglob("*.log"))
+    assert "KV store: removed" not in logs and "KV store: cannot write" not in logs
 
 
 @pytest.mark.soak

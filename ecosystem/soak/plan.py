@@ -131,6 +131,8 @@ class FleetConfig:
         # one thread each: two workers on a small box share its cores instead of fighting for them
         return {"type": "llama-cpp", "slots": self.plan.slots, "threads": 1, "n_ctx_per_seq": 1024,
                 "n_batch": 256, "prefix_cache": 2, "embed_n_ctx": 256, "embed_batch": 8,
+                # the host's KV store, shared by the run's workers: restores across kills and tenants
+                "kv_store": {"path": str(self.plan.run_dir / "kv-store"), "min_tokens": 16},
                 "sampling": {"max_tokens": 32, "temperature": 0.7}}
 
     @property
