@@ -71,7 +71,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     link = RedisLink()  # one view of Redis for the loop, the heartbeat and the reaper
     hooks = job_hooks(settings)  # what job writes carry besides their own: the loop's and the reaper's
     reaper = Reaper(redis, name, settings.max_attempts, settings.result_ttl, link=link,
-                    hold_off=3 * settings.heartbeat_interval, queues=queues, hooks=hooks)
+                    hold_off=settings.silent_for_dead, queues=queues, hooks=hooks)
     recover_own(redis, name, reaper)
 
     fw = FleetWorker(settings, backend, redis, name, link, hooks=hooks)

@@ -93,6 +93,12 @@ class FleetSettings(ProducerSettings):
             raise ValueError(f"serve_models names {', '.join(map(repr, unknown))}, not in `models`")
         return self
 
+    @property
+    def silent_for_dead(self) -> float:
+        """Seconds a worker may stay silent before the fleet takes it for dead: its status key's
+        life, the reaper's hold-off and a model loading lock's life (three missed beats)."""
+        return 3 * self.heartbeat_interval
+
     def catalogue_served(self) -> list[str]:
         """The catalogue models this worker serves, in the catalogue's order; [] for a one-model worker."""
         if self.serve_models is None:

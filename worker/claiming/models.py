@@ -85,7 +85,7 @@ class ModelClaims:
         self.redis, self.claimer, self.shelf, self.name = redis, claimer, shelf, name
         self.changed = changed
         self.second_copy_after = second_copy_after
-        self.lock_ms = lock_ms  # a loading lock's life: three of this worker's heartbeat intervals
+        self.lock_ms = lock_ms  # a loading lock's life: as long as a silent worker is taken for alive
         self._loading: set[str] = set()  # pools whose loading lock this worker took (their loads)
         # pool -> why its model could never load here (ModelShelf.cannot_hold), in the worker's status
         self.cannot_hold = shelf.cannot_hold()
@@ -243,7 +243,7 @@ def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backe
         claimer = Claimer(redis, name, [q for p in pools for q in queue_names(p)], weights=weights,
                           slots=slots, pool=pools[0], placement=placement, pools=pools)
         return ModelClaims(redis, claimer, backend, name, changed or threading.Event(),
-                           settings.second_copy_after, lock_ms=int(settings.heartbeat_interval * 3000))
+                           settings.second_copy_after, lock_ms=int(settings.silent_for_dead * 1000))
     claimer = Claimer(redis, name, queue_names(pool), weights=weights, slots=slots, pool=pool,
                       placement=placement)
     return PoolClaims(claimer, pool, name)

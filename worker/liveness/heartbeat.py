@@ -146,7 +146,7 @@ class Heartbeat(threading.Thread):
         self.beats += 1
         fw = self.fw
         status: Fields = {k: json.dumps(v) for k, v in self.status().items()}
-        ttl_s = max(int(self.interval * 3), 3)
+        ttl_s = max(int(fw.settings.silent_for_dead), 3)
         with fw.redis.pipeline(transaction=False) as pipe:
             pipe.exists(self.rq_worker.key)  # before RQ's heartbeat, which would recreate it
             pipe.hset(worker_key(fw.name), mapping=status)
