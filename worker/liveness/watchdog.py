@@ -33,6 +33,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING
 
 from backends.contract.keys import HUNG_FIELD, OWNER_FIELD, job_key, worker_key
+from backends.contract.lua import lua_script
 from backends.contract.retry import OUTAGE_ERRORS
 from worker.liveness.heartbeat import clear_status
 from worker.liveness.stall import EngineCall
@@ -43,16 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleet.watchdog")
 EXIT_HUNG = 70  # EX_SOFTWARE: an internal error; every supervisor restarts on it
 
-# Appends the worker to the job's hung list, only while it owns the job (one the reaper took from
-# it meanwhile is another worker's now). KEYS: job hash; ARGV: hung field, owner field, worker.
-MARK_HUNG = """
-if redis.call('TYPE', KEYS[1]).ok ~= 'hash' or redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[3] then
-  return 0
-end
-local before = redis.call('HGET', KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[1], ARGV[1], before and (before .. ',' .. ARGV[3]) or ARGV[3])
-return 1
-"""
+MARK_HUNG = lua_script("worker.liveness", "mark_hung.lua")  # a job's hung list, while this worker owns it
 
 
 class Watchdog(threading.Thread):
