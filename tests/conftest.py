@@ -1,16 +1,45 @@
 """Shared fixtures: one private redis-server per test session (a fresh DB per test) and a
-factory for real `fleet worker` processes that are stopped after each test."""
+factory for real `fleet worker` processes that are stopped after each test.
+
+Run in parallel (`scripts/test`: pytest-xdist), each pytest worker takes one core and every
+process it starts inherits it, so a model runs one thread a process: on a shared core, ggml's
+thread barriers would spin against the other tests' threads and double the CPU a test takes
+(measured: 97 CPU s for a 39 s test)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from redis import Redis
 
+from tests import model_guard
 from tests.gateway_harness import Gateways
 from tests.harness import RedisServer, WorkerProcess, start_worker
+from tests.real_fleet import RealFleet, real_fleet_processes
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    if worker.startswith("gw"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+    model_guard.install()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:  # the shared real fleet is the real model
+        if "real_fleet" in getattr(item, "fixturenames", ()):
+            item.add_marker(model_guard.MARK)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    model_guard.running(item.nodeid, item.get_closest_marker(model_guard.MARK) is not None)
+    yield
+    model_guard.running(item.nodeid, True)
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +84,17 @@ def gateways(redis_url: str, tmp_path: Path) -> Iterator[Gateways]:
     started = Gateways(redis_url, tmp_path / "logs")
     yield started
     started.close()
+
+
+@pytest.fixture(scope="session")
+def shared_real_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
+    with real_fleet_processes(tmp_path_factory.mktemp("real-fleet")) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+def real_fleet(shared_real_fleet: RealFleet) -> Iterator[RealFleet]:
+    """The session's shared real fleet (tests/real_fleet.py), checked serving before and after."""
+    shared_real_fleet.check_serving()
+    yield shared_real_fleet
+    shared_real_fleet.check_serving()

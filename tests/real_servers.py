@@ -2,8 +2,9 @@
 built by scripts/build-llama-server, cached) and the in-process Ollama-API test server, both on the
 real model.
 
-FLEET_TEST_THREADS sets llama-server's -t (default 2); on a box busy compiling, 1 avoids ggml's
-spinning thread barriers fighting for the two cores."""
+FLEET_TEST_THREADS sets llama-server's -t (default: the cores this process may run on, one when
+the suite runs in parallel); on a box busy compiling, 1 avoids ggml's spinning thread barriers
+fighting for the two cores."""
 
 from __future__ import annotations
 
@@ -28,6 +29,6 @@ def llama_server(
     extra_args: Sequence[str] = (),
 ) -> LlamaServer:
     """A llama-server for a test (`with llama_server(...) as s:` stops it at the end)."""
-    threads = int(os.environ.get("FLEET_TEST_THREADS", "2"))
+    threads = int(os.environ.get("FLEET_TEST_THREADS", len(os.sched_getaffinity(0))))
     return start_llama_server(log_dir, parallel=parallel, ctx=ctx, threads=threads, port=port, wait=wait,
                               extra_args=extra_args)

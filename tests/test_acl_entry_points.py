@@ -117,6 +117,7 @@ def batch_lines(n: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.model
 def test_gateway_routes_on_the_real_engine_as_the_acl_user(acl: AclRedis, tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     with fleet_workers(acl.url, logs) as workers, gateway(acl.url, logs) as gw:

@@ -23,6 +23,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+@pytest.mark.model
 def test_submit_stream_result_on_a_real_worker(redis_url: str, workers) -> None:
     workers.start("w1", backend__slots=4)
 
@@ -41,6 +42,7 @@ def test_submit_stream_result_on_a_real_worker(redis_url: str, workers) -> None:
     assert rq_job.get_status() == "finished" and rq_job.origin == "llm:default"
 
 
+@pytest.mark.model
 def test_concurrent_streams_on_a_real_worker(redis_url: str, workers) -> None:
     workers.start("w1", backend__slots=8)
 
@@ -135,6 +137,7 @@ def test_cancel_a_queued_job_and_validation(redis_url: str) -> None:
     assert state == "cancelled" and res["finish_reason"] == "cancelled" and depth == 0
 
 
+@pytest.mark.model
 def test_a_failed_job_raises_job_failed(redis_url: str, workers) -> None:
     workers.start("w1", backend__slots=2)
 

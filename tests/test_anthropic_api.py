@@ -17,7 +17,7 @@ import pytest
 from tests.gateway_harness import wait_until_healthy
 from tests.test_gateway_tools import schema_of
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.model]
 KEY = "sk-ant-fleet-test-1"
 GREEDY = {"temperature": 0}  # the SDK no longer types temperature; the API still takes it
 WEATHER = {"name": "get_weather", "description": "The current weather in a city.",

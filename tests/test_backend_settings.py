@@ -193,6 +193,7 @@ def test_env_sets_a_whole_section_or_the_fallback_list(tmp_path: Path,
 # -- a real worker --------------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_fleet_worker_stops_at_start_naming_the_foreign_key(redis_url: str, tmp_path: Path) -> None:
     path = config(tmp_path, {"backend": {"type": "ollama", "endpoint": "http://127.0.0.1:1",
                                          "kv_unified": True}})

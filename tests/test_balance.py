@@ -8,6 +8,7 @@ import os
 import time
 from collections import Counter
 
+import pytest
 from redis import Redis
 
 from backends.contract.keys import CAPACITY_LIVE_MS, capacity_key, queue_key
@@ -91,6 +92,7 @@ def test_a_stale_entry_counts_for_nothing(redis: Redis) -> None:
     assert redis.ttl(capacity_key(POOL)) > 0
 
 
+@pytest.mark.model
 def test_a_burst_on_two_real_workers_is_shared(redis_url: str, workers: Workers) -> None:
     """Two idle worker processes on the real model, one core each; a burst of 8 jobs submitted at
     once: each runs half (without balance the first to wake took 7)."""

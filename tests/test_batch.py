@@ -71,6 +71,7 @@ def test_a_file_with_bad_lines_is_refused_naming_lines_and_fields(redis: Redis, 
     assert not redis.keys("rq:queue:*") and not redis.keys("fleet:batch*") and not redis.keys("rq:job:*")
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_1000_lines_two_workers_one_killed_and_the_submit_interrupted(redis: Redis, redis_url: str,
                                                                       workers: Any, tmp_path: Path) -> None:
@@ -114,6 +115,7 @@ def test_1000_lines_two_workers_one_killed_and_the_submit_interrupted(redis: Red
         assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.model
 def test_cancel_drops_the_queued_lines_and_stops_the_rest(redis: Redis, redis_url: str, workers: Any,
                                                          tmp_path: Path) -> None:
     workers.start("cancel-w1")
@@ -140,6 +142,7 @@ def test_cancel_drops_the_queued_lines_and_stops_the_rest(redis: Redis, redis_ur
     assert redis.llen(queue_key("llm:low")) == 0
 
 
+@pytest.mark.model
 def test_the_openai_client_runs_a_batch_through_the_gateway(redis: Redis, workers: Any, gateways: Gateways,
                                                              tmp_path: Path) -> None:
     workers.start("openai-w1")

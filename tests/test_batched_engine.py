@@ -13,6 +13,8 @@ from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp.invariance import FA_TILE_ROWS
 from backends.llamacpp_settings import LlamaCppSettings
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:

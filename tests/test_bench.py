@@ -42,6 +42,7 @@ def test_summaries_pool_rounds_and_ratio_is_fleet_over_peer() -> None:
     assert ratios(rows)[("short", 4)]["tok_s"] == 1.0
 
 
+@pytest.mark.model
 @pytest.mark.timeout(300)
 def test_one_small_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
@@ -61,6 +62,7 @@ def test_one_small_run_end_to_end(tmp_path: Path) -> None:
     assert out.with_suffix(".html").read_text().count("<polyline") >= 8  # 4 plots x (fleet, peer)
 
 
+@pytest.mark.model
 @pytest.mark.timeout(180)
 def test_one_small_run_over_http(tmp_path: Path) -> None:
     """`--via http`: fleet serve and llama-server, each over /v1/completions with the same body."""

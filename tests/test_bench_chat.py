@@ -49,6 +49,7 @@ def test_chat_options_are_checked(args: list[str], message: str) -> None:
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.model
 @pytest.mark.timeout(180)
 def test_one_tiny_chat_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "chat.json"

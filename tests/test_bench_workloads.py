@@ -90,6 +90,7 @@ def test_grounded_passages_are_400_tokens_and_max_tokens_caps(tok: Tokenizer) ->
     assert {r.max_tokens for r in workload("mixed", tok, max_tokens=20).requests(0, 32)} <= set(range(16, 21))
 
 
+@pytest.mark.model
 def test_counts_match_llama_servers_tokenizer(tok: Tokenizer, tmp_path: Path) -> None:
     """The peer counts the same tokens: /tokenize with BOS, special tokens not parsed."""
     requests = [workload(name, tok).request(3) for name in WORKLOADS]
@@ -114,6 +115,7 @@ def test_unknown_workload_is_refused() -> None:
     assert result.exit_code == 2 and "unknown workload huge" in result.output
 
 
+@pytest.mark.model
 @pytest.mark.timeout(600)
 def test_grounded_and_mixed_end_to_end_count_length_rejections(tmp_path: Path) -> None:
     """Per-job context 512 on both sides: grounded fits; mixed request 0 (861 tokens) is rejected by

@@ -30,7 +30,7 @@ from tests.harness import ROOT, wait_for
 from tests.observe_helpers import cli_env
 from tests.real_servers import LlamaServer, llama_server
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 # about 110 tokens: long enough that reuse shows, short enough to prefill quickly on a busy box
 STORY = ("Write the next chapter of the story. The lighthouse keeper kept a log of every ship that "
          "passed the northern rocks: the date, the flag, the weather and what the crew shouted up "

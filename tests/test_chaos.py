@@ -38,6 +38,7 @@ MATRIX = [pytest.param(False, True, id="tenants-off-placement-on"),
 TENANTS = [None, "team-a", "team-b"]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(("tenants", "placement"), MATRIX)
 def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, tmp_path: Path,
                                                  tenants: bool, placement: bool) -> None:
@@ -85,6 +86,7 @@ def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, t
     assert not queue_violations(redis), queue_violations(redis)
 
 
+@pytest.mark.model
 def test_redis_restart_mid_run_with_aof(tmp_path: Path) -> None:
     with RedisServer.start(tmp_path / "redis", extra=["--appendonly", "yes"]) as server, \
             fleet_workers(server.url, tmp_path / "logs") as workers:

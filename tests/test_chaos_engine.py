@@ -23,7 +23,7 @@ from ecosystem.local.llama_server import start_llama_server
 from ecosystem.local.processes import free_port
 from tests.reliability_checks import assert_exactly_one_final, fleet_workers, wait_streaming
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.model]
 
 
 def test_engine_killed_mid_run(redis_url: str, redis: Redis, tmp_path: Path) -> None:

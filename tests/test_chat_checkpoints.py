@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from backends.base import Done, Token
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp_settings import LlamaCppSettings
+
+pytestmark = pytest.mark.model
 
 N_BATCH = 64  # the windowed layers keep n_swa + n_batch cells: a short answer moves them on
 

@@ -51,6 +51,7 @@ def fleet(config: Path, redis_url: str, *args: str, timeout: float = 60) -> subp
         return subprocess.CompletedProcess(command, 0, "", f"still running after {timeout}s\n{err}")
 
 
+@pytest.mark.model
 def test_the_documented_config_starts_a_worker_the_gateway_and_a_kubernetes_render(
         redis_url: str, tmp_path: Path) -> None:
     config = documented_config()
@@ -80,6 +81,7 @@ def test_the_documented_config_starts_a_worker_the_gateway_and_a_kubernetes_rend
     assert (tmp_path / "k8s" / "gateway-deployment.yaml").exists()
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("where", ["top level", "gateway"])
 def test_an_unknown_key_stops_the_worker_the_gateway_and_the_render(redis_url: str, tmp_path: Path,
                                                                     where: str) -> None:

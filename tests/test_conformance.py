@@ -100,6 +100,7 @@ def test_ollama_curl_examples_without_content_type(workers, gateways) -> None:
             assert "--json" in refused.json()["error"]["message"]
 
 
+@pytest.mark.model
 def test_ollama_embed_curl_example_on_the_real_model(workers, gateways) -> None:
     workers.start("w1", backend__slots=2)
     gw = gateways.start()
@@ -259,6 +260,7 @@ def test_repeated_tool_calls_are_dropped(workers, gateways) -> None:
 TWO_THINGS = [{"role": "user", "content": "What is the weather in Paris, and what time is it in Tokyo?"}]
 
 
+@pytest.mark.model
 def test_parallel_tool_calls_default_to_true_on_the_real_model(workers, gateways, redis_url) -> None:
     """Without `parallel_tool_calls` an answer may hold several calls (OpenAI's default), each
     valid for its tool, none repeated; the answer ends where the model repeats a call (it would
@@ -317,6 +319,7 @@ def token_id(vocab: Any, text: str) -> int:
     return ids[0]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("backend", ["llama-cpp", "llama-server"])
 def test_logit_bias_bans_and_forces_tokens_on_the_real_model(backend, workers, gateways, vocab,
                                                               tmp_path) -> None:
@@ -375,6 +378,7 @@ JOKE = {"type": "object", "properties": {"setup": {"type": "string", "maxLength"
         "required": ["setup", "punchline"], "additionalProperties": False}
 
 
+@pytest.mark.model
 def test_response_format_beside_tools_shapes_the_answer_on_the_real_model(workers, gateways) -> None:
     """OpenAI accepts response_format together with tools (openai-agents' output_type with tools
     sends both): an answer that calls no tool follows the format, plain and streamed; a call is

@@ -27,7 +27,7 @@ from tests.gateway_harness import GatewayProcess, start_gateway, wait_until_heal
 from tests.harness import RedisServer, start_worker
 from tests.real_servers import LlamaServer, llama_server
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 
 # an answer long on any CPU (greedy text follows the kernels), so 3 tokens cut it
 HI = [{"role": "user", "content": "Tell me a story about a cat."}]

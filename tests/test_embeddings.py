@@ -27,7 +27,7 @@ from dispatcher import Fleet, JobFailed
 from dispatcher.aio import AsyncFleet
 from tests.gateway_harness import wait_until_healthy
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.model]
 N_EMBD = 640  # gemma-3-270m's hidden size
 SIMILAR = ("The cat sat on the mat.", "A kitten is sitting on a rug.")
 UNRELATED = ("Quarterly revenue grew by twelve percent.", "The train to Berlin leaves at noon.")

@@ -13,6 +13,8 @@ from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp_settings import LlamaCppSettings
 from tests.test_batched_engine import run_all
 
+pytestmark = pytest.mark.model
+
 # The base model ends this one at once, greedily: its first token is <eos>
 STOPS_AT_ONCE = "#include <stdio.h>\nint main() { return 0; }\n"
 

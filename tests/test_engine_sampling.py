@@ -45,6 +45,7 @@ def rejections(engine: LlamaCppBackend) -> int:
     return int(engine.stats()["grammar_rejections"])  # type: ignore[call-overload]
 
 
+@pytest.mark.model
 def test_presence_and_frequency_penalties_change_greedy_output(engine: LlamaCppBackend) -> None:
     prompt = " ".join(["the"] * 12)
     plain, _ = generate(engine, prompt=prompt, max_tokens=12, temperature=0.0)
@@ -55,6 +56,7 @@ def test_presence_and_frequency_penalties_change_greedy_output(engine: LlamaCppB
     assert penalized.split().count("the") < plain.split().count("the") // 2
 
 
+@pytest.mark.model
 def test_logprobs_chosen_token_is_top_one_when_greedy(engine: LlamaCppBackend) -> None:
     text, done = generate(engine, prompt="The capital of France is", max_tokens=8, temperature=0.0,
                           logprobs=True, top_logprobs=3)
@@ -76,6 +78,7 @@ def test_logprobs_chosen_token_is_top_one_when_greedy(engine: LlamaCppBackend) -
     assert "logprobs" not in none.extra
 
 
+@pytest.mark.model
 def test_json_schema_output_validates_for_sixteen_jobs_in_a_batch(engine: LlamaCppBackend) -> None:
     rejections0 = rejections(engine)
     for i in range(16):
@@ -94,6 +97,7 @@ def test_json_schema_output_validates_for_sixteen_jobs_in_a_batch(engine: LlamaC
     assert rejections(engine) > rejections0  # that prompt needed the full filter
 
 
+@pytest.mark.model
 def test_grammar_leaves_greedy_text_it_accepts_unchanged(engine: LlamaCppBackend) -> None:
     """The pick is only checked against the grammar: when the model already writes valid JSON,
     the constrained text is the unconstrained one, cut where the JSON value ends."""
@@ -105,6 +109,7 @@ def test_grammar_leaves_greedy_text_it_accepts_unchanged(engine: LlamaCppBackend
     assert rejections(engine) == rejections0
 
 
+@pytest.mark.model
 def test_schema_that_cannot_compile_fails_at_admission(engine: LlamaCppBackend) -> None:
     unusable: list[tuple[dict[str, Any], str]] = [({"$ref": "#/$defs/missing"}, "$defs"),
                                                   ({"not": {"type": "string"}}, "Unrecognized")]
@@ -117,6 +122,7 @@ def test_schema_that_cannot_compile_fails_at_admission(engine: LlamaCppBackend) 
     assert done.completion_tokens == 3 and text
 
 
+@pytest.mark.model
 def test_chat_on_the_default_model_uses_the_gemma_template(engine: LlamaCppBackend) -> None:
     assert engine.model.chat_template == b"gemma"  # the embedded GGUF has none of its own
     request = GenerateRequest.model_validate({"messages": [
@@ -133,6 +139,7 @@ def test_chat_on_the_default_model_uses_the_gemma_template(engine: LlamaCppBacke
         check_builtin_template("gemma-4-imaginary")
 
 
+@pytest.mark.model
 def test_shortlist_resampling_picks_what_the_full_filter_picks(engine: LlamaCppBackend,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A refused pick is re-sampled from the best SHORTLIST candidates when enough of them pass the
@@ -152,6 +159,7 @@ def test_shortlist_resampling_picks_what_the_full_filter_picks(engine: LlamaCppB
     assert both() == shortlisted
 
 
+@pytest.mark.model
 def test_top_k_candidates_pick_what_the_whole_vocabulary_picks(engine: LlamaCppBackend,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Chains that start with top-k (the default sampling, and greedy with penalties) sample from the
@@ -212,6 +220,7 @@ def test_integer_bounds_grammar_matches_exactly_the_range(lo: int, hi: int) -> N
     assert not any(regex.match(s) for s in ("00", "01", "-0", "007"))  # no leading zeros
 
 
+@pytest.mark.model
 def test_bounded_integers_hold_in_generated_json(engine: LlamaCppBackend) -> None:
     tight = {"type": "object", "required": ["age"], "additionalProperties": False,
              "properties": {"age": {"type": "integer", "minimum": 18, "exclusiveMaximum": 21}}}

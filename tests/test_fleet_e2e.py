@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -11,6 +12,8 @@ from rq.serializers import JSONSerializer
 from backends.contract.keys import JOB_FUNCTION
 from dispatcher import Fleet
 from tests.harness import ROOT
+
+pytestmark = pytest.mark.model
 
 
 def test_submit_stream_result(redis_url: str, workers) -> None:

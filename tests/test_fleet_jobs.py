@@ -29,6 +29,7 @@ def fleet_cli(*args: str, env_url: str | None = None) -> subprocess.CompletedPro
                           env=env, cwd=ROOT, timeout=120)
 
 
+@pytest.mark.model
 def test_priorities_high_before_default_before_low(redis_url: str, workers) -> None:
     fleet = Fleet(redis_url)
     # queue everything before any worker exists, lowest priority first
@@ -51,6 +52,7 @@ def test_cancel_queued_job(redis_url: str) -> None:
     assert res["finish_reason"] == "cancelled" and res["text"] == ""
 
 
+@pytest.mark.model
 def test_cancel_running_job_keeps_partial_text(redis_url: str, workers) -> None:
     workers.start("w1", backend__slots=2)
     fleet = Fleet(redis_url)
@@ -90,6 +92,7 @@ def push_raw(r: Redis, job_id: str, data: bytes) -> None:
     r.rpush(queue_key("llm:default"), job_id)
 
 
+@pytest.mark.model
 def test_bad_jobs_fail_alone_and_worker_keeps_serving(redis_url: str, workers) -> None:
     r = Redis.from_url(redis_url)
     q = Queue("llm:default", connection=r, serializer=JSONSerializer)
@@ -118,6 +121,7 @@ def test_bad_jobs_fail_alone_and_worker_keeps_serving(redis_url: str, workers) -
     assert w.alive()
 
 
+@pytest.mark.model
 def test_sigterm_with_job_in_flight_loses_nothing(redis_url: str, workers) -> None:
     w = workers.start("w1", backend__slots=2, drain_grace=0)
     fleet = Fleet(redis_url)
@@ -131,6 +135,7 @@ def test_sigterm_with_job_in_flight_loses_nothing(redis_url: str, workers) -> No
     assert res["worker"] == "w2" and res["attempt"] == 2
 
 
+@pytest.mark.model
 def test_status_json_fields(redis_url: str, workers) -> None:
     workers.start("w-status", backend__slots=3)
     Fleet(redis_url).submit(prompt="Count:", max_tokens=4).result(timeout=60)
@@ -150,6 +155,7 @@ def test_status_json_fields(redis_url: str, workers) -> None:
     assert all({"depth", "started", "failed"} <= set(q) for q in snap["queues"])
 
 
+@pytest.mark.model
 def test_unreachable_redis_is_one_line() -> None:
     for args in (["status"], ["submit", "hi"], ["worker"]):
         out = fleet_cli(*args, env_url="redis://:hunter2@127.0.0.1:1/0")

@@ -80,6 +80,7 @@ def tree(pid: int) -> list[int]:
     return [pid, *(c.pid for c in proc.children(recursive=True))]
 
 
+@pytest.mark.model
 def test_fleet_up_serves_drains_on_sigterm_and_leaves_nothing(run_dir: Path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     up, out = start_up(run_dir, url, "--workers", "2", "--slots", "4")
@@ -119,6 +120,7 @@ def test_fleet_up_serves_drains_on_sigterm_and_leaves_nothing(run_dir: Path) -> 
     assert stops[2] > max(stops[:2])  # Redis stops only after both workers drained
 
 
+@pytest.mark.model
 def test_fleet_up_daemon_then_down(run_dir: Path) -> None:
     port = free_port()
     url = f"redis://:s3cret%25pw@127.0.0.1:{port}/0"  # private Redis with the URL's password
@@ -162,6 +164,7 @@ def test_fleet_up_daemon_then_down(run_dir: Path) -> None:
     assert twice.returncode == 0 and "no fleet is up" in twice.stdout
 
 
+@pytest.mark.model
 def test_fleet_up_fails_fast_on_a_worker_that_cannot_start(run_dir: Path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     env = fleet_env(url, FLEET_BACKEND__MODEL_PATH="/nonexistent/model.gguf")
@@ -187,6 +190,7 @@ def test_fleet_up_will_not_stand_in_for_a_remote_redis(run_dir: Path) -> None:
     assert not (run_dir / "fleet-up.json").exists()
 
 
+@pytest.mark.model
 def test_fleet_up_stops_what_a_killed_supervisord_left(run_dir: Path) -> None:
     """supervisord killed -9: its programs survive it; fleet up stops them (workers drain first)."""
     url = f"redis://127.0.0.1:{free_port()}/0"
@@ -237,6 +241,7 @@ def test_private_redis_config_and_a_long_run_dir(tmp_path: Path) -> None:
     assert RunDir(Path("/tmp/r")).socket == Path("/tmp/r/supervisor.sock")
 
 
+@pytest.mark.model
 def test_fleet_up_scales_a_catalogue_model_from_zero(run_dir: Path) -> None:
     """`fleet up --scale-from-zero`: no worker runs until a request for a catalogue model arrives
     (through the gateway, which waits for one: gateway.cold_start_wait); the autoscaler starts a

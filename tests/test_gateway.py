@@ -25,7 +25,7 @@ from dispatcher import Fleet
 from tests.gateway_harness import start_gateway, wait_until_healthy
 from tests.test_gateway_llama_server import ASK, PERSON
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 PROMPT = "Once upon a time"
 
 

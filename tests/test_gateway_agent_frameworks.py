@@ -58,7 +58,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from tests.gateway_harness import GatewayProcess, start_gateway, wait_until_healthy
 from tests.harness import RedisServer, start_worker
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.model]
 
 QUESTION = "What is the weather in Paris?"
 INSTRUCTIONS = "Answer questions about the weather."

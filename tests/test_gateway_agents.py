@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from tests.gateway_harness import wait_until_healthy
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 
 
 class Person(BaseModel):

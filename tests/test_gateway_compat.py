@@ -16,7 +16,7 @@ import pytest
 from tests.gateway_harness import wait_until_healthy
 from tests.test_engine_min_tokens import STOPS_AT_ONCE
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 GENERATED_ID = re.compile(r"req_[0-9a-f]{32}")
 
 

@@ -18,7 +18,7 @@ from tests.gateway_harness import wait_until_healthy
 from tests.real_servers import LlamaServer, llama_server
 from tests.test_gateway_tools import BOTH, check_call, reassembled
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 ASK: list[Any] = [{"role": "user", "content": "Invent a person. Answer in JSON with a name and an age."}]

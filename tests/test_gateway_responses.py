@@ -14,7 +14,7 @@ import pytest
 from tests.gateway_harness import wait_until_healthy
 from tests.test_gateway_tools import schema_of
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
            "parameters": schema_of("get_weather")}
 

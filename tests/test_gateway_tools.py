@@ -20,7 +20,7 @@ import pytest
 from dispatcher import Fleet
 from tests.gateway_harness import wait_until_healthy
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.model]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",

@@ -366,6 +366,7 @@ def test_a_file_part_is_refused_as_soon_as_it_passes_the_limit(gateways: Gateway
 # -- the model, end to end --------------------------------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_odd_line_breaks_run_to_the_end_on_the_model(workers: Any, gateways: Gateways) -> None:
     workers.start("model-w1", backend__slots=4)

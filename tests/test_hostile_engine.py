@@ -78,6 +78,7 @@ def control_ids(engine: LlamaCppBackend) -> dict[str, int]:
     return {text: t[0] for text, t in ids.items()}
 
 
+@pytest.mark.model
 def test_control_token_text_in_messages_stays_text(engine: LlamaCppBackend) -> None:
     """A user who types the template's markers gets text tokens, not a forged model turn; the
     template's own markers stay control tokens, and a chat without such text is tokenized
@@ -103,6 +104,7 @@ def test_control_token_text_in_messages_stays_text(engine: LlamaCppBackend) -> N
     assert engine.model.prompt_tokens(benign) == engine.model.tokenize(rendered, special=True)
 
 
+@pytest.mark.model
 def test_a_nul_byte_in_a_message_is_kept_not_cut(engine: LlamaCppBackend) -> None:
     """llama.cpp reads template contents as C strings; the content must not end at the NUL."""
     tokens = engine.model.prompt_tokens(GenerateRequest.model_validate({"messages": [
@@ -150,6 +152,7 @@ def test_the_engine_refuses_a_grammar_too_deep_to_compile() -> None:
     assert lines[3] == "ALIVE 1"
 
 
+@pytest.mark.model
 def test_a_raw_rq_schema_bomb_fails_the_job_and_the_worker_lives_on(redis_url: str, redis: Redis,
                                                                      tmp_path: Path) -> None:
     """The same request through the producer (refused at once) and straight onto the RQ queue
@@ -202,6 +205,7 @@ def test_a_dead_workers_suspect_job_fails_and_its_other_jobs_are_requeued(redis_
     assert not redis.hexists(job_key(stale), SUSPECT_FIELD)  # the requeue cleared the stale mark
 
 
+@pytest.mark.model
 def test_a_worker_killed_during_grammar_setup_fails_the_job_and_reruns_the_rest(
         redis_url: str, redis: Redis, tmp_path: Path) -> None:
     """A real kill -9 while a structured-output job is between its start and its first text (a

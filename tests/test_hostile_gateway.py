@@ -253,6 +253,7 @@ def test_gateway_limits_on_choices_and_max_tokens(workers, gateways) -> None:
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}  # valid; no grammar
 
 
+@pytest.mark.model
 def test_failed_jobs_are_422_naming_the_jobs_without_python_internals(workers, gateways) -> None:
     worker = workers.start("w1", backend__slots=2)
     gw = gateways.start()
@@ -275,6 +276,7 @@ def test_failed_jobs_are_422_naming_the_jobs_without_python_internals(workers, g
     assert "AssertionError" in worker.output()  # the converter's own words stay in the worker's log
 
 
+@pytest.mark.model
 def test_request_timeout_cancels_the_jobs_and_names_them(workers, gateways, redis_url: str) -> None:
     workers.start("w1", backend__slots=2)
     gw = gateways.start(gateway__request_timeout=3)

@@ -246,6 +246,7 @@ def assert_serves(fleet1: Fleet1) -> None:
     assert job.result(timeout=60)["text"]
 
 
+@pytest.mark.model
 def test_hostile_requests_get_a_clear_4xx_and_the_fleet_survives(fleet1: Fleet1) -> None:
     pid = fleet1.worker.process.pid
     sent = 0
@@ -262,6 +263,7 @@ def test_hostile_requests_get_a_clear_4xx_and_the_fleet_survives(fleet1: Fleet1)
     print(f"hostile table: {sent} requests, 0 5xx, 0 hangs, worker restarts 0")
 
 
+@pytest.mark.model
 def test_hostile_jobs_straight_onto_the_queue_fail_clearly(fleet1: Fleet1) -> None:
     """The same requests without the gateway: each job ends with one clear final entry (a refusal,
     or an answer for the legal ones), and the worker stays the same process."""

@@ -144,6 +144,7 @@ def health_watch(url: str, halted: threading.Event, bad: list[tuple[float, int]]
 Catalogue = dict[str, dict[str, Any]]
 
 
+@pytest.mark.model
 def test_a_hostile_template_gets_a_clear_422_and_no_worker_is_lost(
         redis_url: str, redis: Redis, gateways: Any, catalogue: Catalogue, tmp_path: Path) -> None:
     """Default settings: the render budget ends the render; the job fails in its first attempt."""
@@ -168,6 +169,7 @@ def test_a_hostile_template_gets_a_clear_422_and_no_worker_is_lost(
         sup.close()
 
 
+@pytest.mark.model
 def test_a_template_that_hangs_workers_is_poison_after_two(
         redis_url: str, redis: Redis, gateways: Any, catalogue: Catalogue, tmp_path: Path) -> None:
     settings = {"models": catalogue, "backend__threads": 1, "stall_limit": STALL_LIMIT}

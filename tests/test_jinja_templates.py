@@ -137,6 +137,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serve
     yield out
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(("name", "case"), [(n, c) for n in TEMPLATES for c in cases(n)])
 def test_render_equals_llama_servers_prompt(served: dict[str, Served], name: str, case: str) -> None:
     s = served[name]
@@ -151,6 +152,7 @@ def test_render_equals_llama_servers_prompt(served: dict[str, Served], name: str
     assert render(tpl, cases(name)[case]) == answer.json()["prompt"]
 
 
+@pytest.mark.model
 def test_the_embedded_models_tokens_are_in_play(served: dict[str, Served]) -> None:
     """The BOS cut above is exercised: gemma's vocabulary adds <bos> itself, and templates that
     print bos_token lose it from the prompt, as llama-server does."""
@@ -160,6 +162,7 @@ def test_the_embedded_models_tokens_are_in_play(served: dict[str, Served]) -> No
     assert prompt.startswith("<|start_header_id|>system") and "<bos>" not in prompt
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_caps_equal_llama_servers(served: dict[str, Served], name: str) -> None:
     theirs = served[name].props["chat_template_caps"]

@@ -236,6 +236,7 @@ def same_answer(warm: list[Any], cold: list[Any]) -> None:
     assert compared >= 4, f"a near-tie after {compared} tokens: too short to say anything"
 
 
+@pytest.mark.model
 def test_a_conversation_restored_from_the_store_answers_as_a_fresh_prefill(tmp_path: Path) -> None:
     writer = store_engine(tmp_path)
     try:
@@ -280,6 +281,7 @@ def _release(fifo: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.model
 def test_the_steps_go_on_while_the_store_is_read(tmp_path: Path) -> None:
     """A read that does not end (a FIFO in the job's bucket: opening it blocks until someone
     writes) holds up its own job only: the running job keeps generating meanwhile. Then the bad
@@ -335,6 +337,7 @@ def _header_of(path: Path) -> Header:
     return header
 
 
+@pytest.mark.model
 def test_an_entry_carries_a_window_checkpoint_only_where_the_window_moved_past_it(tmp_path: Path) -> None:
     """A chat whose sequence still holds the window of its prompt's end: its state serves every
     prefix, and its entry has no checkpoint (the window's size again). One whose answer moved the

@@ -20,7 +20,7 @@ from tests.observe_helpers import collect, value
 from tests.reliability_checks import fleet_workers
 from tests.test_kv_store import FACTS
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.model]
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "kill -9 once its entry is written"])

@@ -27,7 +27,7 @@ from backends.llamacpp.scheduler import DecodeCall
 from backends.llamacpp.state import ActiveJob, Sampled
 from backends.llamacpp_settings import LlamaCppSettings
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.model]
 TEMPLATE = Path(__file__).parent / "fixtures" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
 TOOLS = [{"name": "get_weather", "description": "The current weather in a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

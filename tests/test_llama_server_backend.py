@@ -60,6 +60,7 @@ def final(events: list[Event], job_id: str) -> Done | Failed:
     return end
 
 
+@pytest.mark.model
 def test_slot_count_comes_from_the_server_and_parallel_caps_it(server: LlamaServer) -> None:
     full = LlamaServerBackend(LlamaServerSettings(endpoint=server.url))
     capped = LlamaServerBackend(LlamaServerSettings(endpoint=server.url, parallel=2))
@@ -71,6 +72,7 @@ def test_slot_count_comes_from_the_server_and_parallel_caps_it(server: LlamaServ
         capped.close()
 
 
+@pytest.mark.model
 def test_eight_jobs_run_four_at_a_time_on_the_server(
     server: LlamaServer, backend: LlamaServerBackend
 ) -> None:
@@ -116,6 +118,7 @@ def test_eight_jobs_run_four_at_a_time_on_the_server(
     assert backend.stats()["completed"] == 8
 
 
+@pytest.mark.model
 def test_streamed_deltas_concatenate_to_the_servers_own_text(
     server: LlamaServer, backend: LlamaServerBackend
 ) -> None:
@@ -134,6 +137,7 @@ def test_streamed_deltas_concatenate_to_the_servers_own_text(
     assert isinstance(done, Done) and done.completion_tokens == direct["tokens_predicted"]
 
 
+@pytest.mark.model
 def test_stop_strings_end_the_job_before_the_stop_text(backend: LlamaServerBackend) -> None:
     backend.admit("count", greedy(prompt="Counting: 1, 2, 3, 4, 5,", max_tokens=40, stop=[" 8"]))
     events = collect(backend, 1)
@@ -143,6 +147,7 @@ def test_stop_strings_end_the_job_before_the_stop_text(backend: LlamaServerBacke
     assert text(events, "count") == " 6, 7,"
 
 
+@pytest.mark.model
 def test_max_tokens_ends_with_length_and_exact_count(backend: LlamaServerBackend) -> None:
     backend.admit("short", greedy(prompt="Once upon a time, in a land far away,", max_tokens=7))
     backend.admit("chat", greedy(messages=[Message(role="user", content="Name a colour.")], max_tokens=5))
@@ -154,6 +159,7 @@ def test_max_tokens_ends_with_length_and_exact_count(backend: LlamaServerBackend
         assert done.prompt_tokens > 0 and text(events, job)
 
 
+@pytest.mark.model
 def test_cancel_ends_the_job_and_frees_the_slot(server: LlamaServer, backend: LlamaServerBackend) -> None:
     backend.admit("long", greedy(prompt="Write a very long story about a dragon.", max_tokens=2000))
     events: list[Event] = []
@@ -174,6 +180,7 @@ def test_cancel_ends_the_job_and_frees_the_slot(server: LlamaServer, backend: Ll
     assert backend.step(0.2) == []  # nothing late leaks out of the cancelled stream
 
 
+@pytest.mark.model
 def test_prompt_longer_than_the_context_fails_for_good_with_the_servers_message(
     backend: LlamaServerBackend,
 ) -> None:
@@ -191,6 +198,7 @@ def test_unreachable_server_is_backend_unavailable_after_connect_timeout() -> No
     assert time.monotonic() - started < 3
 
 
+@pytest.mark.model
 def test_backend_waits_while_the_server_loads(tmp_path: Path) -> None:
     with llama_server(tmp_path, parallel=2, ctx=1024, wait=False) as starting:
         b = LlamaServerBackend(
@@ -202,6 +210,7 @@ def test_backend_waits_while_the_server_loads(tmp_path: Path) -> None:
             b.close()
 
 
+@pytest.mark.model
 def test_server_killed_mid_job_fails_retryable_then_fallback_reruns_it(tmp_path: Path) -> None:
     from tests.ollama_api_server import serve
 
@@ -254,6 +263,7 @@ def test_server_killed_mid_job_fails_retryable_then_fallback_reruns_it(tmp_path:
         ollama.shutdown()
 
 
+@pytest.mark.model
 def test_ignore_eos_reaches_max_tokens_and_min_tokens_is_refused_by_name(backend: LlamaServerBackend) -> None:
     stops = "#include <stdio.h>\nint main() { return 0; }\n"  # the model's first token is <eos>
     backend.admit("plain", greedy(prompt=stops, max_tokens=24))

@@ -172,6 +172,7 @@ def run(backend: LlamaServerBackend, request: GenerateRequest) -> tuple[str, Don
     return text(events, "job"), end
 
 
+@pytest.mark.model
 def test_what_each_server_speaks(qwen: LlamaServer, tmp_path: Any) -> None:
     """Jinja and a template for tools: native; Jinja with the GGUF's (ChatML fallback, no tools):
     chats only; --no-jinja: nothing (every chat with tools is lowered, as before)."""
@@ -192,6 +193,7 @@ def test_what_each_server_speaks(qwen: LlamaServer, tmp_path: Any) -> None:
                 backend.close()
 
 
+@pytest.mark.model
 def test_a_native_call_straight_from_the_backend(qwen: LlamaServer) -> None:
     """The chat as sent (no lowering): the server renders the tools and past calls in Qwen's
     <tool_call> syntax and parses the answer; the backend streams it as the answer JSON. A chat
@@ -254,6 +256,7 @@ def control_free(backend: LlamaServerBackend, server: LlamaServer, request: Gene
     assert not control & set(tokens)
 
 
+@pytest.mark.model
 def test_a_call_name_or_a_template_setting_with_control_text_goes_as_text(
         qwen: LlamaServer, tmp_path: Any) -> None:
     """The server reads control tokens anywhere in what it renders: a past call's name (Qwen's
@@ -278,6 +281,7 @@ def test_a_call_name_or_a_template_setting_with_control_text_goes_as_text(
             backend.close()
 
 
+@pytest.mark.model
 def test_openai_tool_calls_through_the_gateway_on_the_servers_own_dialect(
         qwen: LlamaServer, workers: Any, gateways: Any, redis_url: str) -> None:
     workers.start("w1", backend__type="llama-server", backend__endpoint=qwen.url, backend__connect_timeout=30)

@@ -21,6 +21,8 @@ from backends.llamacpp.pacing import MIN_ROWS
 from backends.llamacpp.scheduler import StepPlan
 from backends.llamacpp_settings import LlamaCppSettings
 
+pytestmark = pytest.mark.model
+
 N_BATCH = 512
 DECODERS = 8
 MAX_STEPS = 4000 // MIN_ROWS  # a paced step moves the prompt on by MIN_ROWS rows at least

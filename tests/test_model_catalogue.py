@@ -75,6 +75,7 @@ def test_the_file_card_matches_what_a_worker_publishes(catalogue: dict[str, dict
     assert file_card(default_model_path())["details"]["quantization_level"] == "Q4_K_M"
 
 
+@pytest.mark.model
 def test_one_worker_serves_two_models_and_unloads_the_idle_one(workers: Any, redis_url: str, redis: Redis,
                                                               catalogue: dict[str, dict[str, Any]]) -> None:
     models = {**catalogue, Q8: {**catalogue[Q8], "keep_alive": 3}}
@@ -101,6 +102,7 @@ def test_one_worker_serves_two_models_and_unloads_the_idle_one(workers: Any, red
     assert abs(rss_after - rss_q4) <= 0.05 * rss_q4, (rss_idle, rss_q4, rss_after)
 
 
+@pytest.mark.model
 def test_a_burst_for_a_cold_model_loads_it_on_one_worker(workers: Any, redis_url: str, redis: Redis,
                                                         catalogue: dict[str, dict[str, Any]]) -> None:
     for name in ("w1", "w2"):  # no second copy of a model whose jobs wait (the next test's subject)
@@ -127,6 +129,7 @@ def test_a_burst_for_a_cold_model_loads_it_on_one_worker(workers: Any, redis_url
     assert {r["worker"] for r in done4} == {n for n, held in holders.items() if Q4 in held}
 
 
+@pytest.mark.model
 def test_a_model_that_stays_hot_gets_a_second_copy(workers: Any, redis_url: str, redis: Redis,
                                                    catalogue: dict[str, dict[str, Any]]) -> None:
     """Work for one model that keeps its holder full past `second_copy_after`: the idle worker
@@ -175,6 +178,7 @@ def router_states(url: str) -> dict[str, str]:
     return {m["id"]: m["status"]["value"] for m in httpx.get(f"{url}/models").json()["data"]}
 
 
+@pytest.mark.model
 def test_ollama_lifecycle_through_the_gateway(workers: Any, gateways: Any, redis: Redis,
                                               catalogue: dict[str, dict[str, Any]]) -> None:
     """The official ollama client and the router's endpoints against one catalogue worker:
@@ -217,6 +221,7 @@ def test_ollama_lifecycle_through_the_gateway(workers: Any, gateways: Any, redis
     assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
 
 
+@pytest.mark.model
 def test_open_webui_call_sequence_with_two_models(workers: Any, gateways: Any,
                                                   catalogue: dict[str, dict[str, Any]]) -> None:
     """Open WebUI against an Ollama base URL, in its order, over a catalogue of two models that
@@ -254,6 +259,7 @@ def test_open_webui_call_sequence_with_two_models(workers: Any, gateways: Any,
         assert [m["name"] for m in http.get("/api/tags").json()["models"]] == [Q4, Q8]
 
 
+@pytest.mark.model
 def test_a_memory_budget_evicts_the_idle_model(workers: Any, redis_url: str, redis: Redis,
                                                catalogue: dict[str, dict[str, Any]]) -> None:
     """A budget with room for one model (each ~450-500 MB with its slots' KV): the next model's
@@ -272,6 +278,7 @@ def test_a_memory_budget_evicts_the_idle_model(workers: Any, redis_url: str, red
         job.result(timeout=60)
 
 
+@pytest.mark.model
 def test_dedicated_workers_serve_only_their_models(workers: Any, redis_url: str, redis: Redis,
                                                    catalogue: dict[str, dict[str, Any]]) -> None:
     """serve_models: today's dedicated pools, from one catalogue."""
@@ -283,6 +290,7 @@ def test_dedicated_workers_serve_only_their_models(workers: Any, redis_url: str,
     assert status(redis, "q4-only")["pools"] == ["gemma3-270m"]
 
 
+@pytest.mark.model
 def test_the_dashboard_shows_each_workers_models(workers: Any, redis_url: str, redis: Redis, tmp_path: Path,
                                                 catalogue: dict[str, dict[str, Any]]) -> None:
     """`fleet dashboard` over a catalogue fleet, rendered by headless Chromium: the worker's row
@@ -309,6 +317,7 @@ def test_the_dashboard_shows_each_workers_models(workers: Any, redis_url: str, r
         server.wait(10)
 
 
+@pytest.mark.model
 def test_a_pinned_model_stays(workers: Any, gateways: Any, redis_url: str,
                               redis: Redis, catalogue: dict[str, dict[str, Any]]) -> None:
     """A pinned model: loaded before any job asks, past its keep_alive, an operator's unload and
@@ -330,6 +339,7 @@ def test_a_pinned_model_stays(workers: Any, gateways: Any, redis_url: str,
     job.cancel()
 
 
+@pytest.mark.model
 def test_an_embedding_entry_beside_generation_models(workers: Any, gateways: Any, redis: Redis,
                                                      catalogue: dict[str, dict[str, Any]]) -> None:
     """An embedding-only catalogue entry on the same worker as a chat model: /v1/embeddings on it

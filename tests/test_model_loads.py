@@ -25,7 +25,7 @@ from backends.model import default_model_path
 from ecosystem.local.processes import wait_for, wait_until_healthy
 from tests.test_model_catalogue import loaded, router_states
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 QUICK = 30.0  # seconds: every answer below comes within this (before the fix: 120 s and more)
 
 

@@ -31,7 +31,7 @@ from tests.harness import wait_for
 from tests.reliability_checks import held, stream_events, streaming
 from tests.test_gateway_tools import schema_of
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.model]
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 THINKING = Path(__file__).parent / "fixtures" / "thinking-opened.jinja"
 

@@ -96,6 +96,7 @@ def check_calls(job_id: str, text: str, finish: str) -> None:
         assert "<tool_call>" not in text and "[TOOL_CALLS]" not in text, text  # read, not passed on
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(("template", "syntax"), FAMILIES)
 def test_a_required_call_in_each_family(template: str, syntax: str) -> None:
     b = engine(template, slots=4)

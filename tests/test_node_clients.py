@@ -18,7 +18,7 @@ import pytest
 from tests.gateway_harness import wait_until_healthy
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 NODE_DIR = ROOT / "tests" / "node"
 
 

@@ -17,6 +17,8 @@ from ecosystem.local.processes import free_port
 from tests.harness import ROOT, wait_for
 from tests.observe_helpers import cli_env, collect, fleet, fleet_json, scrape, value
 
+pytestmark = pytest.mark.model
+
 
 @pytest.mark.timeout(600)
 def test_status_jobs_and_metrics_follow_a_live_fleet(redis_url: str, redis: Redis, workers) -> None:

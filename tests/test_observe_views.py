@@ -49,6 +49,7 @@ class Load(threading.Thread):
         self.join(timeout=300)
 
 
+@pytest.mark.model
 @pytest.mark.timeout(600)
 def test_status_watch_redraws_in_place_under_tmux(redis_url: str, workers, tmp_path: Path) -> None:
     workers.start("w1", backend__slots=4)
@@ -91,6 +92,7 @@ def test_status_watch_redraws_in_place_under_tmux(redis_url: str, workers, tmp_p
         subprocess.run([*tmux, "kill-server"], check=False)
 
 
+@pytest.mark.model
 @pytest.mark.timeout(600)
 def test_dashboard_in_headless_chromium_shows_workers_and_a_chart(redis_url: str, workers,
                                                                    tmp_path: Path) -> None:

@@ -104,6 +104,7 @@ def test_a_files_digest_is_read_once_and_cached(tmp_path: Path, monkeypatch: pyt
 # -- Open WebUI against an Ollama base URL ------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_open_webui_call_sequence(workers, gateways) -> None:
     """Open WebUI's calls, in its order, each answer's fields filled and consistent; on a gateway
     without keys (like Ollama itself) anyone may unload."""
@@ -250,6 +251,7 @@ TENANTS = {
 POOLS = {"gateway__tenants": TENANTS, "gateway__models": {"llm": "llm", "other": "other"}}
 
 
+@pytest.mark.model
 def test_a_tenant_sees_only_its_models_under_both_names(workers, gateways) -> None:
     workers.start("w1", backend__slots=1, **POOLS)
     workers.start("w2", **FAKE, **POOLS, pool="other")  # a model with no card: listed by its pool's name

@@ -129,6 +129,7 @@ def test_cancel_waits_for_the_step_and_its_done_follows() -> None:
     over.close()
 
 
+@pytest.mark.model
 def test_on_the_real_engine_the_text_is_the_serial_engines() -> None:
     """`backend.overlap: true` on llama.cpp: the same greedy text as stepping the engine in turn."""
     from backends.llamacpp import LlamaCppBackend

@@ -9,6 +9,7 @@ import os
 import time
 from collections import Counter
 
+import pytest
 from redis import Redis
 
 from backends.contract.affinity import FIELD, HELD_TTL, held_key, held_keys, job_keys
@@ -141,6 +142,7 @@ def test_a_crafted_affinity_field_is_only_looked_up(redis: Redis) -> None:
     assert ids(b.claim(4)) == ["no-hash"]
 
 
+@pytest.mark.model
 def test_each_conversation_returns_to_its_worker(redis_url: str, workers: Workers) -> None:
     """Two real workers; four conversations of three turns: every later turn runs where the turn
     before it ran (where its KV is), and the worker says it holds the prefix for HELD_TTL."""

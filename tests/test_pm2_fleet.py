@@ -27,6 +27,8 @@ from tests.fleet_checks import alive, cpus_allowed, registered, submit, thread_c
 from tests.harness import ROOT, wait_for
 from tests.pm2 import Pm2
 
+pytestmark = pytest.mark.model
+
 DRAIN_GRACE = 1.0  # seconds: long jobs cannot finish in it, so the drain requeues them
 
 

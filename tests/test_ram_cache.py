@@ -12,6 +12,8 @@ from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp_settings import LlamaCppSettings
 from tests.test_chat_checkpoints import N_BATCH, run
 
+pytestmark = pytest.mark.model
+
 
 def conversation(engine: LlamaCppBackend, edited: bool, other_job: bool
                  ) -> tuple[str, dict[str, object], int]:

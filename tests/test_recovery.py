@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(180)
 QUEUE = "llm:default"
 
 
+@pytest.mark.model
 def test_sigterm_drain_finishes_eight_in_flight(redis_url: str, redis: Redis, tmp_path: Path) -> None:
     fleet = Fleet(redis_url)
     with fleet_workers(redis_url, tmp_path / "logs") as workers:
@@ -93,6 +94,7 @@ def test_reaper_gives_up_after_max_attempts_naming_the_dead_workers(
     assert_exactly_one_final(redis, [spent.id, fresh.id])
 
 
+@pytest.mark.model
 def test_job_wall_timeout(redis_url: str, tmp_path: Path) -> None:
     fleet = Fleet(redis_url)
     with fleet_workers(redis_url, tmp_path / "logs") as workers:

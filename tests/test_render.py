@@ -421,6 +421,7 @@ def test_supervisord_runs_the_rendered_config(short_tmp: Path) -> None:
             daemon.wait(timeout=30)
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_pm2_runs_the_rendered_config(short_tmp: Path) -> None:
     the_plan = live_plan()

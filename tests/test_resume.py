@@ -109,6 +109,7 @@ STRUCTURED = {"temperature": 0.0, "extra_body": {"response_format": {
     "type": "json_schema", "json_schema": {"name": "story", "schema": STORY}}}}
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 11}, STRUCTURED],
                          ids=["greedy", "seeded", "structured"])
 def test_every_stream_survives_the_death_of_its_worker(redis_url: str, redis: Redis, tmp_path: Path,
@@ -140,6 +141,7 @@ def test_every_stream_survives_the_death_of_its_worker(redis_url: str, redis: Re
     assert resumed >= 1, "no stream had text when its worker died"
 
 
+@pytest.mark.model
 def test_the_engine_continues_after_the_delivered_text_and_counts_it_once() -> None:
     from backends.base import Done, GenerateRequest, Token
     from backends.llamacpp import LlamaCppBackend

@@ -81,6 +81,7 @@ ACL = ["--requirepass", "admin-secret",
        "--user", "fleet", "on", ">fleet-secret", "~*", "&*", "+@all", "-@dangerous"]
 
 
+@pytest.mark.model
 def test_password_and_acl_user_urls_work_and_stay_secret(tmp_path: Path) -> None:
     admin = "redis://:admin-secret@127.0.0.1:{}/0".format
     with start_guarded_redis(tmp_path / "redis", ACL, admin) as server:

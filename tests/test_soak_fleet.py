@@ -69,6 +69,7 @@ def assert_hostile_met(phase: PhaseResult, fake: bool) -> None:
     assert met == set(Kinds(fake).hostile_cases()), met
 
 
+@pytest.mark.model
 def test_short_soak_on_the_fake_engine(tmp_path: Path) -> None:
     result = soak(tmp_path, seed=11, duration=55, backend="fake")
     phase = result.phases[0]
@@ -78,6 +79,7 @@ def test_short_soak_on_the_fake_engine(tmp_path: Path) -> None:
     assert result.ok, report(result)
 
 
+@pytest.mark.model
 def test_short_soak_on_the_real_model(tmp_path: Path) -> None:
     result = soak(tmp_path, seed=12, duration=30, backend="llama-cpp", clients=3, slots=4,
                   faults=("worker_kill9", "queued_cancel"))

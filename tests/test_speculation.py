@@ -16,6 +16,8 @@ from backends.base import GenerateRequest, Token
 from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp_settings import LlamaCppSettings
 
+pytestmark = pytest.mark.model
+
 PASSAGE = ("The lighthouse stood on the rocky point for two hundred years. Every night the keeper "
            "climbed the spiral stairs, trimmed the wick and wound the clockwork that turned the great "
            "lens. Ships passing the point saw the beam sweep across the water every ten seconds. ")

@@ -36,7 +36,7 @@ from backends.contract.keys import stream_key, usage_key
 from tests.gateway_harness import GatewayProcess, start_gateway, wait_until_healthy
 from tests.harness import RedisServer, WorkerProcess, start_worker
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.model]
 
 QWEN3 = Path(__file__).parent / "fixtures" / "templates" / "Qwen-Qwen3-0.6B.jinja"
 TENANTS = {

@@ -211,12 +211,14 @@ def run(b: LlamaCppBackend, body: dict[str, Any]) -> tuple[str, str, int]:
 SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
+@pytest.mark.model
 def test_without_a_budget_the_small_model_never_ends_its_thought(engine: LlamaCppBackend) -> None:
     text, finish, thought = run(engine, {"messages": SEA, "max_tokens": 24})
     answer = tools.read_answer(text, "j")
     assert finish == "length" and thought == 24 and answer.reasoning and not answer.content
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("n", [0, 6, 17])
 def test_the_thought_ends_at_its_budget_and_the_answer_follows(engine: LlamaCppBackend, n: int) -> None:
     text, _, thought = run(engine, {"messages": SEA, "max_tokens": n + 24, "reasoning_budget": n})
@@ -225,6 +227,7 @@ def test_the_thought_ends_at_its_budget_and_the_answer_follows(engine: LlamaCppB
     assert bool(answer.reasoning.strip()) == (n > 0) and answer.content, text
 
 
+@pytest.mark.model
 def test_budget_zero_renders_the_template_without_thinking() -> None:
     b = LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=QWEN3), threads=2)
     try:
@@ -236,6 +239,7 @@ def test_budget_zero_renders_the_template_without_thinking() -> None:
         b.close()
 
 
+@pytest.mark.model
 def test_a_required_call_follows_a_thought_its_budget_ended() -> None:
     """DeepSeek R1's template opens the thought; a required call must come at its end (a lazy
     grammar fired by `</think>`). The budget writes that end, the grammar fires on it, the call is
@@ -256,6 +260,7 @@ def test_a_required_call_follows_a_thought_its_budget_ended() -> None:
         b.close()
 
 
+@pytest.mark.model
 def test_a_gpt_oss_required_call_follows_one_analysis_held_to_its_budget() -> None:
     """gpt-oss thinks in an analysis message before a call. The required call's grammar allows
     one (the small model, let start another, loops from one analysis to the next and never calls);

@@ -92,6 +92,7 @@ def fleet_post(pair: Pair, path: str, body: dict[str, Any] | None = None, *, con
                       headers=ALLOWED if headers is None else headers)
 
 
+@pytest.mark.model
 def test_tokenize_answers_what_llama_server_answers(pair: Pair) -> None:
     """Ids with and without BOS, control-token text read as the token or as text, pieces as text
     or, for the bytes of a character split across tokens, as byte lists; an empty content."""
@@ -109,6 +110,7 @@ def test_tokenize_answers_what_llama_server_answers(pair: Pair) -> None:
     assert [p["piece"] for p in pieces["tokens"]] == ["a", [0xF0], [0x93], [0x80], [0x80], "b"]
 
 
+@pytest.mark.model
 def test_detokenize_round_trips_and_answers_what_llama_server_answers(pair: Pair) -> None:
     text = f"Hello <start_of_turn> wörld {HIEROGLYPH} 😀"
     ids, _ = both(pair, "/tokenize", {"content": text, "add_special": True})
@@ -122,6 +124,7 @@ def test_detokenize_round_trips_and_answers_what_llama_server_answers(pair: Pair
     assert both(pair, "/detokenize", {"tokens": []}) == ({"content": ""}, {"content": ""})
 
 
+@pytest.mark.model
 def test_apply_template_renders_the_chat_as_llama_server_does(pair: Pair) -> None:
     fleet, peer = both(pair, "/apply-template", {"messages": CHAT})
     assert fleet == peer
@@ -165,6 +168,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
 ]
 
 
+@pytest.mark.model
 def test_bad_input_is_a_400_naming_the_field_and_the_worker_serves_on(pair: Pair) -> None:
     for path, body, field, word in BAD:
         response = fleet_post(pair, path, body)
@@ -183,6 +187,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_worker_serves_on(pair: Pair
     assert chat.json()["usage"]["completion_tokens"] > 0 and chat.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.model
 def test_routes_as_llama_server_has_them_and_keys_apply(pair: Pair) -> None:
     """No /v1 aliases (llama-server has none); a key is needed; a tenant's models apply as they do
     to a chat: the same 404 for a model it may not use, and without `model` its own model (here a
@@ -204,6 +209,7 @@ def test_routes_as_llama_server_has_them_and_keys_apply(pair: Pair) -> None:
         assert allowed.status_code == 200 and allowed.headers["x-fleet-job-id"], (path, allowed.text)
 
 
+@pytest.mark.model
 def test_the_llama_server_backend_forwards_and_the_ollama_backend_refuses(pair: Pair) -> None:
     """A worker on the llama-server backend answers with its server's own routes: what the
     in-process worker answers; ids outside the vocabulary are refused before they reach the

@@ -26,7 +26,7 @@ from tests.harness import ROOT, WorkerProcess, wait_for
 from tests.ollama_api_server import OllamaApiServer, serve
 from tests.real_servers import LlamaServer, llama_server, model_path
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.model]
 STORY = "Write a very long story about a dragon who learns to read."
 
 
