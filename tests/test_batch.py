@@ -1,5 +1,6 @@
-"""Batches end to end: real redis-server, real workers on the real model, the real `fleet` CLI
-and gateway, the official openai client."""
+"""Batches end to end: real redis-server, real `fleet worker` processes, the real `fleet` CLI
+and gateway, the official openai client. The workers run the fake engine, paced like a small
+model: a batch's lines are jobs like any other, the same for every engine."""
 
 from __future__ import annotations
 
@@ -20,11 +21,15 @@ from dispatcher.batch.record import read_state
 from tests.gateway_harness import Gateways, wait_until_healthy
 from tests.harness import ROOT, default_sigint, wait_for, worker_env
 
+# the fake engine says the prompt back a word a step: each line's prompt has words for its max_tokens
+FAKE = {"backend__type": "fake", "backend__step_delay": 0.02}
+
 
 def write_batch(path: Path, n: int, max_tokens: int = 1, url: str = "/v1/completions") -> Path:
     with path.open("w") as f:
         for i in range(n):
-            body = {"model": "llm", "prompt": f"Item {i}:", "max_tokens": max_tokens, "temperature": 0}
+            body = {"model": "llm", "prompt": f"Item {i}: one two three four five", "max_tokens": max_tokens,
+                    "temperature": 0}
             f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}) + "\n")
     return path
 
@@ -71,12 +76,11 @@ def test_a_file_with_bad_lines_is_refused_naming_lines_and_fields(redis: Redis, 
     assert not redis.keys("rq:queue:*") and not redis.keys("fleet:batch*") and not redis.keys("rq:job:*")
 
 
-@pytest.mark.model
 @pytest.mark.slow
 def test_1000_lines_two_workers_one_killed_and_the_submit_interrupted(redis: Redis, redis_url: str,
                                                                       workers: Any, tmp_path: Path) -> None:
-    first = workers.start("batch-w1")
-    workers.start("batch-w2")
+    first = workers.start("batch-w1", **FAKE, backend__slots=16)  # a real worker's default slots
+    workers.start("batch-w2", **FAKE, backend__slots=16)
     path = write_batch(tmp_path / "in.jsonl", 1000)
     args = ("submit", str(path), "--id", "big", "--chunk-size", "1")
     submitter = subprocess.Popen(fleet(redis_url, *args), env=worker_env(redis_url, "cli"), cwd=ROOT,
@@ -115,10 +119,9 @@ def test_1000_lines_two_workers_one_killed_and_the_submit_interrupted(redis: Red
         assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.model
 def test_cancel_drops_the_queued_lines_and_stops_the_rest(redis: Redis, redis_url: str, workers: Any,
                                                          tmp_path: Path) -> None:
-    workers.start("cancel-w1")
+    workers.start("cancel-w1", **{**FAKE, "backend__step_delay": 0.05}, backend__slots=4)
     path = write_batch(tmp_path / "in.jsonl", 300, max_tokens=4)
     assert run(redis_url, "submit", str(path), "--id", "stop-me").returncode == 0
     wait_for(lambda: count(redis, "stop-me", "completed") >= 10, 300, "10 lines done", interval=0.2)
@@ -142,10 +145,9 @@ def test_cancel_drops_the_queued_lines_and_stops_the_rest(redis: Redis, redis_ur
     assert redis.llen(queue_key("llm:low")) == 0
 
 
-@pytest.mark.model
 def test_the_openai_client_runs_a_batch_through_the_gateway(redis: Redis, workers: Any, gateways: Gateways,
                                                              tmp_path: Path) -> None:
-    workers.start("openai-w1")
+    workers.start("openai-w1", **FAKE, backend__slots=4)
     gw = gateways.start()
     wait_until_healthy(gw)
     client = OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
