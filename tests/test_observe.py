@@ -1,5 +1,6 @@
-"""Observability against a live fleet: real redis-server, 2 `fleet worker` processes on the real
-model; `fleet status` / `jobs` / `job`, the Prometheus exporter, a killed worker."""
+"""Observability against a live fleet: real redis-server, 2 `fleet worker` processes;
+`fleet status` / `jobs` / `job`, the Prometheus exporter (on the real model: the status names its
+engine), a killed worker (the fake engine, paced: what is watched is the worker's death)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from ecosystem.local.processes import free_port
 from tests.harness import ROOT, wait_for
 from tests.observe_helpers import cli_env, collect, fleet, fleet_json, scrape, value
 
-pytestmark = pytest.mark.model
 
-
+@pytest.mark.model
 @pytest.mark.timeout(600)
 def test_status_jobs_and_metrics_follow_a_live_fleet(redis_url: str, redis: Redis, workers) -> None:
     workers.start("w1", backend__slots=4)
@@ -95,9 +95,12 @@ def _try_scrape(port: int):  # type: ignore[no-untyped-def]
 @pytest.mark.timeout(600)  # a shared 2-core box: the rerun of a killed job may be slow
 def test_a_killed_worker_leaves_status_within_its_ttl_and_its_job_says_why(redis_url: str, redis: Redis,
                                                                            workers) -> None:
-    started = (workers.start("w-a", backend__slots=2), workers.start("w-b", backend__slots=2))
+    paced = {"backend__type": "fake", "backend__slots": 2, "backend__step_delay": 0.05}
+    started = (workers.start("w-a", **paced), workers.start("w-b", **paced))
     procs = {w.name: w for w in started}
-    job = Fleet(redis_url).submit(prompt="Write a long story about the sea.", max_tokens=120, temperature=0.0)
+    story = " ".join(f"sea{i}" for i in range(120))  # the fake engine says it back: 120 steps, ~6 s
+    job = Fleet(redis_url).submit(prompt=f"Write a long story about the sea. {story}", max_tokens=120,
+                                  temperature=0.0)
     next(iter(job.stream(timeout=120, detach=True)))  # only a peek: leaving it must not cancel
     holder = fleet_json(redis_url, "job", job.id)["attempts"][0]["worker"]
     (other,) = set(procs) - {holder}
