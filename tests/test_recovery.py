@@ -28,14 +28,18 @@ from tests.reliability_checks import assert_exactly_one_final, fleet_workers, he
 
 pytestmark = pytest.mark.timeout(180)
 QUEUE = "llm:default"
+# the fake engine, a step every 50 ms: a 40-word job takes 2 s like a small model's; what drains or
+# times out is the worker's loop, the same for every engine
+PACED = {"backend__type": "fake", "backend__step_delay": 0.05}
+WORDS = " ".join(f"w{i}" for i in range(2000))
 
 
-@pytest.mark.model
 def test_sigterm_drain_finishes_eight_in_flight(redis_url: str, redis: Redis, tmp_path: Path) -> None:
     fleet = Fleet(redis_url)
     with fleet_workers(redis_url, tmp_path / "logs") as workers:
-        worker = workers.start("d1", backend__slots=8, drain_grace=60)
-        jobs = [fleet.submit(prompt=f"Recipe {i}: take", max_tokens=40, temperature=0.0) for i in range(8)]
+        worker = workers.start("d1", **PACED, backend__slots=8, drain_grace=60)
+        jobs = [fleet.submit(prompt=f"Recipe {i}: take {WORDS}", max_tokens=40, temperature=0.0)
+                for i in range(8)]
         wait_streaming(redis, "d1", at_least=8)
         assert worker.stop(signal.SIGTERM, timeout=90) == 0, worker.output()
     results = [job.result(timeout=5) for job in jobs]
@@ -94,13 +98,12 @@ def test_reaper_gives_up_after_max_attempts_naming_the_dead_workers(
     assert_exactly_one_final(redis, [spent.id, fresh.id])
 
 
-@pytest.mark.model
 def test_job_wall_timeout(redis_url: str, tmp_path: Path) -> None:
     fleet = Fleet(redis_url)
     with fleet_workers(redis_url, tmp_path / "logs") as workers:
-        workers.start("t1", backend__slots=2)
+        workers.start("t1", **PACED, backend__slots=2)
         started = time.monotonic()
-        job = fleet.submit(prompt="An endless story:", max_tokens=2000, job_timeout=2)
+        job = fleet.submit(prompt=f"An endless story: {WORDS}", max_tokens=2000, job_timeout=2)
         with pytest.raises(JobFailed) as failed:
             job.result(timeout=60)
         elapsed = time.monotonic() - started
