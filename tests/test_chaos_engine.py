@@ -6,6 +6,7 @@ fault inside the in-process engine hands its jobs back and leaves it clean."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -64,13 +65,22 @@ def test_engine_killed_mid_run(redis_url: str, redis: Redis, tmp_path: Path) -> 
         engine.kill()
 
 
-def test_an_engine_fault_hands_every_job_back_and_the_engine_starts_clean() -> None:
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaCppBackend]:
+    """One in-process engine for the tests below: each leaves it as it found it (what they check:
+    a fault or a refusal leaves the engine clean), so its model is loaded once."""
+    shared = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx_per_seq=1024), threads=2)
+    yield shared
+    shared.close()
+
+
+def test_an_engine_fault_hands_every_job_back_and_the_engine_starts_clean(engine: LlamaCppBackend) -> None:
     """A bug inside the in-process engine (here: the bookkeeper raising while a job starts, then
     a llama_decode wrapper raising mid-step) must not wedge it: every job in it fails retryably
     (the worker hands those back), the KV is emptied, and the next job answers as on a fresh
     engine."""
-    engine = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx_per_seq=1024), threads=2)
     ask = "The three primary colours are"
+    faults = engine.faults  # the count stats() reports
 
     def run(job_id: str) -> str:
         engine.admit(job_id, GenerateRequest(prompt=ask, max_tokens=12, temperature=0.0))
@@ -83,41 +93,38 @@ def test_an_engine_fault_hands_every_job_back_and_the_engine_starts_clean() -> N
                     return text
         raise AssertionError("the job never ended")
 
-    try:
-        before = run("before")
-        for fault in ("admission", "step"):
-            for i in range(2):
-                request = GenerateRequest(prompt=f"{ask} {i}", max_tokens=50, temperature=0.0)
-                engine.admit(f"{fault}{i}", request)
-            engine.step()
-            engine.step()
+    before = run("before")
+    for fault in ("admission", "step"):
+        for i in range(2):
+            request = GenerateRequest(prompt=f"{ask} {i}", max_tokens=50, temperature=0.0)
+            engine.admit(f"{fault}{i}", request)
+        engine.step()
+        engine.step()
 
-            def boom(*_: object) -> NoReturn:
-                raise RuntimeError("a bug")
+        def boom(*_: object) -> NoReturn:
+            raise RuntimeError("a bug")
 
-            if fault == "admission":
-                engine.kv.reuse_prefix = boom  # type: ignore[method-assign, assignment]
-                engine.admit(f"{fault}-new", GenerateRequest(prompt=ask, max_tokens=4))  # does not raise
-            else:
-                engine.executor.run = boom  # type: ignore[method-assign, assignment]
-            failed = {ev.job_id for ev in engine.step() if isinstance(ev, Failed) and ev.retryable}
-            starting = {f"{fault}-new"} if fault == "admission" else set()
-            assert failed == {f"{fault}0", f"{fault}1", *starting}, fault
-            stats = engine.stats()
-            assert stats["active"] == stats["waiting"] == stats["prefixes"] == stats["ram_entries"] == 0
-            assert engine.free_slots() == 4
-            if fault == "step":
-                del engine.executor.run  # the instance attribute: back to the method
-            assert run(f"after-{fault}") == before  # nothing stale in the KV, no slot lost
-        assert engine.stats()["faults"] == 2
-    finally:
-        engine.close()
+        if fault == "admission":
+            engine.kv.reuse_prefix = boom  # type: ignore[method-assign, assignment]
+            engine.admit(f"{fault}-new", GenerateRequest(prompt=ask, max_tokens=4))  # does not raise
+        else:
+            engine.executor.run = boom  # type: ignore[method-assign, assignment]
+        failed = {ev.job_id for ev in engine.step() if isinstance(ev, Failed) and ev.retryable}
+        starting = {f"{fault}-new"} if fault == "admission" else set()
+        assert failed == {f"{fault}0", f"{fault}1", *starting}, fault
+        stats = engine.stats()
+        assert stats["active"] == stats["waiting"] == stats["prefixes"] == stats["ram_entries"] == 0
+        assert engine.free_slots() == 4
+        if fault == "step":
+            del engine.executor.run  # the instance attribute: back to the method
+        assert run(f"after-{fault}") == before  # nothing stale in the KV, no slot lost
+    assert engine.stats()["faults"] == faults + 2
 
 
-def test_a_job_its_own_grammar_refuses_at_the_start_fails_alone() -> None:
+def test_a_job_its_own_grammar_refuses_at_the_start_fails_alone(engine: LlamaCppBackend) -> None:
     """A per-job refusal met while a job starts (its grammar sampler) fails that job, not the
     engine: the others go on, nothing is reset."""
-    engine = LlamaCppBackend(LlamaCppSettings(slots=4, n_ctx_per_seq=1024), threads=2)
+    faults = engine.faults  # the count stats() reports
     opened = engine.executor.open
 
     def open_or_refuse(job: ActiveJob) -> None:
@@ -137,6 +144,6 @@ def test_a_job_its_own_grammar_refuses_at_the_start_fails_alone() -> None:
         assert isinstance(ends["bad"], Failed) and not ends["bad"].retryable
         assert "grammar" in ends["bad"].error
         assert isinstance(ends["good"], Done)
-        assert engine.stats()["faults"] == 0 and engine.free_slots() == 4
+        assert engine.stats()["faults"] == faults and engine.free_slots() == 4
     finally:
-        engine.close()
+        del engine.executor.open  # the instance attribute: back to the method
