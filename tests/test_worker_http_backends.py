@@ -275,16 +275,17 @@ def test_ollama_error_line_mid_stream_fails_the_job_clearly(redis_url: str, work
         ollama.error_after = None
 
 
-def test_a_thinking_model_behind_ollama_gives_its_thoughts_apart(workers, gateways) -> None:
+def test_a_thinking_model_behind_ollama_gives_its_thoughts_apart(workers, gateways,
+                                                                 ollama: OllamaApiServer) -> None:
     """A thinking model on Ollama (the test server with `thinking`: Ollama's capability, `think`,
     its split of the output into `message.thinking`). The worker says its model thinks, so the
     gateway asks for thoughts apart; the backend sends `think` and streams Ollama's thinking as the
     answer's reasoning: the official ollama client gets `thinking`, whole and streamed, the openai
     client `reasoning_content`; `think: false` turns the thought off. (The small model never ends
     a thought it is put in: all of its tokens are thought.)"""
-    thinker = serve(str(model_path()), names=("gemma3:270m",), thinking=True)
+    ollama.thinking = True  # the module's server, its model loaded once; set before the worker asks
     try:
-        workers.start("w-think", backend__type="ollama", backend__endpoint=thinker.url,
+        workers.start("w-think", backend__type="ollama", backend__endpoint=ollama.url,
                       backend__model="gemma3:270m")
         gw = gateways.start()
         wait_until_healthy(gw)
@@ -305,4 +306,4 @@ def test_a_thinking_model_behind_ollama_gives_its_thoughts_apart(workers, gatewa
         assert (message.model_extra or {}).get("reasoning_content") == whole.message.thinking
         assert not message.content
     finally:
-        thinker.shutdown()
+        ollama.thinking = False
