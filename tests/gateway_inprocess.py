@@ -13,6 +13,7 @@ Settings are given as the process fixtures take them (`gateway__api_keys=[...]`,
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import ExitStack
@@ -56,31 +57,58 @@ def _wait(ready: Any, what: str) -> None:
         time.sleep(0.02)
 
 
+class LogBook(logging.Handler):
+    """What this process logs while the tier runs, formatted as `fleet serve` writes its log
+    (tracebacks included): an in-process gateway's `output()`."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
 @dataclass
 class InProcessGateway:
-    """`.url` as a GatewayProcess's; `.settings` the ServeSettings its app was made with."""
+    """`.url`, `.port`, `alive()`, `output()`, `stop()` as a GatewayProcess's; `.settings` the
+    ServeSettings its app was made with."""
 
     url: str
     port: int
     settings: ServeSettings
     server: uvicorn.Server
     thread: threading.Thread
+    log: LogBook = field(default_factory=LogBook)
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def output(self) -> str:
+        """Every record logged in this process while the gateway ran (its log, and the test's
+        threads' beside it)."""
+        return self.log.text()
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
 
 
-def serve_inprocess(redis_url: str, **settings: Any) -> InProcessGateway:
+def serve_inprocess(redis_url: str, log: LogBook, **settings: Any) -> InProcessGateway:
     """The gateway's app on uvicorn in a thread of this process; returns once it answers HTTP."""
     s = load(ServeSettings, None, **{**nested(settings), "redis_url": redis_url})
     port = free_port()
-    config = uvicorn.Config(create_app(s), host="127.0.0.1", port=port, log_level="warning",
+    # log_config None: uvicorn leaves logging alone, so its records reach the test's (caplog)
+    config = uvicorn.Config(create_app(s), host="127.0.0.1", port=port, log_config=None,
                             server_header=False, lifespan="on", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"gateway-{port}", daemon=True)
     thread.start()
-    gw = InProcessGateway(f"http://127.0.0.1:{port}", port, s, server, thread)
+    gw = InProcessGateway(f"http://127.0.0.1:{port}", port, s, server, thread, log)
 
     def answers() -> bool:
         if not thread.is_alive():
@@ -153,6 +181,10 @@ class InProcessFleet:
         self.redis_url = redis_url
         self.workers: list[InProcessWorker] = []
         self.gateways: list[InProcessGateway] = []
+        self.log = LogBook()
+        root = logging.getLogger()
+        root.addHandler(self.log)
+        monkeypatch.setattr(root, "level", min(root.level, logging.INFO))  # what `fleet serve` logs
         original = FleetWorker.install_signal_handlers
 
         def install_signal_handlers(fw: FleetWorker) -> None:
@@ -165,8 +197,10 @@ class InProcessFleet:
 
         monkeypatch.setattr(FleetWorker, "install_signal_handlers", install_signal_handlers)
 
-    def start(self, **settings: Any) -> InProcessGateway:
-        gw = serve_inprocess(self.redis_url, **settings)
+    def start(self, *, over: str | None = None, **settings: Any) -> InProcessGateway:
+        """A gateway with `settings` over this test's Redis, or `over` another's (the shared real
+        fleet's `redis_url`: its worker answers; the test isolates by job id, as there)."""
+        gw = serve_inprocess(over or self.redis_url, self.log, **settings)
         self.gateways.append(gw)
         return gw
 
@@ -181,5 +215,6 @@ class InProcessFleet:
                 stack.callback(gw.stop)
             for w in self.workers:
                 stack.callback(w.stop)
+            stack.callback(logging.getLogger().removeHandler, self.log)
         errors = [e for w in self.workers for e in w.error]
         assert not errors, f"an in-process worker failed: {errors!r}"
