@@ -36,7 +36,7 @@ TENANTS = {
 SETTINGS = {"gateway__tenants": TENANTS, "gateway__models": {"llm": "llm", "other": "llm"}}
 
 
-def started(fleet: InProcessFleet, gateways: Gateways | None = None, **settings: Any) -> str:
+def started(fleet: InProcessFleet, *, gateways: Gateways | None = None, **settings: Any) -> str:
     """A fake-engine worker and a gateway with `settings` (a `fleet serve` process when `gateways`
     is given); the gateway's URL once it is healthy."""
     fleet.worker("w1", **FAKE, **settings)
@@ -186,7 +186,7 @@ def chunks(body: bytes, size: int = 65536) -> Iterator[bytes]:
 def test_an_oversized_body_gets_its_413_read_by_python_clients(inprocess_gateway: InProcessFleet,
                                                                gateways: Gateways) -> None:
     limit = 8 * 1024 * 1024
-    url = started(inprocess_gateway, gateways, gateway__max_body_bytes=limit)
+    url = started(inprocess_gateway, gateways=gateways, gateway__max_body_bytes=limit)
     twice = b'{"model": "llm", "prompt": "' + b"x" * (2 * limit) + b'"}'
     # Python's own client sends the whole body before it reads the answer, and stops at the
     # first write error: a gateway that closes on unread bytes resets it mid-body
