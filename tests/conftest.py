@@ -17,6 +17,7 @@ from redis import Redis
 
 from tests import model_guard
 from tests.gateway_harness import Gateways
+from tests.gateway_inprocess import InProcessFleet
 from tests.harness import RedisServer, WorkerProcess, start_worker
 from tests.real_fleet import RealFleet, real_fleet_processes
 
@@ -98,3 +99,12 @@ def real_fleet(shared_real_fleet: RealFleet) -> Iterator[RealFleet]:
     shared_real_fleet.check_serving()
     yield shared_real_fleet
     shared_real_fleet.check_serving()
+
+
+@pytest.fixture
+def inprocess_gateway(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[InProcessFleet]:
+    """The gateway tier in process (tests/gateway_inprocess.py): `inprocess_gateway.start(**settings)`
+    serves the real app over this test's Redis, `.worker(name, **settings)` a fake-engine worker."""
+    fleet = InProcessFleet(redis_url, monkeypatch)
+    yield fleet
+    fleet.close()

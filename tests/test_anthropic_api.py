@@ -1,5 +1,6 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) through the official
-anthropic SDK against `fleet serve` with keys on a real worker and the real model: text, the
+anthropic SDK against the gateway's app (in process) with keys on a real worker and the real model
+(a fresh worker: the first answer must come from no cache): text, the
 stream's events in Anthropic's order, a tool_use round trip (forced, then answered from its
 tool_result), count_tokens against the usage of the same request, errors in Anthropic's shape,
 and both key headers."""
@@ -35,9 +36,9 @@ def sse_events(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def test_messages_stream_tools_count_tokens_errors_and_keys(workers, gateways) -> None:
+def test_messages_stream_tools_count_tokens_errors_and_keys(workers, inprocess_gateway) -> None:
     workers.start("w1", backend__slots=4)
-    gw = gateways.start(gateway__api_keys=[KEY])
+    gw = inprocess_gateway.start(gateway__api_keys=[KEY])
     wait_until_healthy(gw)
     client = anthropic.Anthropic(base_url=gw.url, api_key=KEY, max_retries=0)  # sends x-api-key
     story = {"model": "llm", "system": "Tell a story.", "messages": [

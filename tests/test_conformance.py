@@ -1,16 +1,16 @@
-"""Conformance with the reference servers, through a real `fleet serve` and a real `fleet worker`:
+"""Conformance with the reference servers, through the gateway's app and a worker:
 Ollama's own curl examples (no Content-Type: curl sends a form's), with cross-site form posts
 still refused; how a Responses answer cut by max_output_tokens ends (OpenAI: `incomplete`, not
 `completed`), and a failed one; OpenAI's default `parallel_tool_calls` (true) with repeated calls
 dropped; the Ollama version clients gate features on; OpenAI's `logit_bias`.
 
-The fake engine (`backend__type: fake`, which answers with the words of the last message) where
-only the gateway's behaviour matters; the real model where the engine must do the work (embeddings,
-tool calls under the answer grammar, logit_bias)."""
+The fake engine (`backend__type: fake`, which answers with the words of the last message) on the
+gateway in process where only the gateway's behaviour matters; the shared real fleet (`fleet serve`
+and `fleet worker` on the real model) where the engine must do the work (embeddings, tool calls
+under the answer grammar, logit_bias)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -52,11 +52,11 @@ def ndjson(response: httpx.Response) -> list[dict[str, Any]]:
 # -- Ollama's curl examples ---------------------------------------------------------------------------
 
 
-def test_ollama_curl_examples_without_content_type(workers, gateways) -> None:
+def test_ollama_curl_examples_without_content_type(inprocess_gateway) -> None:
     """The examples of Ollama's API reference, as curl sends them (application/x-www-form-urlencoded),
     each a 200 with Ollama's body; OpenAI's routes keep taking JSON only (their reference's rule)."""
-    workers.start("w1", **FAKE)
-    gw = gateways.start()
+    inprocess_gateway.worker("w1", **FAKE)
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     with httpx.Client(base_url=gw.url, timeout=60) as http:
         generate = curl(http, "/api/generate", {"model": "llm", "prompt": "Why is the sky blue?"})
@@ -101,11 +101,8 @@ def test_ollama_curl_examples_without_content_type(workers, gateways) -> None:
 
 
 @pytest.mark.model
-def test_ollama_embed_curl_example_on_the_real_model(workers, gateways) -> None:
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
-    wait_until_healthy(gw)
-    with httpx.Client(base_url=gw.url, timeout=120) as http:
+def test_ollama_embed_curl_example_on_the_real_model(real_fleet) -> None:
+    with httpx.Client(base_url=real_fleet.url, timeout=120) as http:
         embed = curl(http, "/api/embed", {"model": "llm", "input": "Why is the sky blue?"})
         assert embed.status_code == 200, embed.text
         vectors = embed.json()["embeddings"]
@@ -115,12 +112,12 @@ def test_ollama_embed_curl_example_on_the_real_model(workers, gateways) -> None:
         assert legacy.status_code == 200 and len(legacy.json()["embedding"]) == 640
 
 
-def test_cross_site_form_posts_are_still_refused_on_ollama_routes(workers, gateways) -> None:
+def test_cross_site_form_posts_are_still_refused_on_ollama_routes(inprocess_gateway) -> None:
     """What a web page of another site can send without a CORS preflight (a <form>'s or
     fetch(no-cors)'s Content-Types, a body that reads as JSON) runs nothing: the Origin and
     Sec-Fetch-Site check refuses it, now that Ollama's routes take any Content-Type."""
-    workers.start("w1", **FAKE)
-    gw = gateways.start()
+    inprocess_gateway.worker("w1", **FAKE)
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     body = json.dumps({"model": "llm", "prompt": "x", "input": "x", "messages": [{"role": "user",
                                                                                   "content": "x"}]}).encode()
@@ -143,10 +140,10 @@ def test_cross_site_form_posts_are_still_refused_on_ollama_routes(workers, gatew
 # -- /api/version ----------------------------------------------------------------------------------
 
 
-def test_ollama_version_is_the_ollama_release_served(gateways) -> None:
+def test_ollama_version_is_the_ollama_release_served(inprocess_gateway) -> None:
     """Clients gate features on /api/version (the ollama CLI, Open WebUI): it names the Ollama
     release whose API is served, at least the one that added logprobs (0.12.11), which is served."""
-    gw = gateways.start()
+    gw = inprocess_gateway.start()
     version = httpx.get(f"{gw.url}/api/version", timeout=10)
     assert version.status_code == 200
     parts = tuple(int(p) for p in version.json()["version"].split("."))
@@ -160,11 +157,11 @@ def sse_events(response: httpx.Response) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
 
 
-def test_responses_cut_by_max_output_tokens_end_incomplete(workers, gateways) -> None:
+def test_responses_cut_by_max_output_tokens_end_incomplete(inprocess_gateway) -> None:
     """OpenAI ends a Response cut by max_output_tokens with `response.incomplete`, its message item
     `incomplete`; whole, streamed raw, and through the official SDK's two ways of streaming."""
-    workers.start("w1", **FAKE)
-    gw = gateways.start()
+    inprocess_gateway.worker("w1", **FAKE)
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     client = oai(gw)
     cut: dict[str, Any] = {"model": "llm", "input": WORDS, "max_output_tokens": 3}
@@ -202,9 +199,9 @@ def test_responses_cut_by_max_output_tokens_end_incomplete(workers, gateways) ->
     assert client.responses.create(model="llm", input="one two").output[0].status == "completed"
 
 
-def test_a_failed_responses_stream_ends_with_response_failed(workers, gateways) -> None:
-    workers.start("w1", **FAKE, backend__step_delay=0.5)
-    gw = gateways.start(gateway__request_timeout=2)
+def test_a_failed_responses_stream_ends_with_response_failed(inprocess_gateway) -> None:
+    inprocess_gateway.worker("w1", **FAKE, backend__step_delay=0.5)
+    gw = inprocess_gateway.start(gateway__request_timeout=2)
     wait_until_healthy(gw)
     raw = httpx.post(f"{gw.url}/v1/responses", json={"model": "llm", "input": WORDS, "stream": True},
                      timeout=60)
@@ -227,12 +224,12 @@ def call_answer(*calls: tuple[str, dict[str, Any]]) -> str:
     return json.dumps({"tool_calls": [{"name": name, "arguments": args} for name, args in calls]})
 
 
-def test_repeated_tool_calls_are_dropped(workers, gateways) -> None:
+def test_repeated_tool_calls_are_dropped(inprocess_gateway) -> None:
     """One answer holding the same call twice (keys in another order too) gives it once; ids
     count the calls kept, the same whole and streamed. The fake engine answers with the user's
     text, so the answer is exactly the one written here."""
-    workers.start("w1", **FAKE)
-    gw = gateways.start()
+    inprocess_gateway.worker("w1", **FAKE)
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     client = oai(gw)
     paris = {"city": "Paris", "unit": "celsius"}
@@ -261,14 +258,11 @@ TWO_THINGS = [{"role": "user", "content": "What is the weather in Paris, and wha
 
 
 @pytest.mark.model
-def test_parallel_tool_calls_default_to_true_on_the_real_model(workers, gateways, redis_url) -> None:
+def test_parallel_tool_calls_default_to_true_on_the_real_model(real_fleet) -> None:
     """Without `parallel_tool_calls` an answer may hold several calls (OpenAI's default), each
     valid for its tool, none repeated; the answer ends where the model repeats a call (it would
     repeat it until max_tokens); `false` or a named function allow one call."""
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
-    wait_until_healthy(gw)
-    client = oai(gw)
+    client = oai(real_fleet)
     common: dict[str, Any] = {"model": "llm", "max_tokens": 128, "temperature": 0, "tools": BOTH}
     several = client.chat.completions.create(messages=TWO_THINGS, tool_choice="required", **common).choices[0]
     calls = several.message.tool_calls or []
@@ -280,7 +274,7 @@ def test_parallel_tool_calls_default_to_true_on_the_real_model(workers, gateways
     raw = client.chat.completions.with_raw_response.create(messages=ASK, tool_choice="auto", **common)
     repeated = raw.parse().choices[0]
     assert repeated.finish_reason == "tool_calls" and repeated.message.tool_calls
-    result = Fleet(redis_url).job(raw.headers["x-fleet-job-id"]).result(timeout=10)
+    result = Fleet(real_fleet.redis_url).job(raw.headers["x-fleet-job-id"]).result(timeout=10)
     written = json.loads(result.text.rstrip().rstrip(",") + "]}")["tool_calls"]  # the raw answer, cut
     assert written[-1] in written[:-1] and len(written) == len(repeated.message.tool_calls) + 1
     assert result.usage.completion_tokens < 128
@@ -321,21 +315,21 @@ def token_id(vocab: Any, text: str) -> int:
 
 @pytest.mark.model
 @pytest.mark.parametrize("backend", ["llama-cpp", "llama-server"])
-def test_logit_bias_bans_and_forces_tokens_on_the_real_model(backend, workers, gateways, vocab,
-                                                              tmp_path) -> None:
+def test_logit_bias_bans_and_forces_tokens_on_the_real_model(backend, request, vocab, tmp_path) -> None:
     """OpenAI's logit_bias (token id -> bias): -100 bans the token greedy decoding picks, 100
     makes one token the pick every time; on completions, chat and streams alike, on the
-    in-process engine and on llama-server (which the backend passes it to)."""
-    with contextlib.ExitStack() as stack:
-        settings: dict[str, Any] = {"backend__slots": 2}
-        if backend == "llama-server":
-            server = stack.enter_context(llama_server(tmp_path / "llama-server", parallel=2, ctx=2048))
-            settings = {"backend__type": "llama-server", "backend__endpoint": server.url,
-                        "backend__connect_timeout": 30}
-        workers.start("w1", **settings)
-        gw = gateways.start()
+    in-process engine (the shared real fleet's worker) and on llama-server (which the backend
+    passes it to: a worker on it in this process, the gateway's app in this process)."""
+    if backend == "llama-cpp":
+        check_logit_bias(oai(request.getfixturevalue("real_fleet")), vocab, in_process=True)
+        return
+    fleet = request.getfixturevalue("inprocess_gateway")
+    with llama_server(tmp_path / "llama-server", parallel=2, ctx=2048) as server:
+        fleet.worker("w1", backend__type="llama-server", backend__endpoint=server.url,
+                     backend__connect_timeout=30)
+        gw = fleet.start()
         wait_until_healthy(gw)
-        check_logit_bias(oai(gw), vocab, in_process=backend == "llama-cpp")
+        check_logit_bias(oai(gw), vocab, in_process=False)
 
 
 def check_logit_bias(client: openai.OpenAI, vocab: Any, in_process: bool) -> None:
@@ -379,14 +373,11 @@ JOKE = {"type": "object", "properties": {"setup": {"type": "string", "maxLength"
 
 
 @pytest.mark.model
-def test_response_format_beside_tools_shapes_the_answer_on_the_real_model(workers, gateways) -> None:
+def test_response_format_beside_tools_shapes_the_answer_on_the_real_model(real_fleet) -> None:
     """OpenAI accepts response_format together with tools (openai-agents' output_type with tools
     sends both): an answer that calls no tool follows the format, plain and streamed; a call is
     still a valid call."""
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
-    wait_until_healthy(gw)
-    client = oai(gw)
+    client = oai(real_fleet)
     talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
             {"role": "user", "content": "Tell me a short joke."}]
     shaped = {"type": "json_schema", "json_schema": {"name": "joke", "schema": JOKE}}

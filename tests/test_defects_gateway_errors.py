@@ -1,8 +1,9 @@
-"""Gateway answers that misled clients, through a real `fleet serve` and a real `fleet worker` on
-the fake engine (real redis-server): embeddings of a non-text `input`, model listings that ignored
-a tenant's allow-list, 429s for requests no wait can admit and their OpenAI error type, what the
-Responses API let through, the interpreter's words about a huge number, and a 413 that clients
-never read because the connection was closed while they were still sending."""
+"""Gateway answers that misled clients, through the gateway's app in process and a worker on the
+fake engine in process (real redis-server; a real `fleet serve` for the 413 a client reads while
+it is still sending, which is the process's socket): embeddings of a non-text `input`, model
+listings that ignored a tenant's allow-list, 429s for requests no wait can admit and their OpenAI
+error type, what the Responses API let through, the interpreter's words about a huge number, and
+a 413 that clients never read because the connection was closed while they were still sending."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from redis import Redis
 
 from backends.contract.keys import tenant_queued_key
 from tests.gateway_harness import Gateways, wait_until_healthy
+from tests.gateway_inprocess import InProcessFleet
 from tests.test_hostile_batch import auth, create, upload
 from tests.test_hostile_gateway import clean_4xx
 
@@ -34,10 +36,11 @@ TENANTS = {
 SETTINGS = {"gateway__tenants": TENANTS, "gateway__models": {"llm": "llm", "other": "llm"}}
 
 
-def started(workers: Any, gateways: Gateways, **settings: Any) -> str:
-    """A fake-engine worker and a gateway with `settings`; the gateway's URL once it is healthy."""
-    workers.start("w1", **FAKE, **settings)
-    gw = gateways.start(**settings)
+def started(fleet: InProcessFleet, *, gateways: Gateways | None = None, **settings: Any) -> str:
+    """A fake-engine worker and a gateway with `settings` (a `fleet serve` process when `gateways`
+    is given); the gateway's URL once it is healthy."""
+    fleet.worker("w1", **FAKE, **settings)
+    gw = gateways.start(**settings) if gateways is not None else fleet.start(**settings)
     wait_until_healthy(gw)
     return gw.url
 
@@ -49,9 +52,9 @@ def openai_error(response: httpx.Response, status: int, *words: str) -> dict[str
     return error
 
 
-def test_embeddings_refuse_an_input_that_is_not_text_with_a_400_naming_input(workers: Any,
-                                                                             gateways: Gateways) -> None:
-    url = started(workers, gateways)
+def test_embeddings_refuse_an_input_that_is_not_text_with_a_400_naming_input(
+        inprocess_gateway: InProcessFleet) -> None:
+    url = started(inprocess_gateway)
     with httpx.Client(base_url=url, timeout=60) as http:
         for value in (5, True, 5.5, {"a": "b"}, [[1, 2]], [3]):
             body = {"model": "llm", "input": value}
@@ -69,8 +72,8 @@ def test_embeddings_refuse_an_input_that_is_not_text_with_a_400_naming_input(wor
                 assert reached.status_code == 422 and "does not embed" in reached.text, (path, reached.text)
 
 
-def test_a_tenant_lists_and_describes_only_the_models_it_may_use(workers: Any, gateways: Gateways) -> None:
-    url = started(workers, gateways, **SETTINGS)
+def test_a_tenant_lists_and_describes_only_the_models_it_may_use(inprocess_gateway: InProcessFleet) -> None:
+    url = started(inprocess_gateway, **SETTINGS)
     with httpx.Client(base_url=url, timeout=30) as http:
         def names(path: str, key: str) -> list[str]:
             answer = http.get(path, headers=auth(key))
@@ -90,9 +93,9 @@ def test_a_tenant_lists_and_describes_only_the_models_it_may_use(workers: Any, g
         assert http.post("/api/show", json={"model": "other"}, headers=auth("key-wide")).status_code == 200
 
 
-def test_a_request_no_wait_can_admit_is_a_400_naming_the_limit_and_the_count(redis: Redis, workers: Any,
-                                                                              gateways: Gateways) -> None:
-    url = started(workers, gateways, **SETTINGS)
+def test_a_request_no_wait_can_admit_is_a_400_naming_the_limit_and_the_count(
+        redis: Redis, inprocess_gateway: InProcessFleet) -> None:
+    url = started(inprocess_gateway, **SETTINGS)
     with httpx.Client(base_url=url, timeout=60) as http:
         def ask(key: str, n: int) -> httpx.Response:
             return http.post("/v1/completions", headers=auth(key),
@@ -109,8 +112,8 @@ def test_a_request_no_wait_can_admit_is_a_400_naming_the_limit_and_the_count(red
                        if redis.type(key) == b"hash" for field in redis.hkeys(key))
 
 
-def test_tenant_429s_carry_openai_rate_limit_types(redis: Redis, workers: Any, gateways: Gateways) -> None:
-    url = started(workers, gateways, **SETTINGS)
+def test_tenant_429s_carry_openai_rate_limit_types(redis: Redis, inprocess_gateway: InProcessFleet) -> None:
+    url = started(inprocess_gateway, **SETTINGS)
     # the rate counts are per minute of Redis's clock: start early in one, so the checks share it
     if (second := int(redis.time()[0]) % 60) > 45:
         time.sleep(61 - second)
@@ -133,9 +136,9 @@ def test_tenant_429s_carry_openai_rate_limit_types(redis: Redis, workers: Any, g
             assert error["param"] == limit and int(refused.headers["Retry-After"]) >= 1
 
 
-def test_responses_refuse_a_non_string_user_and_an_output_without_its_call(workers: Any,
-                                                                          gateways: Gateways) -> None:
-    url = started(workers, gateways)
+def test_responses_refuse_a_non_string_user_and_an_output_without_its_call(
+        inprocess_gateway: InProcessFleet) -> None:
+    url = started(inprocess_gateway)
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
     ask = {"role": "user", "content": "What is the weather in Paris?"}
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -154,9 +157,9 @@ def test_responses_refuse_a_non_string_user_and_an_output_without_its_call(worke
         assert ok.status_code == 200 and ok.json()["status"] == "completed", ok.text
 
 
-def test_a_number_with_too_many_digits_is_a_400_in_the_clients_terms(workers: Any,
-                                                                     gateways: Gateways) -> None:
-    url = started(workers, gateways)
+def test_a_number_with_too_many_digits_is_a_400_in_the_clients_terms(
+        inprocess_gateway: InProcessFleet) -> None:
+    url = started(inprocess_gateway)
     huge = "9" * 4301
     with httpx.Client(base_url=url, timeout=60, headers={"content-type": "application/json"}) as http:
         for path, body in (("/v1/completions", '{"model": "llm", "prompt": "x", "max_tokens": %s}'),
@@ -180,9 +183,10 @@ def chunks(body: bytes, size: int = 65536) -> Iterator[bytes]:
         yield body[start:start + size]
 
 
-def test_an_oversized_body_gets_its_413_read_by_python_clients(workers: Any, gateways: Gateways) -> None:
+def test_an_oversized_body_gets_its_413_read_by_python_clients(inprocess_gateway: InProcessFleet,
+                                                               gateways: Gateways) -> None:
     limit = 8 * 1024 * 1024
-    url = started(workers, gateways, gateway__max_body_bytes=limit)
+    url = started(inprocess_gateway, gateways=gateways, gateway__max_body_bytes=limit)
     twice = b'{"model": "llm", "prompt": "' + b"x" * (2 * limit) + b'"}'
     # Python's own client sends the whole body before it reads the answer, and stops at the
     # first write error: a gateway that closes on unread bytes resets it mid-body

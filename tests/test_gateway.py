@@ -1,5 +1,8 @@
-"""`fleet serve` as a real process in front of a real worker on the real model, driven by the
-official `openai` and `ollama` Python clients (and raw HTTP where a client hides the detail).
+"""The gateway driven by the official `openai` and `ollama` Python clients (and raw HTTP where a
+client hides the detail): the shared real fleet (`fleet serve` and a worker on the real model) where
+the model answers; the gateway's app in process with a fake-engine worker where the subject is a
+refusal, a header or the queue (no model needed to get there); a `fleet serve` process of its own
+where the process is the subject (a restart).
 
 The embedded model has no chat template of its own; the in-process engine formats chats with
 llama.cpp's built-in `gemma` template (backend.chat_template), so chat works on the default setup.
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import time
 from collections.abc import Iterator
@@ -25,8 +29,9 @@ from dispatcher import Fleet
 from tests.gateway_harness import start_gateway, wait_until_healthy
 from tests.test_gateway_llama_server import ASK, PERSON
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
+pytestmark = pytest.mark.timeout(300)
 PROMPT = "Once upon a time"
+LONG = " ".join(["word"] * 2000)  # the fake engine says it back a word a step: a job that lasts
 
 
 def oai(gw, key: str = "unused") -> openai.OpenAI:
@@ -41,10 +46,9 @@ def first_chunk(response: httpx.Response) -> tuple[str, Iterator[str]]:
     return response.headers["x-fleet-job-id"], lines
 
 
-def test_openai_completions_sync_async_stream_n_stop_usage(workers, gateways) -> None:
-    workers.start("w1", backend__slots=4)
-    gw = gateways.start()
-    wait_until_healthy(gw)
+@pytest.mark.model
+def test_openai_completions_sync_async_stream_n_stop_usage(real_fleet) -> None:
+    gw = real_fleet
     client = oai(gw)
 
     whole = client.completions.create(model="llm", prompt=PROMPT, max_tokens=12, temperature=0)
@@ -91,10 +95,9 @@ def test_openai_completions_sync_async_stream_n_stop_usage(workers, gateways) ->
     assert client.models.retrieve("gemma3:270m").id == "gemma3:270m"
 
 
-def test_openai_chat_stream_and_not_json_schema_and_logprobs_on_the_default_engine(workers, gateways) -> None:
-    workers.start("w1", backend__slots=4)
-    gw = gateways.start()
-    wait_until_healthy(gw)
+@pytest.mark.model
+def test_openai_chat_stream_and_not_json_schema_and_logprobs_on_the_default_engine(real_fleet) -> None:
+    gw = real_fleet
     client = oai(gw)
     hello: list[Any] = [{"role": "user", "content": "Say hello."}]
     whole = client.chat.completions.create(model="llm", messages=hello, max_tokens=8, temperature=0)
@@ -125,10 +128,9 @@ def test_openai_chat_stream_and_not_json_schema_and_logprobs_on_the_default_engi
     assert asyncio.run(streamed()) == text
 
 
-def test_ollama_client_generate_stream_and_not_tags_ps_version(workers, gateways) -> None:
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
-    wait_until_healthy(gw)
+@pytest.mark.model
+def test_ollama_client_generate_stream_and_not_tags_ps_version(real_fleet) -> None:
+    gw = real_fleet
     client = ollama.Client(host=gw.url)
     options = {"num_predict": 10, "temperature": 0}
     whole = client.generate(model="llm", prompt=PROMPT, options=options)
@@ -161,9 +163,10 @@ def test_ollama_client_generate_stream_and_not_tags_ps_version(workers, gateways
     assert bad.value.status_code == 400 and "options.mirostat" in bad.value.error
 
 
-def test_errors_404_400_401_and_keys_never_logged(workers, gateways) -> None:
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start(gateway__api_keys=["sk-fleet-secret-1", "sk-fleet-secret-2"])
+def test_errors_404_400_401_and_keys_never_logged(inprocess_gateway, caplog) -> None:
+    caplog.set_level(logging.DEBUG)  # every record the gateway and uvicorn write, at any level
+    inprocess_gateway.worker("w1", backend__slots=2)
+    gw = inprocess_gateway.start(gateway__api_keys=["sk-fleet-secret-1", "sk-fleet-secret-2"])
     wait_until_healthy(gw)
     client = oai(gw, "sk-fleet-secret-2")
     with pytest.raises(openai.NotFoundError) as unknown:
@@ -201,20 +204,21 @@ def test_errors_404_400_401_and_keys_never_logged(workers, gateways) -> None:
     status = httpx.get(f"{gw.url}/dashboard/api/status", headers=bearer).json()
     assert [w["name"] for w in status["workers"]] == ["w1"]
     gw.stop()
-    assert "sk-fleet-secret" not in gw.output() and "sk-wrong" not in gw.output()
+    assert caplog.records  # the check below reads what was logged
+    assert "sk-fleet-secret" not in caplog.text and "sk-wrong" not in caplog.text
 
 
-def test_503_without_workers_then_429_with_a_full_queue(workers, gateways, redis_url: str) -> None:
-    gw = gateways.start(gateway__max_queue=1, gateway__retry_after=3)
+def test_503_without_workers_then_429_with_a_full_queue(inprocess_gateway, redis_url: str) -> None:
+    gw = inprocess_gateway.start(gateway__max_queue=1, gateway__retry_after=3)
     health = httpx.get(f"{gw.url}/health")
     assert health.status_code == 503 and health.json()["reason"] == "no live worker"
     with pytest.raises(openai.InternalServerError) as none:
         oai(gw).completions.create(model="llm", prompt=PROMPT, max_tokens=2)
     assert none.value.status_code == 503 and none.value.code == "no_workers"
-    workers.start("w1", backend__slots=1)
+    inprocess_gateway.worker("w1", backend__slots=1, backend__step_delay=0.05)
     wait_until_healthy(gw)
     fleet = Fleet(redis_url)
-    busy = [fleet.submit(prompt=PROMPT, max_tokens=400) for _ in range(3)]  # one runs, two wait
+    busy = [fleet.submit(prompt=LONG, max_tokens=400) for _ in range(3)]  # one runs, two wait
     full = httpx.post(f"{gw.url}/v1/completions", json={"model": "llm", "prompt": PROMPT, "max_tokens": 2})
     assert full.status_code == 429 and full.headers["retry-after"] == "3"
     assert full.json()["error"]["code"] == "queue_full"
@@ -224,12 +228,12 @@ def test_503_without_workers_then_429_with_a_full_queue(workers, gateways, redis
         job.cancel()
 
 
-def test_disconnect_mid_stream_frees_the_slot_for_the_next_job(workers, gateways, redis_url: str) -> None:
-    workers.start("w1", backend__slots=1)
-    gw = gateways.start()
+def test_disconnect_mid_stream_frees_the_slot_for_the_next_job(inprocess_gateway, redis_url: str) -> None:
+    inprocess_gateway.worker("w1", backend__slots=1, backend__step_delay=0.02)  # 1000 words: 20 s
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     fleet = Fleet(redis_url)
-    body = {"model": "llm", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0.8, "stream": True}
+    body = {"model": "llm", "prompt": LONG, "max_tokens": 1000, "temperature": 0.8, "stream": True}
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as response:
         first_job, _lines = first_chunk(response)
         waiting = fleet.submit(prompt=PROMPT, max_tokens=4)  # queued behind the one slot
@@ -246,13 +250,16 @@ def test_disconnect_mid_stream_frees_the_slot_for_the_next_job(workers, gateways
     assert claimed_at - closed_at < 10.0, f"claimed {claimed_at - closed_at:.1f}s after the disconnect"
 
 
-def test_a_gateway_restart_loses_no_acknowledged_job(workers, gateways, redis_url: str, tmp_path) -> None:
-    workers.start("w1", backend__slots=2)
+def test_a_gateway_restart_loses_no_acknowledged_job(inprocess_gateway, gateways, redis_url: str,
+                                                     tmp_path) -> None:
+    """The `fleet serve` process is the subject (SIGTERM mid-stream, a new one on its port); the
+    worker, on the fake engine in this process, paces the 40 words at 0.1 s each."""
+    inprocess_gateway.worker("w1", backend__slots=2, backend__step_delay=0.1)
     # a grace far shorter than the 39 tokens left take (with 0.5 s a fast box with prompt-lookup
     # drafts finished the stream inside the grace, and nothing broke)
     gw = gateways.start(gateway__shutdown_grace=0.05)
     wait_until_healthy(gw)
-    body = {"model": "llm", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+    body = {"model": "llm", "prompt": LONG, "max_tokens": 40, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60) as response:
         job_id, lines = first_chunk(response)
         assert gw.stop(signal.SIGTERM) in (0, -signal.SIGTERM)  # the gateway goes away mid-stream
@@ -265,15 +272,15 @@ def test_a_gateway_restart_loses_no_acknowledged_job(workers, gateways, redis_ur
     try:
         wait_until_healthy(again)
         answer = httpx.post(f"{again.url}/v1/completions", timeout=180,
-                            json={"model": "llm", "prompt": PROMPT, "max_tokens": 40, "temperature": 0})
+                            json={"model": "llm", "prompt": LONG, "max_tokens": 40, "temperature": 0})
         assert answer.json()["choices"][0]["text"] == res["text"]  # same greedy text, new gateway
     finally:
         again.stop(signal.SIGKILL)
 
 
-def test_priority_header_and_sse_framing(workers, gateways, redis_url: str) -> None:
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
+def test_priority_header_and_sse_framing(inprocess_gateway, redis_url: str) -> None:
+    inprocess_gateway.worker("w1", backend__slots=2)
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     bad = httpx.post(f"{gw.url}/v1/completions", headers={"X-Fleet-Priority": "urgent"},
                      json={"model": "llm", "prompt": PROMPT})

@@ -1,6 +1,7 @@
-"""Agent frameworks through `fleet serve` on a real worker and the real model, each completing a
-tool round trip: the model calls the tool, the framework runs it with arguments that validate
-against the schema it sent, hands the result back, and the model's final answer comes back.
+"""Agent frameworks through the shared real fleet (`fleet serve`, a worker on the real model), each
+completing a tool round trip: the model calls the tool, the framework runs it with arguments that
+validate against the schema it sent, hands the result back, and the model's final answer comes
+back.
 
 - the OpenAI Agents SDK (`openai-agents`): an Agent with one function tool on the chat-completions
   model (OpenAIChatCompletionsModel) and the Responses model (OpenAIResponsesModel), each with
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +55,8 @@ from pydantic_ai.messages import ToolCallPart, ToolReturnPart
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from tests.gateway_harness import GatewayProcess, start_gateway, wait_until_healthy
-from tests.harness import RedisServer, start_worker
+from tests.gateway_harness import GatewayProcess
+from tests.real_fleet import RealFleet
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.model]
 
@@ -75,20 +75,11 @@ class Forecast(BaseModel):
     weather: str = Field(max_length=60)
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    """A private redis-server, one worker on the real model (4 slots: a test's runs go at once),
-    one `fleet serve`: shared by the module."""
-    tmp = tmp_path_factory.mktemp("agent-frameworks")
-    with RedisServer.start(tmp / "redis") as server:
-        worker = start_worker(server.url, "agents-w1", tmp / "logs", backend__slots=4)
-        gw = start_gateway(server.url, tmp / "logs", name="agents-gateway")
-        try:
-            wait_until_healthy(gw)
-            yield gw
-        finally:
-            gw.stop()
-            worker.kill()
+@pytest.fixture
+def gateway(real_fleet: RealFleet) -> GatewayProcess:
+    """The shared real fleet's `fleet serve` (its worker on the real model has 4 slots: a test's
+    runs go at once)."""
+    return real_fleet.gateway
 
 
 @dataclass

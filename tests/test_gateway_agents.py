@@ -1,6 +1,7 @@
-"""Agent frameworks on the gateway's tool calls, against `fleet serve` on a real worker and the
-real model: LangChain (`langchain-openai`: bind_tools and an agent loop over two tools,
-with_structured_output through a function call) and instructor in its default TOOLS mode."""
+"""Agent frameworks on the gateway's tool calls, against the shared real fleet (`fleet serve` on a
+real worker and the real model): LangChain (`langchain-openai`: bind_tools and an agent loop over
+two tools, with_structured_output through a function call) and instructor in its default TOOLS
+mode."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
-
-from tests.gateway_harness import wait_until_healthy
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 
@@ -34,10 +33,8 @@ def get_time(timezone: str) -> str:
     return f"It is 14:05 in {timezone}"
 
 
-def test_langchain_agent_loop_structured_output_and_instructor(workers, gateways) -> None:
-    workers.start("w1", backend__slots=4)
-    gw = gateways.start()
-    wait_until_healthy(gw)
+def test_langchain_agent_loop_structured_output_and_instructor(real_fleet) -> None:
+    gw = real_fleet
     llm = ChatOpenAI(model="llm", base_url=f"{gw.url}/v1", api_key="unused", temperature=0, max_tokens=64,
                      max_retries=0)
 

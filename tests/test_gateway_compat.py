@@ -1,5 +1,6 @@
-"""What clients expect beyond the plain requests, through a real `fleet serve` on a real worker and
-the real model: `x-request-id` on every response, one 400 naming every unsupported field,
+"""What clients expect beyond the plain requests: `x-request-id` on every response and one 400
+naming every unsupported field (the gateway's app in process, a fake-engine worker: no model
+needed); on the shared real fleet (`fleet serve`, a worker on the real model):
 `min_tokens` / `ignore_eos` (llama-server's and vLLM's extensions, sent with the openai SDK's
 `extra_body`), Ollama's `/api/show` through the official ollama client, and Ollama's `context`
 refused by name."""
@@ -16,7 +17,7 @@ import pytest
 from tests.gateway_harness import wait_until_healthy
 from tests.test_engine_min_tokens import STOPS_AT_ONCE
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
+pytestmark = pytest.mark.timeout(300)
 GENERATED_ID = re.compile(r"req_[0-9a-f]{32}")
 
 
@@ -24,13 +25,13 @@ def oai(gw) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
 
 
-def test_every_response_carries_a_request_id(workers, gateways) -> None:
-    gw = gateways.start(gateway__max_body_bytes=4096)
+def test_every_response_carries_a_request_id(inprocess_gateway) -> None:
+    gw = inprocess_gateway.start(gateway__max_body_bytes=4096)
     # before any worker: a 5xx (no live worker) and the health probe's 503 carry one too
     none = httpx.post(f"{gw.url}/v1/completions", json={"model": "llm", "prompt": "x"})
     assert none.status_code == 503 and GENERATED_ID.fullmatch(none.headers["x-request-id"])
     assert GENERATED_ID.fullmatch(httpx.get(f"{gw.url}/health").headers["x-request-id"])
-    workers.start("w1", backend__slots=2)
+    inprocess_gateway.worker("w1", backend__slots=2)
     wait_until_healthy(gw)
     client = oai(gw)
     # the SDK records it (what a user quotes in a bug report)
@@ -67,9 +68,9 @@ def test_every_response_carries_a_request_id(workers, gateways) -> None:
             assert GENERATED_ID.fullmatch(replaced)
 
 
-def test_one_400_names_every_unsupported_field(workers, gateways) -> None:
-    workers.start("w1", backend__slots=1)
-    gw = gateways.start()
+def test_one_400_names_every_unsupported_field(inprocess_gateway) -> None:
+    inprocess_gateway.worker("w1", backend__slots=1)
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     with pytest.raises(openai.BadRequestError) as refused:
         oai(gw).chat.completions.create(
@@ -93,11 +94,9 @@ def test_one_400_names_every_unsupported_field(workers, gateways) -> None:
     assert all(n in options.value.error for n in ("'suffix'", "'options.mirostat'", "'options.typical_p'"))
 
 
-def test_min_tokens_and_ignore_eos_through_the_openai_sdk(workers, gateways) -> None:
-    workers.start("w1", backend__slots=3)
-    gw = gateways.start()
-    wait_until_healthy(gw)
-    client = oai(gw)
+@pytest.mark.model
+def test_min_tokens_and_ignore_eos_through_the_openai_sdk(real_fleet) -> None:
+    client = oai(real_fleet)
 
     def complete(**extra: object) -> openai.types.Completion:
         return client.completions.create(model="llm", prompt=STOPS_AT_ONCE, max_tokens=64, temperature=0,
@@ -129,10 +128,9 @@ def test_min_tokens_and_ignore_eos_through_the_openai_sdk(workers, gateways) -> 
     assert typed.value.param == "ignore_eos"
 
 
-def test_ollama_show_and_context(workers, gateways) -> None:
-    workers.start("w1", backend__slots=1)
-    gw = gateways.start()
-    wait_until_healthy(gw)
+@pytest.mark.model
+def test_ollama_show_and_context(real_fleet) -> None:
+    gw = real_fleet
     client = ollama.Client(host=gw.url)
     shown = client.show("llm")
     assert shown.details is not None and shown.details.format == "gguf" and shown.details.family == "gemma3"

@@ -1,6 +1,7 @@
-"""The stateless Responses API (POST /v1/responses) through the official openai SDK against
-`fleet serve` on a real worker and the real model: text, a function call, a call's output back,
-streaming events in the documented order, and what a stateless gateway refuses."""
+"""The stateless Responses API (POST /v1/responses) through the official openai SDK against the
+shared real fleet (`fleet serve` on a real worker and the real model): text, a function call, a
+call's output back, streaming events in the documented order, and what a stateless gateway
+refuses."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.gateway_harness import wait_until_healthy
 from tests.test_gateway_tools import schema_of
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
@@ -19,10 +19,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The curren
            "parameters": schema_of("get_weather")}
 
 
-def test_responses_text_calls_stream_and_refusals(workers, gateways) -> None:
-    workers.start("w1", backend__slots=4)
-    gw = gateways.start()
-    wait_until_healthy(gw)
+def test_responses_text_calls_stream_and_refusals(real_fleet) -> None:
+    gw = real_fleet
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
 
     text = client.responses.create(model="llm", input="Once upon a time", instructions="Tell a story.",

@@ -1,9 +1,10 @@
-"""Hostile input against a real `fleet serve`: every refusal is a 4xx that names the problem (or a
-closed connection for a head that never ends), never a 5xx, a hang or a Python type name.
+"""Hostile input against the gateway: every refusal is a 4xx that names the problem (or a closed
+connection for a head that never ends), never a 5xx, a hang or a Python type name.
 
-Raw sockets where a client library would hide the detail (an announced 1 GB body, a trickle, a
-head that never ends); the fake backend where only the gateway's behaviour matters, the real model
-where the job must run (a failing schema, a request that outlives gateway.request_timeout)."""
+A real `fleet serve` with raw sockets where the process's socket is the subject (an announced 1 GB
+body, a trickle, a head that never ends); the gateway's app in process with the fake backend where
+only its answers matter; the real model where the job must run (a failing schema, a request that
+outlives gateway.request_timeout: the shared real fleet's worker)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from dispatcher import Fleet
 from tests.gateway_harness import GatewayProcess, wait_until_healthy
+from tests.gateway_inprocess import InProcessFleet
 
 pytestmark = pytest.mark.timeout(300)
 FAKE = {"backend__type": "fake", "backend__slots": 4}
@@ -76,8 +78,8 @@ def post_head(path: str, ctype: str, length: int | None = None, extra: str = "")
     return f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: {ctype}\r\n{size}{extra}\r\n".encode()
 
 
-def test_malformed_json_bodies_get_a_named_400_never_a_500(gateways) -> None:
-    gw = gateways.start()  # no worker: every body here is refused before any job exists
+def test_malformed_json_bodies_get_a_named_400_never_a_500(inprocess_gateway: InProcessFleet) -> None:
+    gw = inprocess_gateway.start()  # no worker: every body here is refused before any job exists
     deep = b"[" * 100_000 + b"]" * 100_000  # past the C scanner's recursion: RecursionError
     nested = b"[" * 200 + b"]" * 200  # parses, then nests past gateway.max_json_depth
     routes = {"/v1/completions": b'"model":"llm","prompt":"x"', "/v1/chat/completions": b'"model":"llm"',
@@ -105,9 +107,9 @@ def test_malformed_json_bodies_get_a_named_400_never_a_500(gateways) -> None:
     assert gw.alive() and "Traceback" not in gw.output()
 
 
-def test_json_routes_take_only_application_json(workers, gateways) -> None:
-    workers.start("w1", **FAKE)
-    gw = gateways.start()
+def test_json_routes_take_only_application_json(inprocess_gateway: InProcessFleet) -> None:
+    inprocess_gateway.worker("w1", **FAKE)
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     body = json.dumps({"model": "llm", "prompt": PROMPT, "max_tokens": 2}).encode()
     with httpx.Client(base_url=gw.url, timeout=30) as http:
@@ -198,9 +200,9 @@ def test_slow_bodies_get_408_and_slow_or_huge_heads_end(gateways) -> None:
     assert httpx.get(f"{slow.url}/api/version").status_code == 200
 
 
-def test_cross_site_browser_requests_are_refused(workers, gateways) -> None:
-    workers.start("w1", **FAKE)
-    gw = gateways.start(gateway__trusted_origins=["https://ui.example:8443"])
+def test_cross_site_browser_requests_are_refused(inprocess_gateway: InProcessFleet) -> None:
+    inprocess_gateway.worker("w1", **FAKE)
+    gw = inprocess_gateway.start(gateway__trusted_origins=["https://ui.example:8443"])
     wait_until_healthy(gw)
     body = {"model": "llm", "prompt": PROMPT, "max_tokens": 2}
     with httpx.Client(base_url=gw.url, timeout=30) as http:
@@ -226,9 +228,9 @@ def test_cross_site_browser_requests_are_refused(workers, gateways) -> None:
         assert reads.status_code == 200  # reading is not refused
 
 
-def test_gateway_limits_on_choices_and_max_tokens(workers, gateways) -> None:
-    workers.start("w1", **FAKE)
-    gw = gateways.start()
+def test_gateway_limits_on_choices_and_max_tokens(inprocess_gateway: InProcessFleet) -> None:
+    inprocess_gateway.worker("w1", **FAKE)
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     with httpx.Client(base_url=gw.url, timeout=30) as http:
         many = http.post("/v1/completions", json={"model": "llm", "prompt": PROMPT, "n": 16, "max_tokens": 2})
@@ -254,9 +256,10 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}
 
 
 @pytest.mark.model
-def test_failed_jobs_are_422_naming_the_jobs_without_python_internals(workers, gateways) -> None:
-    worker = workers.start("w1", backend__slots=2)
-    gw = gateways.start()
+def test_failed_jobs_are_422_naming_the_jobs_without_python_internals(
+        workers, inprocess_gateway: InProcessFleet) -> None:
+    worker = workers.start("w1", backend__slots=2)  # its own: the test reads its log
+    gw = inprocess_gateway.start()
     wait_until_healthy(gw)
     with httpx.Client(base_url=gw.url, timeout=120) as http:
         ollama = http.post("/api/generate", json={"model": "llm", "prompt": PROMPT, "format": BAD_SCHEMA,
@@ -277,11 +280,11 @@ def test_failed_jobs_are_422_naming_the_jobs_without_python_internals(workers, g
 
 
 @pytest.mark.model
-def test_request_timeout_cancels_the_jobs_and_names_them(workers, gateways, redis_url: str) -> None:
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start(gateway__request_timeout=3)
+def test_request_timeout_cancels_the_jobs_and_names_them(
+        real_fleet, inprocess_gateway: InProcessFleet) -> None:
+    gw = inprocess_gateway.start(over=real_fleet.redis_url, gateway__request_timeout=3)
     wait_until_healthy(gw)
-    fleet = Fleet(redis_url)
+    fleet = Fleet(real_fleet.redis_url)
     with httpx.Client(base_url=gw.url, timeout=60) as http:
         started = time.monotonic()
         late = http.post("/v1/completions", json={"model": "llm", "prompt": PROMPT, "max_tokens": 4000,

@@ -1,4 +1,4 @@
-"""Node clients, unchanged, against a real `fleet serve` on a real worker and the real model: the
+"""Node clients, unchanged, against the shared real fleet (`fleet serve`, a worker, the real model): the
 `openai` npm client (chat, streamed and not) and the Vercel AI SDK (`ai` with
 `@ai-sdk/openai-compatible`: generateText, streamText; with `@ai-sdk/anthropic` on the Messages
 API: the same, and its tool loop), and tool calls from each.
@@ -15,11 +15,13 @@ from typing import Any
 
 import pytest
 
-from tests.gateway_harness import wait_until_healthy
 from tests.harness import ROOT
+from tests.real_fleet import RealFleet
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 NODE_DIR = ROOT / "tests" / "node"
+CASES = ("openai-chat", "openai-chat-stream", "ai-generate", "ai-stream", "openai-tool", "ai-tool",
+         "anthropic-generate", "anthropic-stream", "anthropic-tool")
 
 
 def run_node(base_url: str, *cases: str) -> dict[str, dict[str, Any]]:
@@ -34,11 +36,15 @@ def run_node(base_url: str, *cases: str) -> dict[str, dict[str, Any]]:
     return {s.pop("case"): s for s in seen}
 
 
-def test_openai_npm_client_and_vercel_ai_sdk(workers, gateways) -> None:
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
-    wait_until_healthy(gw)
-    seen = run_node(gw.url, "openai-chat", "openai-chat-stream", "ai-generate", "ai-stream")
+@pytest.fixture(scope="module")
+def node_seen(shared_real_fleet: RealFleet) -> dict[str, dict[str, Any]]:
+    """Every case, run by one Node process on the shared fleet (a Node start per test cost more
+    than the cases); each test reads its own."""
+    return run_node(shared_real_fleet.url, *CASES)
+
+
+def test_openai_npm_client_and_vercel_ai_sdk(real_fleet, node_seen) -> None:
+    seen = {name: case for name, case in node_seen.items() if name in CASES[:4]}
     assert set(seen) == {"openai-chat", "openai-chat-stream", "ai-generate", "ai-stream"}
     whole = seen["openai-chat"]
     assert whole["text"] and whole["finish"] == "length" and whole["tokens"] == 8
@@ -52,13 +58,10 @@ def test_openai_npm_client_and_vercel_ai_sdk(workers, gateways) -> None:
     assert seen["ai-stream"]["parts"] > 1  # it streamed
 
 
-def test_tool_calls_from_node(workers, gateways) -> None:
+def test_tool_calls_from_node(real_fleet, node_seen) -> None:
     """The openai npm client's tool call (tool_choice required) and the Vercel AI SDK's
     generateText with a tool: the SDK runs the tool and sends its result back for the answer."""
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
-    wait_until_healthy(gw)
-    seen = run_node(gw.url, "openai-tool", "ai-tool")
+    seen = node_seen
     call = seen["openai-tool"]
     assert call["name"] == "get_weather" and call["finish"] == "tool_calls" and call["id"]
     assert call["args"]["unit"] in ("celsius", "fahrenheit")
@@ -67,14 +70,11 @@ def test_tool_calls_from_node(workers, gateways) -> None:
     assert isinstance(ai["firstCall"]["city"], str)
 
 
-def test_vercel_ai_sdk_anthropic_provider_on_the_messages_api(workers, gateways) -> None:
+def test_vercel_ai_sdk_anthropic_provider_on_the_messages_api(real_fleet, node_seen) -> None:
     """`createAnthropic({baseURL: <gateway>/v1})`: generateText and streamText give the text the
     openai client gets (greedy, the same job), ending at max_tokens; its tool loop (a zod schema,
     toolChoice required) calls the tool, sends the tool_result back and gets an answer."""
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
-    wait_until_healthy(gw)
-    seen = run_node(gw.url, "openai-chat", "anthropic-generate", "anthropic-stream", "anthropic-tool")
+    seen = node_seen
     text = seen["openai-chat"]["text"]
     for name in ("anthropic-generate", "anthropic-stream"):
         assert seen[name]["text"] == text and seen[name]["finish"] == "length", (name, seen[name])
