@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +202,8 @@ def calls_in_every_api(url: str, model: str, markup: str, *, thinks: bool = Fals
                        anthropic: dict[str, Any] | None = None, ollama: dict[str, Any] | None = None,
                        ollama_one: bool = True) -> None:
     """A required get_weather call, whole and streamed, in the OpenAI chat, Responses, Anthropic
-    and Ollama shapes from `model`, the same call each time and no `markup` of the native syntax as words;
-    each API's body takes its extra fields. `thinks`: a thought comes apart before the call
+    and Ollama shapes from `model`, the same call each time and no `markup` of the native syntax
+    as words; each API's body takes its extra fields. `thinks`: a thought comes apart before the call
     (Ollama's extra fields turn it off). `ollama_one`: Ollama's answer holds one call (else its
     first is the call, whole and streamed alike)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
@@ -216,61 +217,74 @@ def calls_in_every_api(url: str, model: str, markup: str, *, thinks: bool = Fals
     args = check_call(call.function.name, call.function.arguments)
     assert bool(getattr(choice.message, "reasoning_content", None)) == thinks
 
-    names, arguments, contents = [], "", ""
-    for chunk in client.chat.completions.create(**forced, stream=True, extra_body=chat):
-        delta = chunk.choices[0].delta if chunk.choices else None
-        for c in (delta.tool_calls or []) if delta else []:
-            if c.function and c.function.name:
-                names.append(c.function.name)
-            arguments += (c.function.arguments or "") if c.function else ""
-        contents += (delta.content or "") if delta else ""
-    assert names == ["get_weather"] and json.loads(arguments) == args
-    assert markup not in contents
+    # the rest at once, as clients of one server are (the worker batches them: ~a quarter less
+    # CPU than one after another); each raises its own failure
+    def streamed_chat() -> None:
+        names, arguments, contents = [], "", ""
+        for chunk in client.chat.completions.create(**forced, stream=True, extra_body=chat):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            for c in (delta.tool_calls or []) if delta else []:
+                if c.function and c.function.name:
+                    names.append(c.function.name)
+                arguments += (c.function.arguments or "") if c.function else ""
+            contents += (delta.content or "") if delta else ""
+        assert names == ["get_weather"] and json.loads(arguments) == args
+        assert markup not in contents
 
-    # the Responses API: a function_call item
-    asked = {"model": model, "input": "What is the weather in Paris?", "tool_choice": "required",
-             "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0,
-             "max_output_tokens": max_tokens, **(responses or {})}
-    raw = httpx.post(f"{url}/v1/responses", json=asked, timeout=120).json()
-    items = [i for i in raw["output"] if i["type"] == "function_call"]
-    assert items and check_call(items[0]["name"], items[0]["arguments"]) == args, raw
-    with httpx.stream("POST", f"{url}/v1/responses", timeout=120, json={**asked, "stream": True}) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-    finished = [e["item"] for e in events if e["type"] == "response.output_item.done"]
-    assert [i["type"] for i in finished] == ["reasoning"] * thinks + ["function_call"]
-    assert events[-1]["type"] == "response.completed"
-    assert check_call(finished[-1]["name"], finished[-1]["arguments"]) == args
-    assert not any(e["type"] == "response.output_text.delta" for e in events)  # no markup as words
+    def responses_api() -> None:
+        # the Responses API: a function_call item
+        asked = {"model": model, "input": "What is the weather in Paris?", "tool_choice": "required",
+                 "tools": [{"type": "function", **WEATHER["function"]}], "temperature": 0,
+                 "max_output_tokens": max_tokens, **(responses or {})}
+        raw = httpx.post(f"{url}/v1/responses", json=asked, timeout=120).json()
+        items = [i for i in raw["output"] if i["type"] == "function_call"]
+        assert items and check_call(items[0]["name"], items[0]["arguments"]) == args, raw
+        with httpx.stream("POST", f"{url}/v1/responses", timeout=120, json={**asked, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        finished = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert [i["type"] for i in finished] == ["reasoning"] * thinks + ["function_call"]
+        assert events[-1]["type"] == "response.completed"
+        assert check_call(finished[-1]["name"], finished[-1]["arguments"]) == args
+        assert not any(e["type"] == "response.output_text.delta" for e in events)  # no markup as words
 
-    # Anthropic: a tool_use block (tool_choice any)
-    claude = anthropic_sdk.Anthropic(base_url=url, api_key="none", max_retries=0)
-    asked_claude = {"model": model, "max_tokens": max_tokens, "messages": ASK, "tool_choice": {"type": "any"},
-                    "tools": [{"name": "get_weather", "description": "The current weather in a city.",
-                               "input_schema": schema_of("get_weather")}],
-                    "extra_body": {"temperature": 0}, **(anthropic or {})}
-    message = claude.messages.create(**asked_claude)
-    assert [b.type for b in message.content] == ["thinking"] * thinks + ["tool_use"]
-    uses = [b for b in message.content if b.type == "tool_use"]
-    assert message.stop_reason == "tool_use" and uses and check_call(uses[0].name, uses[0].input) == args
-    with claude.messages.stream(**asked_claude) as stream:
-        streamed_message = stream.get_final_message()
-    assert [b.type for b in streamed_message.content] == ["thinking"] * thinks + ["tool_use"]
-    uses = [b for b in streamed_message.content if b.type == "tool_use"]
-    assert check_call(uses[0].name, uses[0].input) == args
+    def anthropic_api() -> None:
+        # Anthropic: a tool_use block (tool_choice any)
+        claude = anthropic_sdk.Anthropic(base_url=url, api_key="none", max_retries=0)
+        asked_claude = {"model": model, "max_tokens": max_tokens, "messages": ASK,
+                        "tool_choice": {"type": "any"},
+                        "tools": [{"name": "get_weather", "description": "The current weather in a city.",
+                                   "input_schema": schema_of("get_weather")}],
+                        "extra_body": {"temperature": 0}, **(anthropic or {})}
+        message = claude.messages.create(**asked_claude)
+        assert [b.type for b in message.content] == ["thinking"] * thinks + ["tool_use"]
+        uses = [b for b in message.content if b.type == "tool_use"]
+        assert message.stop_reason == "tool_use" and uses and check_call(uses[0].name, uses[0].input) == args
+        with claude.messages.stream(**asked_claude) as stream:
+            streamed_message = stream.get_final_message()
+        assert [b.type for b in streamed_message.content] == ["thinking"] * thinks + ["tool_use"]
+        uses = [b for b in streamed_message.content if b.type == "tool_use"]
+        assert check_call(uses[0].name, uses[0].input) == args
 
-    # Ollama's API cannot force a call: llama-fleet's tool_choice extension does (raw HTTP: the
-    # ollama client sends only Ollama's fields), whole and streamed
-    ollama_body = {"model": model, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-                   "stream": False, "options": {"temperature": 0, "num_predict": max_tokens},
-                   **(ollama or {})}
-    message = httpx.post(f"{url}/api/chat", json=ollama_body, timeout=120).json()["message"]
-    calls = message["tool_calls"]
-    assert (len(calls) == 1 if ollama_one else calls) and not message.get("thinking"), message
-    assert check_call(calls[0]["function"]["name"], calls[0]["function"]["arguments"]) == args
-    lines = httpx.post(f"{url}/api/chat", json={**ollama_body, "stream": True}, timeout=120).text.splitlines()
-    streamed = [c for ln in lines for c in json.loads(ln)["message"].get("tool_calls") or []]
-    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
-    assert all(markup not in json.loads(ln)["message"]["content"] for ln in lines)
+    def ollama_api() -> None:
+        # Ollama's API cannot force a call: llama-fleet's tool_choice extension does (raw HTTP: the
+        # ollama client sends only Ollama's fields), whole and streamed
+        ollama_body = {"model": model, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+                       "stream": False, "options": {"temperature": 0, "num_predict": max_tokens},
+                       **(ollama or {})}
+        message = httpx.post(f"{url}/api/chat", json=ollama_body, timeout=120).json()["message"]
+        calls = message["tool_calls"]
+        assert (len(calls) == 1 if ollama_one else calls) and not message.get("thinking"), message
+        assert check_call(calls[0]["function"]["name"], calls[0]["function"]["arguments"]) == args
+        lines = httpx.post(f"{url}/api/chat", json={**ollama_body, "stream": True},
+                           timeout=120).text.splitlines()
+        streamed = [c for ln in lines for c in json.loads(ln)["message"].get("tool_calls") or []]
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+        assert all(markup not in json.loads(ln)["message"]["content"] for ln in lines)
+
+    with ThreadPoolExecutor(4) as pool:
+        checks = (streamed_chat, responses_api, anthropic_api, ollama_api)
+        for running in [pool.submit(check) for check in checks]:
+            running.result()
 
 
 def test_thoughts_apart_in_every_api(dialects: Dialects) -> None:
