@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from redis import Redis
 
@@ -43,13 +44,21 @@ class RealFleet:
 
 
 @contextmanager
-def real_fleet_processes(dir: Path) -> Iterator[RealFleet]:
+def fleet_processes(dir: Path, name: str, worker: dict[str, Any],
+                    gateway: dict[str, Any] | None = None) -> Iterator[RealFleet]:
+    """A real worker (`worker`: its settings) and a `fleet serve` (`gateway`: its settings) on a
+    redis-server of their own, named `name`: the session's shared fleet, or a module's where its
+    tests share settings the default fleet lacks (a catalogue, a template)."""
     with RedisServer.start(dir / "redis") as server:
-        worker = start_worker(server.url, "shared-w1", dir / "logs", backend__slots=SLOTS)
-        gateway = start_gateway(server.url, dir / "logs", name="shared-gateway")
+        started = start_worker(server.url, f"{name}-w1", dir / "logs", **worker)
+        gw = start_gateway(server.url, dir / "logs", name=f"{name}-gateway", **(gateway or {}))
         try:
-            wait_until_healthy(gateway)
-            yield RealFleet(server.url, worker, gateway)
+            wait_until_healthy(gw)
+            yield RealFleet(server.url, started, gw)
         finally:
-            gateway.stop(signal.SIGKILL)
-            worker.kill()
+            gw.stop(signal.SIGKILL)
+            started.kill()
+
+
+def real_fleet_processes(dir: Path) -> AbstractContextManager[RealFleet]:
+    return fleet_processes(dir, "shared", {"backend__slots": SLOTS})

@@ -19,6 +19,7 @@ import pytest
 
 from dispatcher import Fleet
 from tests.gateway_harness import wait_until_healthy
+from tests.real_fleet import RealFleet
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.model]
 
@@ -70,11 +71,8 @@ def reassembled(chunks: list[Any]) -> tuple[str, list[dict[str, str]], str | Non
     return content, [calls[i] for i in sorted(calls)], finish
 
 
-def test_openai_tool_calls_whole_streamed_required_named_parallel_none(workers, gateways, redis_url) -> None:
-    workers.start("w1", backend__slots=4)
-    gw = gateways.start()
-    wait_until_healthy(gw)
-    client = oai(gw)
+def test_openai_tool_calls_whole_streamed_required_named_parallel_none(real_fleet: RealFleet) -> None:
+    client, redis_url = oai(real_fleet), real_fleet.redis_url
     common: dict[str, Any] = {"model": "llm", "max_tokens": 64, "temperature": 0}
 
     # required, one call (parallel_tool_calls false; it defaults to true), content null
@@ -135,10 +133,8 @@ def test_openai_tool_calls_whole_streamed_required_named_parallel_none(workers, 
     assert sum(1 for c in streamed if c.choices and c.choices[0].delta.content) > 3  # delta by delta
 
 
-def test_two_step_loop_ollama_client_and_python_producers(workers, gateways, redis_url) -> None:
-    workers.start("w1", backend__slots=4)
-    gw = gateways.start()
-    wait_until_healthy(gw)
+def test_two_step_loop_ollama_client_and_python_producers(real_fleet: RealFleet) -> None:
+    gw, redis_url = real_fleet, real_fleet.redis_url
     client = oai(gw)
 
     # step 1: the call; step 2: its result in the history (a tool message), answered in words
@@ -187,10 +183,8 @@ def test_two_step_loop_ollama_client_and_python_producers(workers, gateways, red
     jsonschema.validate(json.loads(res["tool_calls"][0]["arguments"]), schema_of("get_weather"))
 
 
-def test_hostile_tool_requests_get_clear_400s(workers, gateways) -> None:
-    workers.start("w1", backend__slots=2)
-    gw = gateways.start()
-    wait_until_healthy(gw)
+def test_hostile_tool_requests_get_clear_400s(real_fleet: RealFleet) -> None:
+    gw = real_fleet
 
     def post(**body: Any) -> httpx.Response:
         return httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "llm", "messages": ASK, **body},
