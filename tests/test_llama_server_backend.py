@@ -167,8 +167,8 @@ def test_cancel_ends_the_job_and_frees_the_slot(server: LlamaServer, backend: Ll
         events += backend.step(1.0)
     backend.cancel("long")
     started = time.monotonic()
-    events = backend.step(1.0)
-    assert time.monotonic() - started < 0.5
+    events = backend.step(20.0)
+    assert time.monotonic() - started < 10  # the cancel ends the step at once, not its wait
     assert [e for e in events if not isinstance(e, Token)] == [
         Done("long", "cancelled", prompt_tokens=0, completion_tokens=events[-1].completion_tokens)  # type: ignore[union-attr]
     ]
