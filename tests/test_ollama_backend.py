@@ -56,8 +56,10 @@ def run_one(backend: OllamaBackend, job_id: str, request: GenerateRequest) -> li
     return events
 
 
-def wait_until_idle(server: OllamaApiServer, seconds: float = 3.0) -> None:
-    deadline = time.monotonic() + seconds
+def wait_until_idle(server: OllamaApiServer, pace: float) -> None:
+    """Until the server stops generating: within 3 s or 30 of its tokens (`pace`: seconds a token,
+    measured in the same run), far fewer than the hung-up request asked for, on any CPU and load."""
+    deadline = time.monotonic() + max(3.0, 30 * pace)
     while server.active:
         assert time.monotonic() < deadline, "the test server is still generating"
         time.sleep(0.02)
@@ -137,10 +139,13 @@ def test_busy_server_answers_503_and_the_job_fails_retryable(
     streaming = threading.Event()
     release = threading.Event()
 
+    lines: list[float] = []  # when each streamed line came
+
     def other_client() -> None:
         body = {"model": MODEL, "prompt": "A long story:", "raw": True, "options": {"num_predict": 400}}
         with httpx.stream("POST", f"{server.url}/api/generate", json=body, timeout=60) as r:
             for _ in r.iter_lines():
+                lines.append(time.monotonic())
                 streaming.set()
                 if release.is_set():
                     break
@@ -155,7 +160,8 @@ def test_busy_server_answers_503_and_the_job_fails_retryable(
         holder.join()
     assert isinstance(end, Failed) and end.retryable
     assert "is busy (503)" in end.error and BUSY_ERROR in end.error
-    wait_until_idle(server)  # the other client hung up: its generation stops
+    pace = (lines[-1] - lines[0]) / (len(lines) - 1) if len(lines) > 1 else 1.0
+    wait_until_idle(server, pace)  # the other client hung up: its generation stops
     assert isinstance(run_one(backend, "after", greedy(prompt="hello", max_tokens=2))[-1], Done)
 
 
@@ -176,15 +182,17 @@ def test_error_line_mid_stream_fails_the_job_retryable(
 def test_cancel_closes_the_stream_and_the_server_is_free_again(
     server: OllamaApiServer, backend: OllamaBackend
 ) -> None:
+    started = time.monotonic()
     backend.admit("long", greedy(prompt="A very long story:", max_tokens=1000))
     events: list[Event] = []
-    while not events:
+    while sum(isinstance(e, Token) for e in events) < 3:
         events += backend.step(1.0)
+    pace = (time.monotonic() - started) / 3  # the prompt's time in it too: more than a token takes
     backend.cancel("long")
     ended = backend.step(1.0)
     assert next(e for e in ended if isinstance(e, Done)).finish_reason == "cancelled"
     assert backend.free_slots() == 1
-    wait_until_idle(server)  # 1000 tokens would take far longer: the server stopped generating
+    wait_until_idle(server, pace)  # 1000 tokens would take far longer: the server stopped generating
     assert isinstance(run_one(backend, "next", greedy(prompt="hello", max_tokens=2))[-1], Done)
 
 
