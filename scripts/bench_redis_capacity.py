@@ -168,8 +168,14 @@ def probe_main(url: str, every: float, conn: Connection) -> None:
         got = claimer.claim(1)
         samples.append((time.perf_counter() - t0) * 1000)
         taken += len(got)
-        if len(samples) % 100 == 0:
-            r.delete(inflight_key(PROBE_WORKER))
+        if len(samples) % 100 == 0:  # the claimed ids go back in line: the depth holds however long
+            # the run (a slow start-up would otherwise empty a short queue before the load is timed)
+            held = r.lrange(inflight_key(PROBE_WORKER), 0, -1)
+            with r.pipeline() as pipe:
+                if held:
+                    pipe.rpush(queue_key(f"{PROBE_POOL}:default"), *held)
+                pipe.delete(inflight_key(PROBE_WORKER))
+                pipe.execute()
         time.sleep(every)
 
 

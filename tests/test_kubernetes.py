@@ -25,15 +25,19 @@ from worker.settings import load_settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
 K8S_VERSION = "1.30"
+TWO_CORES = FIXTURES / "sysfs" / "1node-2core"
 
 
 def render(tmp_path: Path, *args: str, url: str = "redis://:s3cret@redis.example:6379/2",
            **extra: Any) -> dict[str, Any]:
-    """Render the repository's worker-config.json (with `url` and the `extra` keys) into tmp_path/k8s."""
+    """Render the repository's worker-config.json (with `url` and the `extra` keys) into tmp_path/k8s,
+    planned for a recorded 2-core box: the plan (and the sizing that follows from it) is the same
+    whatever machine or pinned test runner renders it."""
     config = tmp_path / "worker-config.json"
     raw = json.loads((ROOT / "worker-config.json").read_text())
     config.write_text(json.dumps({**raw, "redis_url": url, **extra}))
     out = tmp_path / "k8s"
+    args = ("--sysfs-root", str(TWO_CORES), *args)
     result = CliRunner().invoke(cli, ["ecosystem", "--format", "kubernetes", "--config", str(config),
                                       "--workers", "1", "-o", str(out), *args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -46,8 +50,7 @@ def scaled_object_schema() -> dict[str, Any]:
 
 
 def test_core_objects_validate_and_carry_the_plan(tmp_path: Path) -> None:
-    sysfs = str(FIXTURES / "sysfs" / "1node-2core")
-    docs = render(tmp_path, "--cores-per-worker", "2", "--sysfs-root", sysfs)
+    docs = render(tmp_path, "--cores-per-worker", "2")
     for doc in docs.values():
         if doc["apiVersion"].startswith("keda.sh") or doc["kind"] == "Kustomization":
             continue

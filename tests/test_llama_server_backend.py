@@ -123,17 +123,20 @@ def test_streamed_deltas_concatenate_to_the_servers_own_text(
     server: LlamaServer, backend: LlamaServerBackend
 ) -> None:
     request = greedy(prompt="The three primary colours are", max_tokens=20)
+    ask = {"prompt": request.prompt, "n_predict": 20, "temperature": 0.0, "seed": 7, "stream": False}
+    # the server's prompt cache decides how many prompt tokens a request evaluates (a cold one: all),
+    # and a prompt evaluated in another shape can round differently, which flips this answer's
+    # near-ties (0.14 nats at " blue"): both compared answers are repeats, evaluated alike
+    httpx.post(f"{server.url}/completion", json=ask, timeout=120)
     backend.admit("stream", request)
     events = collect(backend, 1)
     deltas = [e for e in events if isinstance(e, Token)]
     assert len(deltas) > 3  # streamed piece by piece, not in one lump
-    direct = httpx.post(
-        f"{server.url}/completion",
-        json={"prompt": request.prompt, "n_predict": 20, "temperature": 0.0, "seed": 7, "stream": False},
-        timeout=60,
-    ).json()
-    assert text(events, "stream") == direct["content"]
+    direct = httpx.post(f"{server.url}/completion", json=ask, timeout=120).json()
     done = final(events, "stream")
+    assert isinstance(done, Done) and isinstance(timings := done.extra["timings"], dict)
+    assert timings["prompt_n"] == direct["timings"]["prompt_n"]
+    assert text(events, "stream") == direct["content"]
     assert isinstance(done, Done) and done.completion_tokens == direct["tokens_predicted"]
 
 
@@ -167,8 +170,8 @@ def test_cancel_ends_the_job_and_frees_the_slot(server: LlamaServer, backend: Ll
         events += backend.step(1.0)
     backend.cancel("long")
     started = time.monotonic()
-    events = backend.step(1.0)
-    assert time.monotonic() - started < 0.5
+    events = backend.step(20.0)
+    assert time.monotonic() - started < 10  # the cancel ends the step at once, not its wait
     assert [e for e in events if not isinstance(e, Token)] == [
         Done("long", "cancelled", prompt_tokens=0, completion_tokens=events[-1].completion_tokens)  # type: ignore[union-attr]
     ]

@@ -8,7 +8,6 @@ job ends with exactly one result.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -23,6 +22,7 @@ from dispatcher import Fleet
 from ecosystem.planner import Plan, plan
 from ecosystem.render import RenderOptions, default_command, render_pm2
 from ecosystem.topology import read_topology
+from tests.cpuset import cpuset_cpus
 from tests.fleet_checks import alive, cpus_allowed, registered, submit, thread_cpus, wait_streaming
 from tests.harness import ROOT, wait_for
 from tests.pm2 import Pm2
@@ -42,7 +42,8 @@ def pm2() -> Iterator[Pm2]:
 
 
 def two_worker_plan() -> Plan:
-    topology = read_topology("/sys", allowed=os.sched_getaffinity(0))
+    # the box's cores, not the one a pinned test runner has: pin() moves each worker onto its own
+    topology = read_topology("/sys", allowed=cpuset_cpus())
     return plan(topology, workers=2, slots=3)
 
 

@@ -98,7 +98,8 @@ def test_submit_gives_up_after_retry_for(tmp_path: Path) -> None:
         started = time.monotonic()
         with pytest.raises(RedisConnectionError):
             fleet.submit(prompt="nobody listens")
-        assert 0.9 <= time.monotonic() - started < 5
+        # gave up after its 1 s, not the default 30 s: bounds a loaded box cannot cross
+        assert 0.9 <= time.monotonic() - started < 15
 
 
 def test_wrong_password_is_not_retried(tmp_path: Path) -> None:
@@ -108,4 +109,4 @@ def test_wrong_password_is_not_retried(tmp_path: Path) -> None:
         started = time.monotonic()
         with pytest.raises(AuthenticationError):
             fleet.submit(prompt="let me in")
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 15  # at once, not after retrying for its 30 s

@@ -164,6 +164,7 @@ def test_a_call_the_tools_do_not_allow_is_refused(vocab: ll.llama_vocab_p, synta
     before = BEFORE[syntax] if grammar.lazy or syntax is GPT_OSS else ""
     cases: list[tuple[str, dict[str, Any], str]] = [
         ("get_wether", PARIS, "ether"),  # no such tool
+        ("get_weather_by_city", PARIS, "_by"),  # an offered tool's name is not a prefix of another's
         ("get_weather", {"days": 3}, 'days"'),  # its required argument missing
         ("get_weather", {"city": "Paris", "days": 15}, "5}"),  # out of its bounds
         ("book", {"guests": [{"name": "Bo", "age": 130}], "room": "double"}, "0}"),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import cast
 
 import psutil
 import pytest
@@ -109,7 +110,13 @@ def test_live_machine_matches_affinity() -> None:
     allowed = os.sched_getaffinity(0)
     t = read_topology("/sys", allowed=allowed)
     assert set(t.cpus) == allowed
-    assert len(t.cores) == psutil.cpu_count(logical=False) or t.source == "psutil"
+    # psutil counts the whole machine's cores; a pinned runner (scripts/test) sees some of them,
+    # each cut to its allowed threads
+    whole = read_topology("/sys")
+    assert len(whole.cores) == psutil.cpu_count(logical=False) or whole.source == "psutil"
+    assert [c.cpus for c in t.cores] == [
+        tuple(cpu for cpu in c.cpus if cpu in allowed) for c in whole.cores if allowed & set(c.cpus)
+    ]
 
 
 # --- plans -----------------------------------------------------------------------------------
@@ -443,29 +450,34 @@ def test_pin_not_requested() -> None:
 
 
 def test_pin_rejects_cpus_outside_allowed_set_and_keeps_mask() -> None:
-    bad = max(os.sched_getaffinity(0)) + 1
-    allowed = format_cpu_list(sorted(os.sched_getaffinity(0)))
+    # pin() checks against what the process may be moved to (its cpuset), wider than the one core
+    # a pinned runner hands down: the child runs on that whole set and takes its bad CPU from it
     out = run_isolated(
-        f"""
+        """
         import json, os
+        from tests.cpuset import cpuset_cpus
+        wide = sorted(cpuset_cpus())
+        os.sched_setaffinity(0, wide)
         from worker.machine.pinning import pin
         errors = []
-        for cpus in ([0, {bad}], [], ):
+        for cpus in ([0, max(wide) + 1], [], ):
             try:
                 pin(cpus, None)
             except ValueError as e:
                 errors.append(str(e))
         try:
-            pin(None, 7, sysfs_root="{FIXTURES / "2node-16core-smt"}")
+            pin(None, 7, sysfs_root="FIXTURE")
         except ValueError as e:
             errors.append(str(e))
-        print(json.dumps({{"errors": errors, "mask": sorted(os.sched_getaffinity(0))}}))
-        """
+        print(json.dumps({"errors": errors, "wide": wide, "mask": sorted(os.sched_getaffinity(0))}))
+        """.replace("FIXTURE", str(FIXTURES / "2node-16core-smt"))
     )
+    wide = cast(list[int], out["wide"])
+    bad, allowed = max(wide) + 1, format_cpu_list(wide)
     assert out["errors"] == [
         f"CPU {bad} is not in this process's allowed set {allowed} "
         "(check FLEET_CPUS / --cpus against the machine and its cpuset)",
         "empty CPU list: pass None to leave the affinity alone",
         "NUMA node 7 does not exist (online nodes: 0-1)",
     ]
-    assert out["mask"] == sorted(os.sched_getaffinity(0))
+    assert out["mask"] == wide

@@ -103,6 +103,7 @@ def test_running_text_is_written_every_stream_interval_first_token_and_ending_at
     assert job.result(timeout=1)["text"] == long_prompt(80)  # every token, in order, then the end
 
 
+@pytest.mark.alone  # its bound (0.5 s against the 1 s interval, the most it may be) needs a quiet box
 def test_a_cancel_is_seen_at_once_however_long_the_stream_interval(redis_url: str, redis: Redis) -> None:
     job = Fleet(redis_url).submit(prompt=long_prompt(2000), max_tokens=2000)
     fw = fake_worker(redis_url, "si-cancel", backend=PACED, stream_interval=1.0)

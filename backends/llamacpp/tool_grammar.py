@@ -126,8 +126,10 @@ def _harmony(rules: list[str], names: list[str], lazy: bool) -> NativeGrammar:
     JSON). Auto starts at `<|channel|>... to=` or `<|start|>assistant to=` (llama.cpp's
     triggers); required lets one analysis message come first (the call follows its end, so a
     reasoning budget that ends it brings the call)."""
+    # the constraint's word stands apart from the name (a space or <|constrain|>), or a name the
+    # tools lack would pass as an offered one and its tail as the constraint
     rules += ['channel ::= "<|channel|>" ( "commentary" | "analysis" )',
-              'constraint ::= ( " "? "<|constrain|>"? [A-Za-z0-9_-]+ )?']
+              'constraint ::= ( ( " " | " "? "<|constrain|>" ) [A-Za-z0-9_-]+ )?']
     calls = []
     for i, name in enumerate(names):  # each header names its tool: the body is that tool's
         to, body = f'" to=functions." {lit(name)}', f'constraint "<|message|>" t{i}-root'
