@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from tests import model_guard
+from tests import model_guard, weights_cache
 from tests.gateway_harness import Gateways
 from tests.gateway_inprocess import InProcessFleet
 from tests.harness import RedisServer, WorkerProcess, start_worker
@@ -27,6 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker.startswith("gw"):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+    weights_cache.install()  # under the guard: it wraps what is there
     model_guard.install()
 
 

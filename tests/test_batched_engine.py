@@ -12,18 +12,30 @@ from backends.contract.schema import GenerateRequest
 from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp.invariance import FA_TILE_ROWS
 from backends.llamacpp_settings import LlamaCppSettings
+from tests import invariant_kernels
+from tests.invariant_kernels import verdict_elsewhere
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.timeout(invariant_kernels.SECONDS)]
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[LlamaCppBackend]:
+def _engine() -> Iterator[LlamaCppBackend | None]:
     # batch invariance on explicitly (not the default): the first model of a process fixes ggml's
-    # kernels, and the determinism test below needs the invariant ones
+    # kernels, and the determinism test below needs the invariant ones (tests/invariant_kernels.py).
+    # Two threads: a lone row's attention over 512+ cells is split between threads, which batch
+    # invariance must undo (docs/ARCHITECTURE.md, "Determinism")
+    if not invariant_kernels.here():
+        yield None
+        return
     b = LlamaCppBackend(LlamaCppSettings(slots=16, n_ctx_per_seq=2048, n_batch=512, prefix_cache=4,
                                         batch_invariant=True), threads=2)
     yield b
     b.close()
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest, _engine: LlamaCppBackend | None) -> object:
+    return invariant_kernels.engine_or_verdict(request, _engine)
 
 
 def run_all(engine: LlamaCppBackend, max_steps: int = 5000) -> tuple[dict[str, str], dict[str, Event]]:
@@ -44,6 +56,7 @@ def req(prompt: str, n: int = 16, **kw: object) -> GenerateRequest:
     return GenerateRequest(prompt=prompt, max_tokens=n, **kw)  # type: ignore[arg-type]
 
 
+@verdict_elsewhere
 def test_sixteen_jobs_in_flight_complete(engine: LlamaCppBackend) -> None:
     steps0 = engine.stats()["steps"]
     for i in range(16):
@@ -68,6 +81,7 @@ TOPICS = ["the old lighthouse", "a recipe for bread", "why the sky is blue", "th
           "how volcanoes form", "a detective story", "learning the piano", "the water cycle"]
 
 
+@verdict_elsewhere
 def test_greedy_text_is_identical_alone_and_in_a_full_batch(engine: LlamaCppBackend) -> None:
     """With batch_invariant: per-slot KV streams and kernels whose result for a row does not
     depend on the other rows. Prompts of 10 to ~200 tokens (long ones take other
@@ -93,6 +107,7 @@ def test_greedy_text_is_identical_alone_and_in_a_full_batch(engine: LlamaCppBack
     assert all(len(alone[f"a{i}"]) > 20 for i in range(16))
 
 
+@verdict_elsewhere
 def test_identical_requests_in_one_batch_get_identical_text(engine: LlamaCppBackend) -> None:
     for i in range(6):
         engine.admit(f"b{i}", req("The recipe begins with", 20, temperature=0.0))
@@ -100,6 +115,7 @@ def test_identical_requests_in_one_batch_get_identical_text(engine: LlamaCppBack
     assert batch["b0"] and all(batch[f"b{i}"] == batch["b0"] for i in range(6))
 
 
+@verdict_elsewhere
 def test_fixed_seed_is_repeatable(engine: LlamaCppBackend) -> None:
     for rnd in range(2):
         for i in range(4):
@@ -110,6 +126,7 @@ def test_fixed_seed_is_repeatable(engine: LlamaCppBackend) -> None:
     assert all(first[f"s0-{i}"] == second[f"s1-{i}"] for i in range(4))
 
 
+@verdict_elsewhere
 def test_cancel_frees_slot_for_next_job_at_once(engine: LlamaCppBackend) -> None:
     small = LlamaCppBackend(LlamaCppSettings(slots=2, n_ctx=2048, prefix_cache=0), threads=2)
     try:
@@ -130,6 +147,7 @@ def test_cancel_frees_slot_for_next_job_at_once(engine: LlamaCppBackend) -> None
         small.close()
 
 
+@verdict_elsewhere
 def test_long_prompt_prefills_in_chunks_without_stalling_decoders(engine: LlamaCppBackend) -> None:
     for i in range(8):
         engine.admit(f"d{i}", req(f"Decoder {i} says", 20, temperature=0.0))
@@ -154,6 +172,7 @@ def test_long_prompt_prefills_in_chunks_without_stalling_decoders(engine: LlamaC
     run_all(engine)
 
 
+@verdict_elsewhere
 def test_shared_prefix_is_copied_not_prefilled(engine: LlamaCppBackend) -> None:
     system = "You are a helpful assistant who answers in one short sentence. " * 20
     engine.admit("p0", req(system + "Question: what is Redis?", 4, temperature=0.0))
@@ -211,6 +230,7 @@ def test_a_pool_slot_takes_a_copied_prefix_cleanly_after_other_jobs() -> None:
         pool.close()
 
 
+@verdict_elsewhere
 def test_next_turn_reuses_the_slot_kv_and_keeps_the_text(engine: LlamaCppBackend) -> None:
     """A finished job's KV stays in its slot: the next turn of the chat (prompt + answer + more)
     prefills only what is new, and its text is the one a fresh engine gives."""
@@ -235,6 +255,7 @@ def test_next_turn_reuses_the_slot_kv_and_keeps_the_text(engine: LlamaCppBackend
     assert texts["turn2"] == baseline["turn2"] and texts["turn2"]
 
 
+@verdict_elsewhere
 def test_a_burst_on_a_new_system_prompt_prefills_it_once(engine: LlamaCppBackend) -> None:
     system = "You are the help desk of a small library; answer politely and briefly. " * 25
     asks = [f"Question {i}: when do you open on day {i}?" for i in range(5)]
@@ -254,6 +275,7 @@ def test_a_burst_on_a_new_system_prompt_prefills_it_once(engine: LlamaCppBackend
         assert alone[f"alone{i}"] == burst[f"burst{i}"]
 
 
+@verdict_elsewhere
 def test_prefix_reuse_gives_the_same_greedy_text(engine: LlamaCppBackend) -> None:
     system = "The following is a conversation about the weather in spring. " * 5
     engine.admit("first", req(system + "It was sunny and", 12, temperature=0.0))
@@ -263,6 +285,7 @@ def test_prefix_reuse_gives_the_same_greedy_text(engine: LlamaCppBackend) -> Non
     assert a["first"] == b["second"]
 
 
+@verdict_elsewhere
 def test_prompt_longer_than_context_is_rejected_clearly(engine: LlamaCppBackend) -> None:
     huge = " ".join(f"w{i}" for i in range(3000))
     with pytest.raises(JobRejected, match=r"prompt is \d+ tokens; the context holds 2048 per job"):
@@ -285,6 +308,7 @@ def test_kv_exhaustion_defers_admission_not_running_jobs() -> None:
         tiny.close()
 
 
+@verdict_elsewhere
 def test_utf8_split_across_tokens_never_reaches_stream_broken(engine: LlamaCppBackend) -> None:
     engine.admit("u", req("Écris une phrase en japonais: 日本語の文章は", 40, temperature=0.0))
     deltas: list[str] = []

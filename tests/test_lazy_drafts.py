@@ -11,8 +11,6 @@ call's rows may round apart from one-row steps, and the plain answer here meets 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,12 +20,14 @@ import pytest
 from backends.base import Done, Failed, Token
 from backends.contract import tools
 from backends.contract.schema import GenerateRequest
-from backends.llamacpp import LlamaCppBackend, model
+from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp.scheduler import DecodeCall
 from backends.llamacpp.state import ActiveJob, Sampled
 from backends.llamacpp_settings import LlamaCppSettings
+from tests import invariant_kernels
+from tests.invariant_kernels import verdict_elsewhere
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.model]
+pytestmark = [pytest.mark.timeout(invariant_kernels.SECONDS), pytest.mark.model]
 TEMPLATE = Path(__file__).parent / "fixtures" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
 TOOLS = [{"name": "get_weather", "description": "The current weather in a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -46,20 +46,15 @@ def history(city: str) -> list[dict[str, Any]]:
     return [*messages, {"role": "user", "content": f"What is the weather in {city}?"}]
 
 
-Engines = dict[int, LlamaCppBackend] | None  # by draft_max; None: run in a fresh process
+Engines = dict[int, LlamaCppBackend]  # by draft_max
 STORY = [{"role": "user", "content": "Write a short story about a lighthouse."}]
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[Engines]:
-    """The engines, drafts off and on; None when an earlier model of this process fixed ggml's
-    default kernels (batch_invariant needs to be first): this file's tests then run whole in a
-    fresh process here, and each test's body is that run's."""
-    if model._kernels_invariant is False:
-        fresh = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                               capture_output=True, text=True, timeout=900)
-        assert fresh.returncode == 0, fresh.stdout[-4000:] + fresh.stderr[-2000:]
-        assert "3 passed" in fresh.stdout, fresh.stdout[-2000:]
+def _engines() -> Iterator[Engines | None]:
+    """The engines, drafts off and on, made only in the tests' process of their own (batch_invariant
+    needs the process's first model: tests/invariant_kernels.py)."""
+    if not invariant_kernels.here():
         yield None
         return
     made = {draft_max: LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=TEMPLATE,
@@ -69,6 +64,11 @@ def engines() -> Iterator[Engines]:
     yield made
     for b in made.values():
         b.close()
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest, _engines: Engines | None) -> object:
+    return invariant_kernels.engine_or_verdict(request, _engines)
 
 
 def run(b: LlamaCppBackend, body: dict[str, Any]) -> tuple[str, str, list[int], list[tuple[int, int, bool]]]:
@@ -110,9 +110,8 @@ def one_job(b: LlamaCppBackend, request: GenerateRequest) -> tuple[str, str, Act
                 raise AssertionError(ev)
 
 
+@verdict_elsewhere
 def test_a_plain_answer_drafts_and_reads_as_without_drafts(engines: Engines) -> None:
-    if engines is None:
-        return  # run whole in a fresh process by the fixture
     body = {"messages": STORY, "max_tokens": 64, "ignore_eos": True}
     alone = run(engines[0], body)
     drafted = run(engines[6], body)
@@ -123,9 +122,8 @@ def test_a_plain_answer_drafts_and_reads_as_without_drafts(engines: Engines) -> 
     assert not any(fired for _, _, fired in drafted[3])
 
 
+@verdict_elsewhere
 def test_an_answer_ending_in_a_call_drafts_up_to_its_trigger(engines: Engines) -> None:
-    if engines is None:
-        return  # run whole in a fresh process by the fixture
     seen_cut = False
     for city in ("Oslo", "Rome"):
         body = {"messages": history(city), "max_tokens": 80}
@@ -144,9 +142,8 @@ def test_an_answer_ending_in_a_call_drafts_up_to_its_trigger(engines: Engines) -
     assert seen_cut
 
 
+@verdict_elsewhere
 def test_a_required_call_never_drafts(engines: Engines) -> None:
-    if engines is None:
-        return  # run whole in a fresh process by the fixture
     body = {"messages": history("Oslo"), "tool_choice": "required", "max_tokens": 60}
     alone = run(engines[0], body)
     drafted = run(engines[6], body)
