@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# alone: a benchmark run; its claim probe must time claims at depth before the load starts
+@pytest.mark.alone
 def test_tiny_run_measures_redis_cpu_per_token(tmp_path: Path) -> None:
     out = tmp_path / "capacity.json"
     proc = subprocess.run(

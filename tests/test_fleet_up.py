@@ -87,6 +87,8 @@ def tree(pid: int) -> list[int]:
     return [pid, *(c.pid for c in proc.children(recursive=True))]
 
 
+# alone: two workers pinned to cores 0 and 1, whose drain must finish 8 jobs in its grace
+@pytest.mark.alone
 @pytest.mark.model
 def test_fleet_up_serves_drains_on_sigterm_and_leaves_nothing(run_dir: Path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
