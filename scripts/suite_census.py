@@ -2,9 +2,12 @@
 llama-servers, redis-servers, other Python processes.
 
     .venv/bin/python scripts/suite_census.py [--json out.json] -- [pytest args]
+    .venv/bin/python scripts/suite_census.py --durations out.tests.jsonl
 
-runs pytest with scripts/suite_census/ on PYTHONPATH (every process it starts records itself),
-then prints the counts.
+The first runs pytest with scripts/suite_census/ on PYTHONPATH (every process it starts records
+itself), prints the counts, and with --json writes them and each test's wall and CPU seconds
+(out.tests.jsonl). The second turns such a file into tests/durations.json: each module's seconds,
+which tests/conftest.py reads to start the longest modules first.
 """
 
 from __future__ import annotations
@@ -41,7 +44,18 @@ def census(path: Path) -> Counter[str]:
     return counts
 
 
+def write_durations(tests_jsonl: Path, out: Path = HERE.parent / "tests" / "durations.json") -> None:
+    seconds: Counter[str] = Counter()
+    for line in tests_jsonl.read_text().splitlines():
+        row = json.loads(line)
+        seconds[row["test"].split("::")[0].rsplit("/", 1)[-1]] += row["wall"]
+    out.write_text(json.dumps({m: round(s) for m, s in sorted(seconds.items())}, indent=0) + "\n")
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--durations"]:
+        write_durations(Path(argv[1]))
+        return 0
     out = None
     if argv[:1] == ["--json"]:
         out, argv = Path(argv[1]), argv[2:]

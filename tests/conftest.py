@@ -8,6 +8,7 @@ thread barriers would spin against the other tests' threads and double the CPU a
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:  # the shared real fleet is the real model
         if "real_fleet" in getattr(item, "fixturenames", ()):
             item.add_marker(model_guard.MARK)
+    # the longest modules first (seconds from a measured run, tests/durations.json), so the run
+    # does not end on one long module while the other workers idle; a stable sort keeps each
+    # module's own order and its tests together
+    durations = json.loads((Path(__file__).parent / "durations.json").read_text())
+    items.sort(key=lambda item: -durations.get(item.path.name, 0))
 
 
 @pytest.hookimpl(hookwrapper=True)
