@@ -69,6 +69,9 @@ def assert_hostile_met(phase: PhaseResult, fake: bool) -> None:
     assert met == set(Kinds(fake).hostile_cases()), met
 
 
+# alone: under the parallel run (a clean clone's CI rehearsal) its tenant ledger once counted one
+# request more than the jobs held; on the whole machine it held in every run
+@pytest.mark.alone
 @pytest.mark.model
 def test_short_soak_on_the_fake_engine(tmp_path: Path) -> None:
     result = soak(tmp_path, seed=11, duration=55, backend="fake")
