@@ -20,11 +20,13 @@ from backends.base import Done, Token
 from backends.contract.schema import GenerateRequest, Message
 from backends.llamacpp import LlamaCppBackend
 from backends.llamacpp.kv import KvBookkeeper, common_prefix, holds_window
-from backends.llamacpp.kv_store import _PREFIX, SUFFIX, Entry, Header, KvStore, StoreWriter
+from backends.llamacpp.kv_store import _PREFIX, SUFFIX, Entry, Header, KvStore, StoreWriter, store_id
 from backends.llamacpp.scheduler import Scheduler
 from backends.llamacpp_settings import KvStoreSettings, LlamaCppSettings
 from tests.engine_state import execute, prompt, sampling
 from tests.test_chat_checkpoints import N_BATCH, TIE, margin, run
+from worker.claiming.models import kv_store_of
+from worker.settings import FleetSettings
 
 IDENTITY = {"model_sha256": "ab" * 32, "model_bytes": 1234, "llama_cpp": "0.3.36", "n_ctx_seq": 4096}
 
@@ -140,6 +142,42 @@ def test_two_writers_of_one_key_at_once_leave_one_valid_file(tmp_path: Path) -> 
     assert len(files(tmp_path)) == 1  # no temp file left, one entry
     found = find(KvStore(tmp_path, IDENTITY, budget_bytes=1 << 30), "a", [*prompt(300), 1])
     assert found is not None and len(found[0].state) == 2 << 20
+
+
+def _store_id(root: str, out: Any) -> None:
+    out.put(store_id(Path(root)))
+
+
+def test_every_worker_that_opens_a_directory_names_one_store(tmp_path: Path) -> None:
+    """The claim sends a busy holder's jobs to the workers of its store by this id: processes
+    racing to create it agree, a damaged id file is replaced, another directory is another store."""
+    root = tmp_path / "kv"
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    racers = [ctx.Process(target=_store_id, args=(str(root), out)) for _ in range(6)]
+    for r in racers:
+        r.start()
+    ids = {out.get(timeout=60) for _ in racers}
+    for r in racers:
+        r.join(60)
+    assert len(ids) == 1 and ids == {store_id(root)} and len(ids.pop()) == 32
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert [p.name for p in root.iterdir()] == [".store-id"]  # no temp file left
+    assert store_id(tmp_path / "other") != store_id(root)
+    (root / ".store-id").write_text("../../not an id\n")
+    fresh = store_id(root)
+    assert fresh == store_id(root) and all(c in "0123456789abcdef" for c in fresh)
+
+
+def test_a_worker_claims_with_its_store_id_only_where_its_engine_has_a_store(tmp_path: Path) -> None:
+    def settings(**kv: Any) -> FleetSettings:
+        return FleetSettings.model_validate({"backend": {"type": "llama-cpp", **kv}})
+    assert kv_store_of(settings()) == ""
+    assert kv_store_of(settings(kv_store={"path": str(tmp_path)})) == store_id(tmp_path)
+    assert kv_store_of(settings(kv_store={"path": str(tmp_path)}, kv_unified=True)) == ""  # no store then
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert kv_store_of(settings(kv_store={"path": str(blocked / "kv")})) == ""  # cannot be made: none
 
 
 @pytest.fixture

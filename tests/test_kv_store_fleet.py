@@ -23,6 +23,17 @@ from tests.test_kv_store import FACTS
 pytestmark = [pytest.mark.timeout(600), pytest.mark.model]
 
 
+def written_entries(redis_url: str, worker: str, deadline: float) -> dict[str, float]:
+    """The worker's kv_store_entries counters by outcome, once it wrote one (or at the deadline)."""
+    while True:
+        samples = collect(Redis.from_url(redis_url))
+        found = {dict(labels)["outcome"]: v for (name, labels), v in samples.items()
+                 if name == "llama_fleet_kv_store_entries_total" and dict(labels).get("worker") == worker}
+        if found.get("written") or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "kill -9 once its entry is written"])
 def test_the_next_turn_on_another_worker_restores_the_history_from_the_store(
         redis_url: str, tmp_path: Path, stop: str) -> None:
@@ -47,6 +58,9 @@ def test_the_next_turn_on_another_worker_restores_the_history_from_the_store(
         turn = [*history, {"role": "assistant", "content": first["text"]},
                 {"role": "user", "content": "And of river 7? One word."}]
         second = fleet.submit(messages=turn, max_tokens=8, temperature=0.0, tenant="t1").result(300)
+        # the write side, per worker process, in Prometheus: kv-b, idle, stores the longer chat
+        written = written_entries(redis_url, "kv-b", deadline=time.monotonic() + 60)
+    assert written.get("written") == 1 and written.get("removed_bad") == 0, written
     assert second["worker"] == "kv-b"
     timings, usage = second["timings"], second["usage"]
     restored = timings.get("kv_restored_tokens", 0)

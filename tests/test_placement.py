@@ -17,6 +17,7 @@ from backends.contract.keys import (
     CAPACITY_LIVE_MS,
     WORKER_WAKE_TTL,
     capacity_key,
+    has_room,
     job_key,
     queue_key,
     wake_key,
@@ -107,6 +108,57 @@ def test_a_full_or_gone_holder_is_not_waited_for(redis: Redis) -> None:
     redis.hset(capacity_key(POOL), "b", f"2|2|{stale}")  # b's last word is too old: gone
     enqueue(redis, "z", ["beef"])
     assert ids(a.claim(1)) == ["z"]
+
+
+def server_ms(redis: Redis) -> int:
+    sec, usec = redis.time()
+    return sec * 1000 + usec // 1000
+
+
+def test_a_busy_or_gone_holders_job_goes_to_a_worker_of_its_store(redis: Redis) -> None:
+    """The holder left the prefix in its KV store too: when it has no room, the job waits for a
+    live worker with room that opens that store (it restores instead of prefilling), not for
+    whoever claims first; with none of them free, anyone takes it."""
+    holder = Claimer(redis, "holder", [QUEUE], slots=2, store="5a5a")
+    peer = Claimer(redis, "peer", [QUEUE], slots=2, store="5a5a")
+    elsewhere = Claimer(redis, "elsewhere", [QUEUE], slots=2, store="0b0b")
+    holder.claim(2), peer.claim(2), elsewhere.claim(2)
+    assert redis.hget(capacity_key(POOL), "peer").decode().endswith("|5a5a")
+    hold(redis, "holder", "beef")
+    redis.hset(capacity_key(POOL), "holder", f"0|2|{server_ms(redis)}|5a5a")  # busy: full
+    enqueue(redis, "turn-2", ["beef"])
+    assert ids(elsewhere.claim(2)) == []  # left to peer, which reads the holder's store
+    assert redis.lrange(worker_wake_key(POOL, "peer"), 0, -1) == [b"1"]
+    assert ids(peer.claim(2)) == ["turn-2"]
+    redis.hset(capacity_key(POOL), "holder", f"2|2|{server_ms(redis) - CAPACITY_LIVE_MS - 500}|5a5a")  # gone
+    enqueue(redis, "turn-3", ["beef"])
+    assert ids(elsewhere.claim(2)) == []
+    assert ids(peer.claim(1)) == ["turn-3"]
+    redis.hset(capacity_key(POOL), "peer", f"0|2|{server_ms(redis)}|5a5a")  # the store's workers are all full
+    enqueue(redis, "turn-4", ["beef"])
+    assert ids(elsewhere.claim(1)) == ["turn-4"]  # balance wins over the cache
+
+
+def test_a_worker_past_its_share_still_takes_a_job_left_to_it_by_store(redis: Redis) -> None:
+    peer = Claimer(redis, "peer", [QUEUE], slots=4, store="5a5a")
+    peer.claim(4), Claimer(redis, "other", [QUEUE], slots=4).claim(4)
+    for i in range(2):
+        enqueue(redis, f"plain-{i}", [])
+    assert len(peer.claim(4)) == 1  # its share of 2 queued on two idle workers
+    hold(redis, "gone", "beef")
+    redis.hset(capacity_key(POOL), "gone", f"1|4|{server_ms(redis) - CAPACITY_LIVE_MS - 500}|5a5a")
+    enqueue(redis, "restore-me", ["beef"])
+    # its share of 3 jobs is 2: plain-1, then, past it, only what is left to it: the gone holder's job
+    assert ids(peer.claim(3)) == ["plain-1", "restore-me"]
+
+
+def test_capacity_entries_with_a_store_parse_for_balance_and_room(redis: Redis) -> None:
+    now = server_ms(redis)
+    assert has_room(f"1|2|{now}|5a5a", now) and has_room(f"1|2|{now}", now)
+    assert not has_room(f"0|2|{now}|5a5a", now) and not has_room(f"1|2|{now}|5a|5a", now)
+    a = Claimer(redis, "a", [QUEUE], slots=2, store="not hex!")  # never written into the entry
+    a.claim(2)
+    assert redis.hget(capacity_key(POOL), "a").decode().count("|") == 2
 
 
 def test_balance_still_lets_a_worker_take_what_it_holds(redis: Redis) -> None:

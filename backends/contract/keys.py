@@ -165,8 +165,9 @@ WORKER_WAKE_TTL = 10  # seconds
 
 
 def capacity_key(pool: str) -> str:
-    """hash worker name -> "free|slots|ms": each worker's free slots after its last claim (and
-    when), so a claim takes only its share of a burst (claim.lua: balance)."""
+    """hash worker name -> "free|slots|ms[|store]": each worker's free slots after its last claim
+    (and when), so a claim takes only its share of a burst (claim.lua: balance), and the id of
+    its KV store, if it has one (placement.lua: a busy holder's jobs go to its store's workers)."""
     return f"fleet:capacity:{pool}"
 
 
@@ -178,7 +179,7 @@ def has_room(entry: bytes | str | None, now_ms: int) -> bool:
     if entry is None:
         return False
     parts = (entry.decode() if isinstance(entry, bytes) else entry).split("|")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[:3]):
         return False
     free, at = int(parts[0]), int(parts[2])
     return free > 0 and now_ms - at <= CAPACITY_LIVE_MS

@@ -22,6 +22,8 @@ CACHED_TOKENS = "cached_tokens"  # of the prompt tokens, those found in the KV c
 STORE_RESTORES = "kv_store_restores"
 STORE_RESTORED_TOKENS = "kv_store_restored_tokens"
 STORE_RESTORE_MS = "kv_store_restore_ms"
+# the store's write side, per worker process (its engine's `store_<name>` stats in the heartbeat)
+STORE_WRITE_OUTCOMES = ("written", "dropped", "write_errors", "evicted", "removed_bad")
 REAPED = "jobs_reaped"
 STARTS = "worker_starts"
 OUTCOMES = ("finished", "failed", "cancelled")

@@ -35,6 +35,7 @@ import struct
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,41 @@ MAX_HEADER = 8 << 20  # a header holds token ids (~7 bytes each as JSON): far be
 SUFFIX = ".kv"
 TEMP_PREFIX = ".part-"
 QUEUE_ENTRIES = 4  # entries waiting for the writer (each a sequence's state: MBs)
+STORE_ID = ".store-id"
+
+
+def store_id(root: Path) -> str:
+    """The store's name: one random id written once in its directory, so every worker that opens
+    the directory, on this host or another that mounts it, names the same store (the claim sends
+    a job whose holder is busy or gone to a worker of the holder's store). Raises OSError when the
+    directory cannot be made or read."""
+    root = Path(root)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = root / STORE_ID
+    found = _read_id(path)
+    if found:
+        return found
+    fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=root)
+    try:
+        os.write(fd, uuid.uuid4().hex.encode())
+        os.close(fd)
+        if os.path.lexists(path):
+            os.replace(temp, path)  # not an id: replaced whole
+        else:
+            with contextlib.suppress(FileExistsError):  # a link never replaces: the first writer wins
+                os.link(temp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+    return _read_id(path) or ""
+
+
+def _read_id(path: Path) -> str | None:
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        found = path.read_text().strip()
+        if 0 < len(found) <= 64 and all(c in "0123456789abcdef" for c in found):
+            return found
+    return None
 
 
 def _hash(*parts: object) -> str:

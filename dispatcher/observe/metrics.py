@@ -148,6 +148,11 @@ class Families:
         self.rss = GaugeMetricFamily(P + "worker_rss_bytes", "Worker process resident memory", labels=w)
         self.started = GaugeMetricFamily(P + "worker_start_time_seconds", "Unix time the worker started",
                                          labels=w)
+        self.store_writes = CounterMetricFamily(
+            P + "kv_store_entries", "KV store entries a worker process wrote, dropped (queue full), failed "
+            "to write (disk), evicted (budget) or removed as bad, since it started", labels=[*w, "outcome"])
+        self.store_bytes = CounterMetricFamily(P + "kv_store_written_bytes",
+                                               "Bytes of KV store entries a worker process wrote", labels=w)
         self.health = GaugeMetricFamily(P + "backend_healthy",
                                         "1 ok, 0.5 degraded (serving from a fallback), 0 down",
                                         labels=[*w, "backend"])
@@ -198,6 +203,12 @@ class Families:
             self.started.add_metric(labels, float(w.get("started_at") or 0))
             health = {"ok": 1.0, "degraded": 0.5}.get(str(w.get("backend_health") or "ok"), 0.0)
             self.health.add_metric([*labels, str(w.get("backend", ""))], health)
+            stats = w.get("backend_stats") or {}
+            if "store_written" in stats:  # an engine with a KV store
+                for outcome in observe_schema.STORE_WRITE_OUTCOMES:
+                    count = float(stats.get(f"store_{outcome}") or 0)
+                    self.store_writes.add_metric([*labels, outcome], count)
+                self.store_bytes.add_metric(labels, float(stats.get("store_written_bytes") or 0))
 
     def add_tenants(self, usage: Usage) -> None:
         for tenant, counts in usage.items():
@@ -215,7 +226,7 @@ class Families:
         yield from self.counters.values()
         yield from (self.jobs, self.restarts, self.worker_tokens, self.worker_jobs, self.depth,
                     self.oldest, self.running, self.failed_1h, self.up, self.busy, self.slots, self.tok_s,
-                    self.cpu, self.rss, self.started, self.health)
+                    self.cpu, self.rss, self.started, self.health, self.store_writes, self.store_bytes)
         yield from self.tenant_counters.values()
         yield self.tenant_rejected
         yield from self.histograms.values()

@@ -56,12 +56,14 @@ def tenant_reserve(slots: int) -> int:
 class Claimer:
     def __init__(self, redis: Redis, worker_name: str, queues: list[str],
                  weights: dict[str, float] | None = None, slots: int = 0, pool: str | None = None,
-                 placement: bool = True, pools: Sequence[str] = ()) -> None:
+                 placement: bool = True, pools: Sequence[str] = (), store: str = "") -> None:
         """`pools`: a worker serving several pools (one per catalogue model) claims from each
-        apart (`claim(pool=...)`); `queues` are then all their queues."""
+        apart (`claim(pool=...)`); `queues` are then all their queues. `store`: the id of the
+        KV store this worker reads (backends/llamacpp/kv_store.py), "" for none."""
         self.redis = redis
         self.weights = dict(weights or {})  # tenant -> weight, for the claim's fair share
         self.placement = placement  # False: claim in queue order, blind to who holds a prefix
+        self.store = store  # a busy holder's jobs come here when this worker reads its store
         self.slots = slots  # shared between tenants with work (0: claim order only)
         self.name = worker_name
         self.inflight = inflight_key(worker_name)
@@ -113,7 +115,8 @@ class Claimer:
         recent = {t: 1 for t, at in self._last_held.items() if t not in held and now - at < RECENT_SECONDS}
         self._last_held = {t: at for t, at in self._last_held.items() if now - at < RECENT_SECONDS}
         return json.dumps({"w": self.weights, "held": held, "recent": recent, "slots": self.slots,
-                           "reserve": tenant_reserve(self.slots), "placement": self.placement})
+                           "reserve": tenant_reserve(self.slots), "placement": self.placement,
+                           "store": self.store})
 
     def starved(self, held: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
         """On a worker with no free slot: tenants with jobs queued below their share of its slots

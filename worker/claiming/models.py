@@ -48,6 +48,7 @@ from backends.contract.keys import (
     worker_wake_key,
 )
 from backends.contract.lua import EXTEND_LOCK, RELEASE_LOCK, queue_script
+from backends.llamacpp.kv_store import store_id
 from backends.shelf import ModelShelf
 from worker.claiming.claim import Claimer
 from worker.settings import FleetSettings
@@ -238,12 +239,27 @@ def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backe
     `changed` is set when the models it holds change (the heartbeat then writes the status)."""
     pool, weights, slots, placement = (settings.pool, settings.gateway.tenant_weights(), backend.slots,
                                        settings.placement)
+    store = kv_store_of(settings)
     if isinstance(backend, ModelShelf):
         pools = list(backend.pool_model)
         claimer = Claimer(redis, name, [q for p in pools for q in queue_names(p)], weights=weights,
-                          slots=slots, pool=pools[0], placement=placement, pools=pools)
+                          slots=slots, pool=pools[0], placement=placement, pools=pools, store=store)
         return ModelClaims(redis, claimer, backend, name, changed or threading.Event(),
                            settings.second_copy_after, lock_ms=int(settings.silent_for_dead * 1000))
     claimer = Claimer(redis, name, queue_names(pool), weights=weights, slots=slots, pool=pool,
-                      placement=placement)
+                      placement=placement, store=store)
     return PoolClaims(claimer, pool, name)
+
+
+def kv_store_of(settings: FleetSettings) -> str:
+    """The id of the KV store this worker's engine reads and writes, "" for none: an engine with
+    one KV stream per slot and `kv_store.path` set (backends/llamacpp/engine.py opens the same)."""
+    backend = settings.backend
+    cfg = getattr(backend, "kv_store", None)
+    if cfg is None or cfg.path is None or getattr(backend, "kv_unified", False):
+        return ""
+    try:
+        return store_id(cfg.path)
+    except OSError as e:
+        log.warning("KV store %s: no id (%s); jobs of busy holders are not sent here", cfg.path, e)
+        return ""

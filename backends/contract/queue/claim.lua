@@ -3,8 +3,8 @@
 -- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, '1' if the
 -- status key must exist, the tenants' share (JSON: {"w": {tenant: weight > 0, 1 when absent},
 -- "held": {tenant: jobs this worker runs}, "slots": its slots, "reserve": slots kept from a lone
--- tenant}), then optionally per queue the most jobs the claim may hold once it took from that
--- queue (worker/claiming/priority.py)
+-- tenant, "store": the id of its KV store, if any}), then optionally per queue the most jobs the
+-- claim may hold once it took from that queue (worker/claiming/priority.py)
 -- Returns: server time (ms), ids dropped (-1: refused, the status key is missing), then id1,
 -- queue1, id2, queue2, ...
 -- A worker whose status key expired is dead to the fleet: the reaper hands back whatever it holds.
@@ -57,7 +57,7 @@ local live_ms = CAPACITY_LIVE_MS  -- a capacity entry older than this is a worke
 -- pops only a list (an error after an earlier LPOP would lose its id), leaving to other workers
 -- the jobs whose prefixes they hold (placement.lua)
 local pool = string.match(queue_name_of(KEYS[4] or ''), '^(.*):[^:]+$') or ''
-local list_pop = placement(me, pool, capacity, out[1], live_ms, share.placement ~= false)
+local list_pop = placement(me, pool, capacity, out[1], live_ms, share.placement ~= false, share.store)
 local function fair_pop(queue_key, mine_only)
   local fair = KEY.fair(queue_name_of(queue_key))
   if redis.call('TYPE', fair).ok ~= 'zset' then return list_pop(queue_key, mine_only) end
@@ -160,5 +160,5 @@ while claimed < n and looked < n + 256 do
   end
 end
 if claimed > 0 then redis.call('SADD', KEYS[2], me) end
-if slots > 0 then record(capacity, me, out[1], n - claimed, slots, CAPACITY_TTL) end
+if slots > 0 then record(capacity, me, out[1], n - claimed, slots, CAPACITY_TTL, share.store) end
 return out
