@@ -31,12 +31,14 @@ def prompt(i: int) -> str:
 
 
 def start_worker_in(lab: NetLab | None, host: str | None, redis_url: str, name: str, log_dir: Path,
-                    watch: Redis, **settings: Any) -> WorkerProcess:
-    """`fleet worker` inside a lab host's namespace (lab None: in this namespace)."""
+                    watch: Redis, engine: dict[str, Any] | None = None, timeout: float = 60,
+                    **settings: Any) -> WorkerProcess:
+    """`fleet worker` inside a lab host's namespace (lab None: in this namespace); `engine`: its
+    backend settings (default: the fake engine, FAKE_WORKER)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     argv = [sys.executable, "-m", "ecosystem.cli", "worker"]
-    env = worker_env(redis_url, name, **{**FAKE_WORKER, **settings})
+    env = worker_env(redis_url, name, **{**(FAKE_WORKER if engine is None else engine), **settings})
     out = log.open("wb")
     if lab is not None and host is not None:
         proc = lab.popen(host, argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -49,7 +51,7 @@ def start_worker_in(lab: NetLab | None, host: str | None, redis_url: str, name: 
             raise RuntimeError(f"worker {name} exited ({proc.returncode}):\n{w.output()[-3000:]}")
         return bool(watch.exists(worker_key(name)))
 
-    wait_for(up, 60, f"worker {name} to register")
+    wait_for(up, timeout, f"worker {name} to register")
     return w
 
 

@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 # at close (a model unload, a worker's drain) the KV store's writer finishes what is queued for
 # at most this long: a few entries of MBs each, on a local disk
 STORE_FLUSH_SECONDS = 10.0
+# an idle engine waits this long at most for the KV store's reads of jobs that arrived together
+# before it starts those already ready: they then prefill their new turns in one step (a solo
+# first step would make the others wait for it: after a restart, 0.70 s instead of 0.45 s)
+GATHER_READS_SECONDS = 0.25
 
 
 def keeps_whole_window(settings: LlamaCppSettings) -> bool:
@@ -155,7 +159,8 @@ class LlamaCppBackend:
         waiting = self.scheduler.enqueue(job_id, tokens, sampling, resumed, tenant)
         if self._reader is not None:
             self._ask_store(waiting)
-        self._guarded(self._start_waiting)
+        if self.scheduler.active or not self._gathering_reads():
+            self._guarded(self._start_waiting)
 
     def _ask_store(self, waiting: WaitingJob) -> None:
         """Look for more of the job's tokens in the store than the engine's KV holds (by
@@ -167,8 +172,14 @@ class LlamaCppBackend:
         def usable(h: Header) -> int:  # the bookkeeper's settings only: safe on the reader's thread
             return kv.reusable_stored(h.tokens, h.n_prompt, h.oldest, (p for p, _ in h.checkpoints), tokens)
 
-        waiting.reading = True
+        waiting.reading, waiting.reading_since = True, time.perf_counter()
         self._reader.submit(Read(waiting, waiting.tenant, tokens, usable, have + MIN_STASH_TOKENS))
+
+    def _gathering_reads(self) -> bool:
+        """Are store reads of waiting jobs still under way, the oldest for less than
+        GATHER_READS_SECONDS? (an idle engine starts its ready jobs once they are not)"""
+        since = [w.reading_since for w in self.scheduler.waiting if w.reading]
+        return bool(since) and time.perf_counter() - min(since) < GATHER_READS_SECONDS
 
     def _take_reads(self) -> None:
         """Reads the reader finished: an entry found becomes a RAM entry the job reuses
@@ -274,7 +285,7 @@ class LlamaCppBackend:
 
     def _step(self) -> None:
         self._take_reads()
-        if not self.scheduler.active:
+        if not self.scheduler.active and not self._gathering_reads():
             self._start_waiting()
         if self.scheduler.active:
             self._decode_step(self._finished)

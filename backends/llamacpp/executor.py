@@ -332,7 +332,8 @@ class Executor:
 
 
 def _array(data: bytes | bytearray | memoryview) -> ctypes.Array[ctypes.c_uint8]:
-    """llama.cpp's view of a state's bytes (over a bytearray's own memory: no copy)."""
-    if isinstance(data, bytearray):
+    """llama.cpp's view of a state's bytes (over a bytearray's memory, or a writable view of
+    one: no copy)."""
+    if isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly):
         return (ctypes.c_uint8 * len(data)).from_buffer(data)
     return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)

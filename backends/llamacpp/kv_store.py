@@ -5,7 +5,8 @@ An entry is what the host-RAM cache holds (kv.py: Stash), in one file: a sequenc
 (`llama_state_seq_get_data_ext`, every layer) and its windowed layers' checkpoints, behind a
 header that says what it is for: the identity of the engine that wrote it (model file size and
 sha256, the context settings that shape a sequence's state, the llama.cpp build), the tenant,
-the prompt's token ids, and a blake2b checksum of the payload.
+the prompt's token ids, and a CRC-32 of the payload (it finds a file damaged or cut short; the
+directory is the fleet user's alone, so nobody forges one: 4x faster than blake2b, 5 ms for 14 MB).
 
 Layout: `<path>/<bucket>/<entry>.kv`; the bucket is a hash of (identity, tenant), so an engine
 only ever lists its own tenant's entries of its own identity, and the entry's name a hash of
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,13 +46,14 @@ Bytes = bytes | bytearray | memoryview
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the payload's CRC-32 (1: its blake2b)
 MAGIC = b"FLKV"
 _PREFIX = struct.Struct("<4sII")  # magic, format, header bytes
 MAX_HEADER = 8 << 20  # a header holds token ids (~7 bytes each as JSON): far below this
 SUFFIX = ".kv"
 TEMP_PREFIX = ".part-"
 QUEUE_ENTRIES = 4  # entries waiting for the writer (each a sequence's state: MBs)
+READER_THREADS = 2
 STORE_ID = ".store-id"
 
 
@@ -101,7 +104,7 @@ class Header:
     oldest: int  # oldest position the windowed layers held (0: all, or no windowed layers)
     state_bytes: int
     checkpoints: list[tuple[int, int]]  # (position, bytes), after the state in the payload
-    blake2b: str
+    crc32: int
 
     def payload_bytes(self) -> int:
         return self.state_bytes + sum(size for _, size in self.checkpoints)
@@ -109,7 +112,7 @@ class Header:
     def to_json(self) -> bytes:
         return json.dumps({"identity": self.identity, "tenant": self.tenant, "tokens": self.tokens,
                            "n_prompt": self.n_prompt, "oldest": self.oldest, "state_bytes": self.state_bytes,
-                           "checkpoints": self.checkpoints, "blake2b": self.blake2b}).encode()
+                           "checkpoints": self.checkpoints, "crc32": self.crc32}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Header:
@@ -120,14 +123,18 @@ class Header:
         ints = [d.get(k) for k in ("n_prompt", "oldest", "state_bytes")]
         tokens, checkpoints = d.get("tokens"), d.get("checkpoints")
         if (not isinstance(d.get("identity"), dict) or not isinstance(d.get("tenant"), str)
-                or not isinstance(d.get("blake2b"), str) or not all(_is_int(v) for v in ints)
+                or not _is_int(d.get("crc32")) or not all(_is_int(v) for v in ints)
                 or not isinstance(tokens, list) or not all(_is_int(t) for t in tokens)
                 or not isinstance(checkpoints, list)
                 or not all(isinstance(c, list) and len(c) == 2 and all(_is_int(v) for v in c)
                            for c in checkpoints)):
             raise ValueError("header fields missing or of the wrong kind")
         return cls(d["identity"], d["tenant"], tokens, d["n_prompt"], d["oldest"], d["state_bytes"],
-                   [(p, n) for p, n in checkpoints], d["blake2b"])
+                   [(p, n) for p, n in checkpoints], d["crc32"])
+
+
+def _crc32(data: Bytes, start: int = 0) -> int:
+    return zlib.crc32(data, start) & 0xFFFFFFFF
 
 
 def _is_int(v: object) -> bool:
@@ -152,6 +159,7 @@ class StoreStats:
 
     written: int = 0
     written_bytes: int = 0
+    write_ms: float = 0.0  # checksum, file written and renamed into place (the writer's thread)
     dropped: int = 0  # the writer's queue was full
     write_errors: int = 0  # the disk refused (full, gone, read-only)
     evicted: int = 0
@@ -235,7 +243,7 @@ class KvStore:
             self._headers[path] = header
         return header
 
-    def _parse_header(self, prefix: bytes, f: object) -> Header | None:
+    def _parse_header(self, prefix: bytes | bytearray, f: object) -> Header | None:
         if len(prefix) < _PREFIX.size:
             raise ValueError("shorter than its prefix")
         magic, fmt, size = _PREFIX.unpack(prefix)
@@ -259,7 +267,8 @@ class KvStore:
     def _read(self, path: Path, header: Header) -> Entry | None:
         try:
             with path.open("rb") as f:
-                data = f.read()
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                del data[f.readinto(data):]  # shorter than its size said: caught below
         except FileNotFoundError:
             self._forget(path)
             return None
@@ -271,20 +280,20 @@ class KvStore:
         except ValueError as e:
             self._remove_bad(path, str(e))
             return None
-        start = _PREFIX.size + _PREFIX.unpack(data[:_PREFIX.size])[2]
+        start = _PREFIX.size + _PREFIX.unpack(bytes(data[:_PREFIX.size]))[2]
         payload = memoryview(data)[start:]
         if (again != header or len(payload) != header.payload_bytes()
-                or hashlib.blake2b(payload).hexdigest() != header.blake2b):
+                or _crc32(payload) != header.crc32):
             self._remove_bad(path, "truncated or corrupt payload")
             return None
-        state = payload[:header.state_bytes]
+        # views of the one buffer read (writable: llama.cpp reads them in place, no copy)
         checkpoints: list[tuple[int, Bytes]] = []
         at = header.state_bytes
         for pos, size in header.checkpoints:
-            checkpoints.append((pos, bytearray(payload[at:at + size])))
+            checkpoints.append((pos, payload[at:at + size]))
             at += size
-        return Entry(header.tenant, header.tokens, header.n_prompt, header.oldest, bytearray(state),
-                     checkpoints)
+        return Entry(header.tenant, header.tokens, header.n_prompt, header.oldest,
+                     payload[:header.state_bytes], checkpoints)
 
     def _remove_bad(self, path: Path, why: str) -> None:
         """Never restored; removed so no reader meets it again; logged once per file."""
@@ -313,11 +322,12 @@ class KvStore:
     def write(self, entry: Entry) -> None:
         """Write `entry` atomically, drop the tenant's entries it holds all of, evict to the
         budget. OSError (a full or missing disk) is the caller's to count."""
-        digest = hashlib.blake2b(entry.state)
+        t0 = time.perf_counter()
+        crc = _crc32(entry.state)
         for _, data in entry.checkpoints:
-            digest.update(data)
+            crc = _crc32(data, crc)
         header = Header(self.identity, entry.tenant, list(entry.tokens), entry.n_prompt, entry.oldest,
-                        len(entry.state), [(p, len(d)) for p, d in entry.checkpoints], digest.hexdigest())
+                        len(entry.state), [(p, len(d)) for p, d in entry.checkpoints], crc)
         raw = header.to_json()
         path = self.path_of(entry.tenant, entry.tokens)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -344,6 +354,7 @@ class KvStore:
             self._headers[path] = header
         self.stats.written += 1
         self.stats.written_bytes += len(raw) + header.payload_bytes()
+        self.stats.write_ms += (time.perf_counter() - t0) * 1000
         self._drop_held_by(path, header)
         self.evict()
 
@@ -385,10 +396,10 @@ class KvStore:
 class _Reader:
     """A file-like read over bytes already in memory (the header parser reads from either)."""
 
-    def __init__(self, data: bytes, at: int) -> None:
+    def __init__(self, data: bytes | bytearray, at: int) -> None:
         self.data, self.at = data, at
 
-    def read(self, n: int) -> bytes:
+    def read(self, n: int) -> bytes | bytearray:
         out = self.data[self.at:self.at + n]
         self.at += n
         return out
@@ -430,6 +441,11 @@ class StoreWriter:
             return False
 
     def _run(self) -> None:
+        # the lowest CPU priority (a Linux thread's own nice): a write's checksum and copies run
+        # in the engine's idle moments, never taking a core from a step (ggml's threads wait for
+        # each other: one of them preempted stalls them all)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (entry := self._queue.get()) is not None:
             try:
                 self.store.write(entry)
@@ -473,16 +489,19 @@ class Read:
 
 
 class StoreReader:
-    """The store's lookups on a thread of their own: `submit` never blocks, `done` hands back the
-    reads finished since the last call (in the order submitted). A read that fails finds nothing:
-    its job starts cold."""
+    """The store's lookups on threads of their own: `submit` never blocks, `done` hands back the
+    reads finished since the last call. Several at once: jobs that arrive together (a restart's
+    queue) are read side by side, checksums and copies on every core. A read that fails finds
+    nothing: its job starts cold."""
 
-    def __init__(self, store: KvStore) -> None:
+    def __init__(self, store: KvStore, threads: int = READER_THREADS) -> None:
         self.store = store
         self._todo: queue.Queue[Read | None] = queue.Queue()
         self._done: queue.Queue[Read] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="fleet-kv-store-reader", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"fleet-kv-store-reader-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, read: Read) -> None:
         self._todo.put(read)
@@ -505,5 +524,6 @@ class StoreReader:
             self._done.put(read)
 
     def close(self) -> None:
-        """Stop after the read in flight (a read blocked on a dead mount: the thread is a daemon)."""
-        self._todo.put(None)
+        """Stop after the reads in flight (a read blocked on a dead mount: the threads are daemons)."""
+        for _ in self._threads:
+            self._todo.put(None)

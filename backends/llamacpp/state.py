@@ -20,6 +20,7 @@ class WaitingJob:
     tenant: str = ""  # whose job (the KV store keeps tenants apart)
     store_ms: float = 0.0  # reading a state from the KV store for it took this long (admission)
     reading: bool = False  # the KV store's reader is looking for it: it starts when that is done
+    reading_since: float = 0.0  # perf_counter() when the read was asked for
 
 
 @dataclass(slots=True)

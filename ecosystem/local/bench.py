@@ -347,6 +347,10 @@ def _warn_if_busy(console: Console) -> None:
 @click.option("--slots", type=click.IntRange(0), default=0, show_default=True,
               help="chat: slots of each fleet worker and llama-server (0: as many as users); fewer "
                    "than --users: conversations find their KV only in a cache beyond the slots")
+@click.option("--think-ms", type=click.IntRange(0), default=0, show_default=True,
+              help="chat: a user's pause before each later turn, uniform in [0, 2 x this] ms")
+@click.option("--kv-store", is_flag=True,
+              help="chat: the fleet with a KV store shared by its workers, beside the same fleet without one")
 @click.option("--history", type=click.Choice(["real", "edited", "both"]), default="both", show_default=True,
               help="chat: resend each answer as given (real), reformatted by the client (edited), or both")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -356,8 +360,8 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
           max_tokens: int | None, prompts_file: str | None,
           fleet_backend: str, workers: int, via: str, threads: int | None, ctx_per_user: int, rounds: int,
           warmup: bool, server_args: tuple[str, ...], fleet_settings: tuple[str, ...],
-          worker_settings: tuple[str, ...], turns: int, slots: int, history: str, out: Path | None,
-          keep_logs: bool) -> None:
+          worker_settings: tuple[str, ...], turns: int, slots: int, think_ms: int, kv_store: bool,
+          history: str, out: Path | None, keep_logs: bool) -> None:
     """Benchmark the fleet against llama-server -np C on the same model and machine, in one run."""
     console = Console()
     if not console.is_terminal:  # a log file: no need to squeeze the table into 80 columns
@@ -370,7 +374,8 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
     if workloads == (STALLS,):
         _refuse({"requests_per_user": "--requests-per-user", "prompts_file": "--prompts",
                  "fleet_backend": "--fleet-backend", "via": "--via", "turns": "--turns",
-                 "history": "--history", "slots": "--slots", "workers": "--workers"},
+                 "history": "--history", "slots": "--slots", "workers": "--workers", "think_ms": "--think-ms",
+                 "kv_store": "--kv-store"},
                 f"does not apply to --workload {STALLS}")
         if _given("users") and len(users) > 1:
             raise click.BadParameter(f"--workload {STALLS} takes one user count", param_hint="--users")
@@ -389,11 +394,13 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
             raise click.BadParameter(f"--workload {CHAT} takes one user count", param_hint="--users")
         chat = ChatConfig(users[0] if _given("users") else CHAT_USERS, turns, max_tokens or CHAT_MAX_TOKENS,
                           HISTORIES if history == "both" else (history,), workers, threads, rounds,
-                          ctx_per_user, warmup, seed, server_args, fleet_settings, worker_settings, slots)
+                          ctx_per_user, warmup, seed, server_args, fleet_settings, worker_settings, slots,
+                          think_ms, kv_store)
         _warn_if_busy(console)
         run_chat(chat, console, out or Path("bench-results") / f"fleet-bench-chat-{stamp}.json", keep_logs)
         return
-    _refuse({"turns": "--turns", "history": "--history", "slots": "--slots"},
+    _refuse({"turns": "--turns", "history": "--history", "slots": "--slots", "think_ms": "--think-ms",
+             "kv_store": "--kv-store"},
             f"applies to --workload {CHAT} only")
     prompts = PROMPTS
     if prompts_file:

@@ -11,6 +11,11 @@ new question. Later-turn TTFT is what a returning conversation costs.
 With several workers, each is pinned to its share of the cores, and two more systems run: the
 same fleet claiming blind to held prefixes (`placement: false`), and as many llama-servers,
 pinned likewise, each user talking to server `user % N` (round robin over the users).
+
+With `kv_store`, the fleet's workers share a KV store (a directory of the run), and the systems
+are that fleet, the same fleet without a store, and the llama-servers: with fewer slots than
+conversations and think times between turns, a returning conversation's holder is often busy,
+and the other worker restores its history from the store (or, without one, prefills it).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from ecosystem.local.bench_workloads import Tokenizer, ctx_per_slot
 from ecosystem.local.llama_server import llama_server_binary, start_llama_server
 from ecosystem.local.processes import RedisServer, start_gateway, wait_until_healthy
 
-FLEET, BLIND = "fleet serve", "fleet serve, claims blind to prefixes"
+FLEET, BLIND, STORE = "fleet serve", "fleet serve, claims blind to prefixes", "fleet serve, KV store"
 HISTORIES = ("real", "edited")
 CHAT_MAX_TOKENS = 64
 # llama.cpp's built-in gemma template, as the fleet's: with jinja (llama-server's default)
@@ -74,6 +79,8 @@ class ChatConfig:
     # slots of each fleet worker and each llama-server (0: the users, over the servers); fewer
     # than the conversations, returning ones find their KV only in a cache beyond the slots
     slots: int = 0
+    think_ms: int = 0  # a user's pause before each later turn: uniform in [0, 2 x think_ms]
+    kv_store: bool = False  # the fleet with a KV store beside the same fleet without one
 
 
 def opening(seed: int, user: int, round_: int, history: str) -> str:
@@ -107,12 +114,13 @@ def context_needed(tok: Tokenizer, cfg: ChatConfig) -> int:
 class ChatClient:
     """Streaming chat completions to one server, shared by the users' threads."""
 
-    def __init__(self, url: str, users: int) -> None:
+    def __init__(self, url: str, users: int, model: str = "llm") -> None:
         self.client = http_client(url, users)
+        self.model = model
 
     def turn(self, messages: list[dict[str, str]], max_tokens: int, user: int) -> tuple[Sample, int, str]:
         """One streamed answer: (TTFT, e2e, completion tokens or the error), prompt tokens, text."""
-        body = {"model": "llm", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "user": f"user-{user}"}
         parts: list[str] = []
         usage: dict[str, int] = {}
@@ -140,10 +148,13 @@ class ChatClient:
 
 
 def conversation(client: ChatClient, user: int, run: ChatRun, turns: int, max_tokens: int, seed: int,
-                 lock: threading.Lock) -> None:
+                 lock: threading.Lock, think_ms: int = 0) -> None:
     messages = [{"role": "user", "content": opening(seed, user, run.round, run.history)}]
     questions = follow_ups(seed, user, run.round, turns)
+    pauses = random.Random(f"think-{seed}-{run.round}-{user}")
     for turn in range(turns):
+        if turn and think_ms:
+            time.sleep(pauses.uniform(0, 2 * think_ms) / 1000)
         sample, prompt_tokens, answer = client.turn(messages, max_tokens, user)
         with lock:
             if sample.error is not None:
@@ -160,7 +171,8 @@ def conversation(client: ChatClient, user: int, run: ChatRun, turns: int, max_to
 
 
 def measure(system: str, clients: Sequence[ChatClient], history: str, round_: int, users: int, turns: int,
-            max_tokens: int, seed: int, pids: Mapping[str, Sequence[int]] | None = None) -> ChatRun:
+            max_tokens: int, seed: int, pids: Mapping[str, Sequence[int]] | None = None,
+            think_ms: int = 0) -> ChatRun:
     """Every user's conversation at once, user u on clients[u % len(clients)]; `pids`: the
     system's processes by group (workers, gateway, Redis), whose CPU time the run counts."""
     run = ChatRun(system, history, round_)
@@ -169,7 +181,7 @@ def measure(system: str, clients: Sequence[ChatClient], history: str, round_: in
 
     def user(u: int) -> None:
         start.wait()
-        conversation(clients[u % len(clients)], u, run, turns, max_tokens, seed, lock)
+        conversation(clients[u % len(clients)], u, run, turns, max_tokens, seed, lock, think_ms)
 
     threads = [threading.Thread(target=user, args=(u,), daemon=True, name=f"chat-{u}") for u in range(users)]
     for t in threads:
@@ -196,7 +208,8 @@ class ChatBench:
         self.tok = tok
         several = cfg.workers > 1
         self.peer = f"{cfg.workers} llama-servers, round robin" if several else "llama-server"
-        self.systems = [FLEET, *([BLIND] if several else []), self.peer]  # the peer last: ratios are over it
+        fleets = [STORE, FLEET] if cfg.kv_store else [FLEET, *([BLIND] if several else [])]
+        self.systems = [*fleets, self.peer]  # the peer last: ratios are over it
         self.per_slot = 0
         self.needed = 0
         self.pids: dict[str, dict[str, list[int]]] = {}  # each system's processes, by group
@@ -209,16 +222,19 @@ class ChatBench:
                          f"may need {self.needed}")
         return per_slot
 
-    def _fleet(self, stack: contextlib.ExitStack, placement: bool) -> list[str]:
-        cfg, tag = self.cfg, "chat" if placement else "chat-blind"
+    def _fleet(self, stack: contextlib.ExitStack, system: str) -> list[str]:
+        cfg, placement = self.cfg, system != BLIND
+        tag = {FLEET: "chat", BLIND: "chat-blind", STORE: "chat-store"}[system]
         redis = stack.enter_context(RedisServer.start(self.workdir / f"redis-{tag}"))
         slots = cfg.slots or cfg.users
         backend = {"type": "llama-cpp", "slots": slots, "n_ctx": slots * self.per_slot,
                    "n_ctx_per_seq": self.per_slot, "chat_template": "gemma",
+                   **({"kv_store__path": str(self.workdir / "kv-store")} if system == STORE else {}),
                    **dict(kv.split("=", 1) for kv in cfg.fleet_settings)}
         settings = {**dict(kv.split("=", 1) for kv in cfg.worker_settings), "placement": placement}
-        self.console.log(f"starting {cfg.workers} fleet worker(s), {slots} slots each, "
-                         f"placement {'on' if placement else 'off'}, and fleet serve")
+        self.console.log(f"starting {cfg.workers} fleet worker(s), {slots} slots each, placement "
+                         f"{'on' if placement else 'off'}, KV store {'on' if system == STORE else 'off'}, "
+                         "and fleet serve")
         workers = start_fleet_workers(redis.url, f"bench-{tag}", self.logs, workers=cfg.workers,
                                       threads=cfg.threads, worker_settings=settings, backend=backend)
         for w in workers:
@@ -226,7 +242,7 @@ class ChatBench:
         gw = start_gateway(redis.url, self.logs, name=f"gateway-{tag}")
         stack.callback(gw.stop)
         wait_until_healthy(gw, 60)
-        self.pids[FLEET if placement else BLIND] = {"redis": [redis.process.pid],
+        self.pids[system] = {"redis": [redis.process.pid],
                                                     "gateway": with_children(gw.process.pid),
                                                     "workers": [w.process.pid for w in workers]}
         return [gw.url]
@@ -252,9 +268,7 @@ class ChatBench:
         runs: list[ChatRun] = []
         self.per_slot = self._context()
         with contextlib.ExitStack() as stack:
-            urls = {FLEET: self._fleet(stack, True)}
-            if BLIND in self.systems:
-                urls[BLIND] = self._fleet(stack, False)
+            urls = {name: self._fleet(stack, name) for name in self.systems if name != self.peer}
             urls[self.peer] = self._servers(stack)
             clients = {name: [ChatClient(u, cfg.users) for u in us] for name, us in urls.items()}
             for c in itertools.chain(*clients.values()):
@@ -266,7 +280,7 @@ class ChatBench:
                 order = self.systems if round_ % 2 == 0 else self.systems[::-1]
                 for name in order:
                     run = measure(name, clients[name], history, round_, cfg.users, cfg.turns,
-                                  cfg.max_tokens, cfg.seed, self.pids.get(name))
+                                  cfg.max_tokens, cfg.seed, self.pids.get(name), cfg.think_ms)
                     runs.append(run)
                     self.console.log(f"round {round_} {history:6} {name}: {run.tok_s:.1f} tok/s, later-turn "
                                      f"TTFT p50 {percentile(run.ttft_later_ms, 50) or 0:.0f} ms"
