@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from ecosystem.local.bench import bench
-from ecosystem.local.bench_chat import FLEET, HISTORIES
+from ecosystem.local.bench_chat import FLEET, HISTORIES, STORE
 from ecosystem.local.bench_chat_report import ChatRun, summarise
 
 PEER = "llama-server"
@@ -41,6 +41,8 @@ def test_ratios_are_medians_of_per_round_ratios() -> None:
     (["--workload", "chat", "--fleet-backend", "llama-server"], "--fleet-backend does not apply"),
     (["--turns", "3"], "--turns applies to --workload chat only"),
     (["--slots", "2"], "--slots applies to --workload chat only"),
+    (["--think-ms", "100"], "--think-ms applies to --workload chat only"),
+    (["--workload", "stalls", "--kv-store"], "--kv-store does not apply to --workload stalls"),
     (["--workload", "chat", "--history", "all"], "'all' is not one of 'real', 'edited', 'both'"),
     (["--workload", "chat", "--turns", "0"], "0 is not in the range x>=1"),
 ])
@@ -54,17 +56,19 @@ def test_chat_options_are_checked(args: list[str], message: str) -> None:
 def test_one_tiny_chat_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "chat.json"
     result = CliRunner().invoke(bench, ["--workload", "chat", "--users", "2", "--turns", "2", "--rounds", "1",
-                                        "--max-tokens", "8", "--no-warmup", "--slots", "1",
-                                        "--out", str(out)])
+                                        "--max-tokens", "8", "--no-warmup", "--slots", "1", "--kv-store",
+                                        "--think-ms", "20", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "Multi-turn chat over HTTP" in result.output
     doc = json.loads(out.read_text())
-    assert doc["meta"]["cpu"] and doc["meta"]["systems"] == [FLEET, PEER]
+    assert doc["meta"]["cpu"] and doc["meta"]["systems"] == [STORE, FLEET, PEER]
     meta = doc["meta"]
     assert meta["config"]["users"] == 2 and meta["ctx_per_slot"] >= meta["context_needed"]
     assert meta["config"]["slots"] == 1  # two conversations take turns in one slot on both sides
     summary = doc["summary"]
-    assert set(summary) == {f"{h}/{s}" for h in HISTORIES for s in (FLEET, PEER)}
+    assert set(summary) == {f"{h}/{s}" for h in HISTORIES for s in (STORE, FLEET, PEER)}
+    for history in HISTORIES:  # the fleet with a KV store answered every turn too
+        assert summary[f"{history}/{STORE}"]["errors"] == 0 and summary[f"{history}/{STORE}"]["tok_s"] > 0
     for history in HISTORIES:
         fleet, peer = summary[f"{history}/{FLEET}"], summary[f"{history}/{PEER}"]
         for row in (fleet, peer):
@@ -77,7 +81,7 @@ def test_one_tiny_chat_run_end_to_end(tmp_path: Path) -> None:
         assert fleet["ttft_later_vs_peer"] == pytest.approx(
             fleet["ttft_later_p50_ms"] / peer["ttft_later_p50_ms"], abs=2e-3)
     runs = {(r["system"], r["history"]): r for r in doc["runs"]}
-    assert len(runs) == 4
+    assert len(runs) == 6
     for history in HISTORIES:
         mine, theirs = runs[FLEET, history], runs[PEER, history]
         assert len(mine["ttft_first_ms"]) == len(theirs["ttft_first_ms"]) == 2  # one per user

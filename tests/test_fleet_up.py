@@ -22,7 +22,10 @@ from pathlib import Path
 import psutil
 import pytest
 from click.testing import CliRunner
+from redis import Redis
 
+from backends.contract.keys import capacity_key
+from backends.llamacpp.kv_store import store_id
 from dispatcher import Fleet
 from ecosystem.cli import cli
 from ecosystem.private_redis import PrivateRedis, RedisSetupError, private_redis_for
@@ -166,6 +169,11 @@ def test_fleet_up_daemon_then_down(run_dir: Path) -> None:
     pids = tree(json.loads((run_dir / "fleet-up.json").read_text())["pid"])
     result = Fleet(url).submit(prompt="Hello", max_tokens=8).result(timeout=120)
     assert result["worker"] == "worker-0"
+    # the local fleet's workers share a KV store in the run directory, named in their capacity entry
+    store = run_dir / "kv-store"
+    assert f'FLEET_BACKEND__KV_STORE__PATH="{store}"' in (run_dir / "supervisord.conf").read_text()
+    entry = Redis.from_url(url).hget(capacity_key("llm"), "worker-0")
+    assert entry is not None and entry.decode().endswith("|" + store_id(store))
 
     down = subprocess.run(
         fleet("down", "--run-dir", str(run_dir)), env=env, capture_output=True, text=True, timeout=120

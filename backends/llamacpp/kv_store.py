@@ -6,7 +6,7 @@ An entry is what the host-RAM cache holds (kv.py: Stash), in one file: a sequenc
 header that says what it is for: the identity of the engine that wrote it (model file size and
 sha256, the context settings that shape a sequence's state, the llama.cpp build), the tenant,
 the prompt's token ids, and a CRC-32 of the payload (it finds a file damaged or cut short; the
-directory is the fleet user's alone, so nobody forges one: 4x faster than blake2b, 5 ms for 14 MB).
+directory is the fleet user's alone, so nobody forges one; a fraction of blake2b's cost).
 
 Layout: `<path>/<bucket>/<entry>.kv`; the bucket is a hash of (identity, tenant), so an engine
 only ever lists its own tenant's entries of its own identity, and the entry's name a hash of

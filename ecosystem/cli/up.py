@@ -18,6 +18,7 @@ from ecosystem.cli.ecosystem import make_plan, plan_options, plan_settings
 from ecosystem.private_redis import RedisSetupError
 from ecosystem.render import RenderOptions, default_command
 from ecosystem.up import Interrupted, Launch, RunDir, UpError, down, supervisor_proxy
+from worker.settings import FleetSettings
 
 run_dir_option = click.option(
     "--run-dir",
@@ -29,6 +30,16 @@ run_dir_option = click.option(
 
 def _run_dir(path: Path | None) -> RunDir:
     return RunDir(path.absolute()) if path else RunDir.default()
+
+
+def _kv_store_env(settings: FleetSettings, run: RunDir) -> dict[str, str]:
+    """The local fleet's KV store, in its run directory: for an engine that keeps per-slot KV
+    (llama-cpp, not kv_unified) whose config names no store of its own."""
+    backend = settings.backend
+    cfg = getattr(backend, "kv_store", None)
+    if cfg is None or cfg.path is not None or getattr(backend, "kv_unified", False):
+        return {}
+    return {"FLEET_BACKEND__KV_STORE__PATH": str(run.root / "kv-store")}
 
 
 def _note(text: str) -> None:
@@ -57,6 +68,10 @@ def _note(text: str) -> None:
 @click.option("--scale-from-zero", is_flag=True, help="With a model catalogue: the workers start "
               "stopped; one starts when a model's queue has jobs and none serves it, and stops once "
               "it has held no model for --idle-stop seconds (`fleet autoscale`).")
+@click.option("--kv-store/--no-kv-store", default=True, show_default=True,
+              help="The workers share a KV store in the run directory (kv-store/), unless the config "
+              "names one: a returning chat restores its history after a restart, a reload, or on "
+              "another worker instead of prefilling it (docs/conversations.md).")
 @click.option("--idle-stop", type=click.FloatRange(0), default=60.0, show_default=True,
               help="With --scale-from-zero: seconds a worker without a model or job keeps running.")
 def up_command(
@@ -67,6 +82,7 @@ def up_command(
     redis_fsync: str,
     sysfs_root: Path | None,
     scale_from_zero: bool,
+    kv_store: bool,
     idle_stop: float,
     **plan_args: Any,
 ) -> None:
@@ -88,6 +104,7 @@ def up_command(
         cwd=str(Path.cwd()),
         drain_grace=settings.drain_grace,
         generated_by="fleet up",
+        extra_env=_kv_store_env(settings, run) if kv_store else {},
     )
     try:
         launch = Launch.prepare(run, the_plan, options, settings.redis_url, redis_fsync, autoscale)

@@ -112,6 +112,7 @@ class BenchConfig:
     workloads: tuple[str, ...] = ("short",)
     seed: int = 0
     via: str = "api"  # "api": Fleet.submit vs llama-server's /completion; "http": /v1/completions on both
+    kv_store: bool = False  # the fleet's workers with a KV store (a directory of this run)
 
 
 class Bench:
@@ -144,6 +145,8 @@ class Bench:
         self.console.log(f"starting {self.cfg.workers} fleet worker(s): llama-cpp, {slots} slots, "
                          f"{self.cfg.threads} threads, n_ctx_per_seq={per_slot}")
         extra = dict(kv.split("=", 1) for kv in self.cfg.fleet_settings)
+        if self.cfg.kv_store:
+            extra.setdefault("kv_store__path", str(self.workdir / f"kv-store-{workload}"))
         return self._start_workers(redis_url, f"cpp-{workload}", **{"type": "llama-cpp", "slots": slots,
                                    "n_ctx": slots * per_slot, "n_ctx_per_seq": per_slot, **extra})
 
@@ -350,7 +353,8 @@ def _warn_if_busy(console: Console) -> None:
 @click.option("--think-ms", type=click.IntRange(0), default=0, show_default=True,
               help="chat: a user's pause before each later turn, uniform in [0, 2 x this] ms")
 @click.option("--kv-store", is_flag=True,
-              help="chat: the fleet with a KV store shared by its workers, beside the same fleet without one")
+              help="the fleet's workers share a KV store (a directory of the run); chat: that fleet beside "
+                   "the same fleet without one")
 @click.option("--history", type=click.Choice(["real", "edited", "both"]), default="both", show_default=True,
               help="chat: resend each answer as given (real), reformatted by the client (edited), or both")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -399,8 +403,7 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
         _warn_if_busy(console)
         run_chat(chat, console, out or Path("bench-results") / f"fleet-bench-chat-{stamp}.json", keep_logs)
         return
-    _refuse({"turns": "--turns", "history": "--history", "slots": "--slots", "think_ms": "--think-ms",
-             "kv_store": "--kv-store"},
+    _refuse({"turns": "--turns", "history": "--history", "slots": "--slots", "think_ms": "--think-ms"},
             f"applies to --workload {CHAT} only")
     prompts = PROMPTS
     if prompts_file:
@@ -409,7 +412,7 @@ def bench(users: list[int], workloads: tuple[str, ...], seed: int, requests_per_
             raise click.BadParameter("the prompts file has no prompts", param_hint="--prompts")
     cfg = BenchConfig(users, requests_per_user, max_tokens, prompts, fleet_backend, workers, threads,
                       ctx_per_user, rounds, warmup, server_args, fleet_settings, worker_settings, workloads,
-                      seed, via)
+                      seed, via, kv_store)
     config = {k: v for k, v in vars(cfg).items() if k != "prompts"}
     meta: dict[str, Any] = {**machine_meta(), "via": via, "config": config, "prompts": len(prompts),
                             "llama_server": str(llama_server_binary()), "model": str(default_model_path())}
