@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from backends.base import Done, Token
 from backends.contract.schema import GenerateRequest, Message
 from backends.llamacpp import LlamaCppBackend
+from backends.llamacpp.engine import GATHER_READS_SECONDS
 from backends.llamacpp.kv import KvBookkeeper, common_prefix, holds_window
 from backends.llamacpp.kv_store import _PREFIX, SUFFIX, Entry, Header, KvStore, StoreWriter, store_id
 from backends.llamacpp.scheduler import Scheduler
@@ -359,6 +361,60 @@ def test_the_steps_go_on_while_the_store_is_read(tmp_path: Path) -> None:
         engine.close()
     assert done.finish_reason == "length" and done.cached_tokens == 0
     assert engine.stats()["store_removed_bad"] == 1 and not fifo.exists()
+
+
+@pytest.mark.model
+def test_an_idle_engine_starts_jobs_that_arrived_together_once_their_reads_are_done(tmp_path: Path) -> None:
+    """A restarted worker's queue arrives at once: a job whose entry is read first waits for the
+    others' reads, so their new turns prefill in one step, not its alone first; but a read that
+    takes longer than GATHER_READS_SECONDS (a FIFO: it blocks until written) is not waited for."""
+    writer = store_engine(tmp_path)
+    try:
+        history = first_turn(writer)
+    finally:
+        writer.close()
+    engine = store_engine(tmp_path)
+    assert engine.store is not None
+    fifos = {t: engine.store.bucket(t) / ("0" * 32 + SUFFIX) for t in ("b", "c")}
+    for fifo in fifos.values():
+        fifo.parent.mkdir(parents=True)
+        os.mkfifo(fifo, 0o600)
+    watchdog = threading.Timer(120, lambda: [_release(f) for f in fifos.values() if f.exists()])
+    watchdog.start()
+    try:
+        # together: the restored job waits for the slow read, then both start in one step
+        engine.admit("restored", second_turn(history))
+        engine.admit("slow", GenerateRequest(prompt=FACTS + " Which river flows past Alder4?", max_tokens=4,
+                                             temperature=0.0, tenant="b"))
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < GATHER_READS_SECONDS / 2:
+            engine.step(0.01)
+            assert not engine.scheduler.active, "a job started before the reads of its batch ended"
+        _release(fifos["b"])
+        while not engine.scheduler.active:
+            engine.step(0.01)
+        assert set(engine.scheduler.active) == {"restored", "slow"}
+        dones: dict[str, Done] = {}
+        while len(dones) < 2:
+            dones.update((e.job_id, e) for e in engine.step(0.01) if isinstance(e, Done))
+        restored = dones["restored"]
+        assert restored.extra["kv_restored_tokens"] == restored.cached_tokens > 100
+        # a read slower than the bound: the ready job starts without it
+        engine.admit("ready", GenerateRequest(prompt="Count: one, two,", max_tokens=4, temperature=0.0,
+                                              tenant="d"))
+        engine.admit("stuck", GenerateRequest(prompt=FACTS + " Which river flows past Alder5?", max_tokens=4,
+                                              temperature=0.0, tenant="c"))
+        t0 = time.perf_counter()
+        while "ready" not in engine.scheduler.active:
+            engine.step(0.01)
+            assert time.perf_counter() - t0 < 30
+        assert time.perf_counter() - t0 >= GATHER_READS_SECONDS and "stuck" not in engine.scheduler.active
+        _release(fifos["c"])
+        while engine.scheduler.active or engine.scheduler.waiting:
+            engine.step(0.01)
+    finally:
+        watchdog.cancel()
+        engine.close()
 
 
 def done_of_started(engine: LlamaCppBackend, job_id: str) -> tuple[Done, list[Any]]:
