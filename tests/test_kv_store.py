@@ -399,12 +399,14 @@ def test_an_idle_engine_starts_jobs_that_arrived_together_once_their_reads_are_d
             dones.update((e.job_id, e) for e in engine.step(0.01) if isinstance(e, Done))
         restored = dones["restored"]
         assert restored.extra["kv_restored_tokens"] == restored.cached_tokens > 100
-        # a read slower than the bound: the ready job starts without it
-        engine.admit("ready", GenerateRequest(prompt="Count: one, two,", max_tokens=4, temperature=0.0,
-                                              tenant="d"))
+        # a read slower than the bound: the job behind it (a short prompt: nothing to read) starts
+        # without it
         engine.admit("stuck", GenerateRequest(prompt=FACTS + " Which river flows past Alder5?", max_tokens=4,
                                               temperature=0.0, tenant="c"))
         t0 = time.perf_counter()
+        engine.admit("ready", GenerateRequest(prompt="Count: one, two,", max_tokens=4, temperature=0.0,
+                                              tenant="d"))
+        assert not next(w for w in engine.scheduler.waiting if w.job_id == "ready").reading  # too short
         while "ready" not in engine.scheduler.active:
             engine.step(0.01)
             assert time.perf_counter() - t0 < 30

@@ -168,6 +168,8 @@ class LlamaCppBackend:
         assert self._reader is not None
         kv, tokens = self.kv, waiting.tokens
         have = kv.longest_reusable(tokens, self.scheduler.active.values(), len(tokens), waiting.tenant)
+        if have + MIN_STASH_TOKENS >= len(tokens):
+            return  # no entry could give more (a short prompt, or one held here): no read at all
 
         def usable(h: Header) -> int:  # the bookkeeper's settings only: safe on the reader's thread
             return kv.reusable_stored(h.tokens, h.n_prompt, h.oldest, (p for p, _ in h.checkpoints), tokens)
