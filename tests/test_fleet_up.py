@@ -141,7 +141,7 @@ def test_fleet_up_daemon_then_down(run_dir: Path) -> None:
     url = f"redis://:s3cret%25pw@127.0.0.1:{port}/0"  # private Redis with the URL's password
     env = fleet_env(url)
     up = subprocess.run(
-        fleet("up", "--daemon", "--workers", "1", "--run-dir", str(run_dir)),
+        fleet("up", "--daemon", "--workers", "1", "--kv-store", "--run-dir", str(run_dir)),
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -169,7 +169,7 @@ def test_fleet_up_daemon_then_down(run_dir: Path) -> None:
     pids = tree(json.loads((run_dir / "fleet-up.json").read_text())["pid"])
     result = Fleet(url).submit(prompt="Hello", max_tokens=8).result(timeout=120)
     assert result["worker"] == "worker-0"
-    # the local fleet's workers share a KV store in the run directory, named in their capacity entry
+    # --kv-store: the local fleet's workers share a store in the run directory, named in their capacity entry
     store = run_dir / "kv-store"
     assert f'FLEET_BACKEND__KV_STORE__PATH="{store}"' in (run_dir / "supervisord.conf").read_text()
     entry = Redis.from_url(url).hget(capacity_key("llm"), "worker-0")

@@ -68,10 +68,11 @@ def _note(text: str) -> None:
 @click.option("--scale-from-zero", is_flag=True, help="With a model catalogue: the workers start "
               "stopped; one starts when a model's queue has jobs and none serves it, and stops once "
               "it has held no model for --idle-stop seconds (`fleet autoscale`).")
-@click.option("--kv-store/--no-kv-store", default=True, show_default=True,
+@click.option("--kv-store", is_flag=True,
               help="The workers share a KV store in the run directory (kv-store/), unless the config "
               "names one: a returning chat restores its history after a restart, a reload, or on "
-              "another worker instead of prefilling it (docs/conversations.md).")
+              "another worker instead of prefilling it; every long job's KV is copied and written "
+              "(docs/conversations.md: what it gains and costs).")
 @click.option("--idle-stop", type=click.FloatRange(0), default=60.0, show_default=True,
               help="With --scale-from-zero: seconds a worker without a model or job keeps running.")
 def up_command(
