@@ -104,3 +104,11 @@ class LlamaCppSettings(EngineSettings):
             if not self.chat_template_file.is_file():
                 raise ValueError(f"chat_template_file {self.chat_template_file} is not a file")
         return self
+
+
+def kv_store_section(backend: object) -> KvStoreSettings | None:
+    """The KV store section of an engine whose slots keep their own KV (llama-cpp with per-slot
+    streams: the layout whose finished KV the store holds); None for every other engine."""
+    if isinstance(backend, LlamaCppSettings) and not backend.kv_unified:
+        return backend.kv_store
+    return None

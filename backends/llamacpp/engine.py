@@ -50,7 +50,7 @@ from backends.llamacpp.scheduler import Scheduler, check_n_batch
 from backends.llamacpp.state import WaitingJob
 from backends.llamacpp.thought_budget import thinking_off
 from backends.llamacpp.updates import CallUpdate
-from backends.llamacpp_settings import LlamaCppSettings
+from backends.llamacpp_settings import LlamaCppSettings, kv_store_section
 from backends.model import file_digest
 from backends.model_card import capabilities, gguf_card
 
@@ -133,8 +133,8 @@ class LlamaCppBackend:
     def _open_store(self, streams: int) -> tuple[KvStore | None, StoreWriter | None, StoreReader | None]:
         """The KV store (kv_store.py) when kv_store.path is set, for per-slot streams (the layout
         whose finished KV a slot keeps, and the RAM cache stashes)."""
-        cfg = self.settings.kv_store
-        if cfg.path is None or not self.per_slot:
+        cfg = kv_store_section(self.settings)
+        if cfg is None or cfg.path is None:
             return None, None, None
         store = KvStore(cfg.path, self.identity(streams), budget_bytes=cfg.budget_mb << 20, fsync=cfg.fsync)
         writer = StoreWriter(store)

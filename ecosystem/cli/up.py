@@ -13,6 +13,7 @@ from rich.table import Table
 from backends.contract.catalogue import model_pools
 from backends.contract.connect import redis_from_url
 from backends.contract.redact import redact_url
+from backends.llamacpp_settings import kv_store_section
 from ecosystem.autoscale import Autoscaler
 from ecosystem.cli.ecosystem import make_plan, plan_options, plan_settings
 from ecosystem.private_redis import RedisSetupError
@@ -35,9 +36,8 @@ def _run_dir(path: Path | None) -> RunDir:
 def _kv_store_env(settings: FleetSettings, run: RunDir) -> dict[str, str]:
     """The local fleet's KV store, in its run directory: for an engine that keeps per-slot KV
     (llama-cpp, not kv_unified) whose config names no store of its own."""
-    backend = settings.backend
-    cfg = getattr(backend, "kv_store", None)
-    if cfg is None or cfg.path is not None or getattr(backend, "kv_unified", False):
+    cfg = kv_store_section(settings.backend)
+    if cfg is None or cfg.path is not None:
         return {}
     return {"FLEET_BACKEND__KV_STORE__PATH": str(run.root / "kv-store")}
 

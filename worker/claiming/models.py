@@ -49,6 +49,7 @@ from backends.contract.keys import (
 )
 from backends.contract.lua import EXTEND_LOCK, RELEASE_LOCK, queue_script
 from backends.llamacpp.kv_store import store_id
+from backends.llamacpp_settings import kv_store_section
 from backends.shelf import ModelShelf
 from worker.claiming.claim import Claimer
 from worker.settings import FleetSettings
@@ -254,9 +255,8 @@ def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backe
 def kv_store_of(settings: FleetSettings) -> str:
     """The id of the KV store this worker's engine reads and writes, "" for none: an engine with
     one KV stream per slot and `kv_store.path` set (backends/llamacpp/engine.py opens the same)."""
-    backend = settings.backend
-    cfg = getattr(backend, "kv_store", None)
-    if cfg is None or cfg.path is None or getattr(backend, "kv_unified", False):
+    cfg = kv_store_section(settings.backend)
+    if cfg is None or cfg.path is None:
         return ""
     try:
         return store_id(cfg.path)

@@ -23,7 +23,6 @@ local function placement(me, pool, capacity, now, live_ms, on, store)
     local free, _, at = string.match(entry, '^(%d+)|(%d+)|(%d+)')
     return free ~= nil and tonumber(free) > 0 and now - tonumber(at) <= live_ms
   end
-  local function has_room(worker) return room_in(redis.call('HGET', capacity, worker)) end
   local function store_of(entry)
     if type(entry) ~= 'string' then return nil end
     return string.match(entry, '^%d+|%d+|%d+|(%x+)$')
@@ -66,8 +65,10 @@ local function placement(me, pool, capacity, now, live_ms, on, store)
   end
   local function left_to(id)  -- the worker this job waits for (nil: anyone's)
     local holder = holder_of(id)
-    if holder == nil or holder == me or has_room(holder) then return holder end
-    local holder_store = store_of(redis.call('HGET', capacity, holder))
+    if holder == nil or holder == me then return holder end
+    local entry = redis.call('HGET', capacity, holder)
+    if room_in(entry) then return holder end
+    local holder_store = store_of(entry)
     if holder_store == nil then return nil end
     return taker_in(holder_store)
   end
