@@ -5,8 +5,10 @@ template does work is either counted against the budget below or bounded before 
 - printed text: MAX_OUTPUT_CHARS characters (tojson counts as it writes);
 - steps: MAX_LOOP_STEPS, counting every loop iteration, call (macros, methods, globals), filter,
   test, item of a lazy filter's result and container a size check walks;
-- time: MAX_RENDER_SECONDS of wall clock, looked at with every step. Each single operation is
-  bounded (below), so the clock ends a render that spends its steps on slow but bounded work;
+- time: MAX_RENDER_SECONDS of the rendering thread's CPU time (a busy box stretches a render's
+  wall clock, not its work: the wall would call a big but honest render hostile under load),
+  looked at every CLOCK_EVERY charges. Each single operation is bounded (below), so the clock ends
+  a render that spends its steps on slow but bounded work;
 - every string an operation builds: MAX_OUTPUT_CHARS, estimated from the operands BEFORE it is
   built where an argument sets the size (a width, a count, a separator times the items, a
   repetition), checked after where the result is at most a small multiple of its input;
@@ -54,6 +56,7 @@ MAX_VALUE_CHARS = 4 * MAX_OUTPUT_CHARS  # characters in one value, shared refere
 MAX_DEPTH = 256  # nesting of one value (Python's hash of nested tuples recurses in C)
 MAX_INT_BITS = 1 << 16
 MAX_RENDER_SECONDS = 5.0  # a chat renders in milliseconds; this is a runaway
+CLOCK_EVERY = 32  # charges between two looks at the CPU clock (a look costs about a microsecond)
 
 
 class Limit(SecurityError):
@@ -63,9 +66,10 @@ class Limit(SecurityError):
 @dataclass
 class Render:
     guard: Callable[[str], str] | None  # what the template's tojson writes each string through
-    deadline: float  # time.monotonic()
+    deadline: float  # time.thread_time()
     chars: int = 0  # every piece printed, what macros and {% set %} blocks buffer included
     steps: int = 0
+    charges: int = 0
 
 
 _STATE: ContextVar[Render | None] = ContextVar("jinja_template_render", default=None)
@@ -74,7 +78,7 @@ _STATE: ContextVar[Render | None] = ContextVar("jinja_template_render", default=
 @contextmanager
 def rendering(guard: Callable[[str], str] | None) -> Iterator[Render]:
     """One render's budget, for the code that runs in it."""
-    token = _STATE.set(Render(guard, time.monotonic() + MAX_RENDER_SECONDS))
+    token = _STATE.set(Render(guard, time.thread_time() + MAX_RENDER_SECONDS))
     try:
         yield _STATE.get()  # type: ignore[misc]
     finally:
@@ -91,7 +95,8 @@ def charge(chars: int = 0, steps: int = 0) -> None:
         if state.chars > MAX_OUTPUT_CHARS or state.steps > MAX_LOOP_STEPS:
             raise Limit(f"template printed past {MAX_OUTPUT_CHARS} characters or looped past "
                         f"{MAX_LOOP_STEPS} steps")
-        if time.monotonic() > state.deadline:
+        state.charges += 1
+        if state.charges % CLOCK_EVERY == 0 and time.thread_time() > state.deadline:
             raise Limit(f"template rendered past {MAX_RENDER_SECONDS:g} seconds")
 
 
