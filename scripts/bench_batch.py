@@ -26,9 +26,9 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.contract.keys import batch_lines_key
-from dispatcher.batch import record
-from dispatcher.batch.submit import BatchSpec, submit_batch
 from dispatcher.client import Fleet
+from dispatcher.gateway.batch import record
+from dispatcher.gateway.batch.submit import BatchSpec, submit_batch
 from ecosystem.local.processes import RedisServer, start_worker, wait_for
 
 

@@ -17,7 +17,7 @@ from openai import OpenAI
 from redis import Redis
 
 from backends.contract.keys import batch_key, queue_key
-from dispatcher.batch.record import read_state
+from dispatcher.gateway.batch.record import read_state
 from tests.gateway_harness import Gateways, wait_until_healthy
 from tests.harness import ROOT, default_sigint, wait_for, worker_env
 

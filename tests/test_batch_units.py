@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from backends.contract.batch.line_record import compact_ending, line_job_id, line_key, parse_job_id
-from dispatcher.batch.lines import parse_line, scan
-from dispatcher.batch.record import decode_line, queued_value
+from dispatcher.gateway.batch.lines import parse_line, scan
+from dispatcher.gateway.batch.record import decode_line, queued_value
 from worker.claiming.priority import ClaimPolicy, auto_reserved, claim_limits
 
 QUEUES = ["llm:high", "llm:default", "llm:low"]

@@ -20,9 +20,9 @@ from redis.exceptions import ResponseError
 
 from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, job_key, queue_key
 from backends.contract.replies import as_str
-from dispatcher.batch import control, record, submit
-from dispatcher.batch.lines import scan
-from dispatcher.batch.submit import BatchRefused, BatchSpec, submit_batch
+from dispatcher.gateway.batch import control, record, submit
+from dispatcher.gateway.batch.lines import scan
+from dispatcher.gateway.batch.submit import BatchRefused, BatchSpec, submit_batch
 from ecosystem.local.processes import RedisServer, free_port
 from tests.gateway_harness import Gateways, wait_until_healthy
 from tests.harness import ROOT, wait_for, worker_env

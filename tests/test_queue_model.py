@@ -26,12 +26,13 @@ from backends.contract import keys, queue
 from backends.contract.queue.invariants import queue_violations
 from backends.contract.queue.scripts import PRELUDE
 from dispatcher import Fleet
-from dispatcher.batch.submit import BatchSpec, submit_batch
+from dispatcher.gateway.batch.submit import BatchSpec, submit_batch
 from dispatcher.plans import run
 from dispatcher.tenants import LimitReached, Limits, NeverAdmitted, admit_plan
 from tests.harness import RedisServer
 from worker.assembly import job_hooks
 from worker.claiming.claim import Claimer
+from worker.job import ClaimedJob, Ending, unloaded
 from worker.liveness.housekeeping import Housekeeper
 from worker.liveness.reaper import Reaper
 from worker.serving import endings, rqjobs
@@ -61,7 +62,7 @@ class QueueModel(RuleBasedStateMachine):
         self.redis.flushall()
         self.fleet = Fleet(_server.url)
         self.where: dict[str, str] = {}  # job id -> "queue" or a worker's name
-        self.jobs: dict[str, rqjobs.ClaimedJob] = {}  # claimed jobs, loaded
+        self.jobs: dict[str, ClaimedJob] = {}  # claimed jobs, loaded
         self.started: set[str] = set()
         self.ids = itertools.count()
         self.writers = {w: endings.AttemptWriter(self.redis, w, "fake", 600, job_hooks()) for w in WORKERS}
@@ -159,8 +160,8 @@ class QueueModel(RuleBasedStateMachine):
             return
         job_id = data.draw(st.sampled_from(held))
         worker = self.where[job_id]
-        bare = rqjobs.unloaded(self.redis, job_id, self.jobs[job_id].queue, 1,
-                               rqjobs.Ending(error="internal error starting the job"))
+        bare = unloaded(self.redis, job_id, self.jobs[job_id].queue, 1,
+                   Ending(error="internal error starting the job"))
         assert self.writers[worker].end([bare]) == {job_id}
         self._gone(job_id)
 

@@ -27,10 +27,10 @@ from backends.registry import engine_threads, make_backend
 from backends.shelf import ModelShelf
 from worker.assembly import job_hooks
 from worker.liveness.heartbeat import Heartbeat, clear_status, static_status
-from worker.liveness.link import RedisLink
 from worker.liveness.reaper import Reaper, recover_own
 from worker.liveness.watchdog import Watchdog
 from worker.machine.pinning import pin
+from worker.redis_link import RedisLink
 from worker.serving.burst import BurstSummary
 from worker.serving.loop import FleetWorker
 from worker.settings import FleetSettings

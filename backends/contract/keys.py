@@ -250,7 +250,7 @@ def executions_key(job_id: str) -> str:
 ENDED_REGISTRIES = (finished_registry_key(""), failed_registry_key(""), canceled_registry_key(""))
 
 
-# -- batches (dispatcher/batch, docs/batch.md) ----------------------------------------------------
+# -- batches (dispatcher/gateway/batch, docs/batch.md) ----------------------------------------------------
 BATCH_JOB_PREFIX = "fbatch-"  # a job id "fbatch-<batch id>-<16 hex>" is one line of a batch
 BATCHES_INDEX = "fleet:batches"  # zset batch id -> created_at (for `fleet batch list`), TTL refreshed
 

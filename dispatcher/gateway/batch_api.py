@@ -3,15 +3,15 @@
     POST /v1/files (purpose=batch)   GET /v1/files/{id}   GET /v1/files/{id}/content   DELETE /v1/files/{id}
     POST /v1/batches   GET /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
 
-An uploaded file lives in Redis (dispatcher/batch/files.py: fleet:file:<id>, gateway.file_ttl,
-bounded per file and per creator). A batch is an ordinary fleet batch (dispatcher/batch); its
+An uploaded file lives in Redis (dispatcher/gateway/batch/files.py: fleet:file:<id>, gateway.file_ttl,
+bounded per file and per creator). A batch is an ordinary fleet batch (dispatcher/gateway/batch); its
 output and error files are not stored again but streamed from the batch record on request, under
 the ids file-out-<batch> / file-err-<batch>.
 
 Every file and batch records its creator (a hash of the caller's API key, `anonymous` without
 keys); a caller sees, reads and cancels only what it created: anything else is 404, as an unknown
 id. An id is checked against the pattern this gateway makes before any Redis key is built from it.
-Batch work runs on the gateway's one async Redis client, as the plans of dispatcher/batch (those
+Batch work runs on the gateway's one async Redis client, as the plans of dispatcher/gateway/batch (those
 that build or decode many lines do that work in a thread, so the event loop goes on serving).
 """
 
@@ -29,10 +29,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from backends.contract.schema import DEFAULT_TENANT
-from dispatcher.batch import control, files, record
-from dispatcher.batch.lines import URLS, safe_text, scan, split_lines
-from dispatcher.batch.multipart import UploadRefused, read_upload
-from dispatcher.batch.submit import (
+from dispatcher.gateway.batch import control, files, record
+from dispatcher.gateway.batch.lines import URLS, safe_text, scan, split_lines
+from dispatcher.gateway.batch.multipart import UploadRefused, read_upload
+from dispatcher.gateway.batch.submit import (
     BatchQueueFull,
     BatchRefused,
     BatchSpec,

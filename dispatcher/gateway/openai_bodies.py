@@ -1,7 +1,7 @@
 """OpenAI's request and response bodies, without HTTP: an OpenAI body -> fleet job fields
 (`job_fields`), and fleet results -> OpenAI's completion objects (`Reply`), errors (`error_body`).
 
-Shared by the HTTP handlers (openai_api.py) and batches (dispatcher/batch), which turn every line of
+Shared by the HTTP handlers (openai_api.py) and batches (dispatcher/gateway/batch), which turn every line of
 a batch file into a job and every result into the body the same request would have answered.
 Imports nothing from Starlette, so producer-only hosts can use it.
 """

@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from dispatcher.batch import control, record
-from dispatcher.batch.lines import file_lines, scan
-from dispatcher.batch.submit import (
+from dispatcher.gateway.batch import control, record
+from dispatcher.gateway.batch.lines import file_lines, scan
+from dispatcher.gateway.batch.submit import (
     CHUNK,
     DEFAULT_RETENTION,
     BatchRefused,

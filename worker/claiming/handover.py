@@ -22,7 +22,7 @@ from backends.contract import stream
 from backends.contract.keys import job_key, pool_queue_of, stream_key
 from backends.contract.replies import as_str
 from backends.contract.schema import GenerateRequest
-from worker.serving.rqjobs import ClaimedJob, tenant_of
+from worker.job import ClaimedJob, tenant_of
 
 log = logging.getLogger("fleet.worker")
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 from redis.client import Pipeline
 
 if TYPE_CHECKING:
-    from worker.serving.rqjobs import ClaimedJob, Ending
+    from worker.job import ClaimedJob, Ending
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from worker.hooks import EndingHook
 
 if TYPE_CHECKING:
     from worker.hooks import Holder
-    from worker.serving.rqjobs import ClaimedJob, Ending
+    from worker.job import ClaimedJob, Ending
 
 
 class BatchRecord(EndingHook):

@@ -40,7 +40,7 @@ from backends.contract.observe_schema import pool_of, restart_kind
 
 if TYPE_CHECKING:
     from worker.hooks import Holder, Restart
-    from worker.serving.rqjobs import ClaimedJob, Ending
+    from worker.job import ClaimedJob, Ending
 
 Pipe = Pipeline | Redis
 JOBS_SHOWN = 32  # jobs listed with their progress in a worker's status hash

@@ -19,11 +19,11 @@ from backends.contract.keys import (
     tenant_rate_prefix,
     usage_key,
 )
-from worker.serving.rqjobs import tenant_of
+from worker.job import tenant_of
 
 if TYPE_CHECKING:
     from worker.hooks import Holder, Restart
-    from worker.serving.rqjobs import ClaimedJob, Ending
+    from worker.job import ClaimedJob, Ending
 
 RATE_TTL = 120  # seconds a minute's counts are kept (the admission script reads this minute's)
 

@@ -1,2 +1,2 @@
 """Liveness and recovery: the heartbeat thread, the reaper of dead workers' jobs, RQ's
-housekeeping, and the worker's view of its Redis link through an outage."""
+housekeeping, and the watchdog of a hung loop."""

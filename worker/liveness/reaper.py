@@ -47,10 +47,10 @@ from backends.contract.lua import RELEASE_LOCK
 from backends.contract.replies import as_int, as_str
 from worker.assembly import job_hooks
 from worker.hooks import Holder, Hooks, Restart
+from worker.job import Ending, unloaded
 from worker.liveness import housekeeping
-from worker.liveness.link import RedisLink
+from worker.redis_link import RedisLink
 from worker.serving import endings
-from worker.serving.rqjobs import Ending, unloaded
 
 log = logging.getLogger("fleet.reaper")
 LOCK_MS = 10_000

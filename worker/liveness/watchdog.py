@@ -36,7 +36,7 @@ from backends.contract.keys import HUNG_FIELD, OWNER_FIELD, job_key, worker_key
 from backends.contract.lua import lua_script
 from backends.contract.retry import OUTAGE_ERRORS
 from worker.liveness.heartbeat import clear_status
-from worker.liveness.stall import EngineCall
+from worker.serving.stall import EngineCall
 
 if TYPE_CHECKING:
     from worker.liveness.heartbeat import Heartbeat

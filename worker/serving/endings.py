@@ -51,8 +51,8 @@ from backends.contract.lua import lua_script, queue_script
 from backends.contract.replies import as_str
 from backends.contract.schema import job_result
 from worker.hooks import Holder, Hooks, Restart
+from worker.job import ClaimedJob, Ending
 from worker.serving import rqjobs
-from worker.serving.rqjobs import ClaimedJob, Ending
 
 log = logging.getLogger("fleet.worker")
 

@@ -52,15 +52,16 @@ from worker.claiming import handover
 from worker.claiming.models import make_claims
 from worker.claiming.priority import ClaimPolicy
 from worker.hooks import JobHook
-from worker.liveness.link import RedisLink
-from worker.liveness.stall import ADMITTING, STEPPING, LoopWatch
+from worker.job import ClaimedJob, Ending, tenant_of, unloaded
+from worker.redis_link import RedisLink
 from worker.serving import endings, limits, rqjobs
 from worker.serving.burst import BurstSummary
 from worker.serving.counters import EngineHold, WorkerCounters
 from worker.serving.embed_jobs import EmbedQueue
 from worker.serving.endings import AttemptWriter, Contended
 from worker.serving.pacing import EVERYTHING, Due, WritePacer
-from worker.serving.rqjobs import BadJob, CancelledByRQ, ClaimedJob, Ending, NotToRun
+from worker.serving.rqjobs import BadJob, CancelledByRQ, NotToRun
+from worker.serving.stall import ADMITTING, STEPPING, LoopWatch
 from worker.serving.text_jobs import TextJobs
 from worker.settings import FleetSettings
 
@@ -243,7 +244,7 @@ class FleetWorker:
     def _room(self) -> tuple[int, Counter[str]]:
         """Free slots, and the jobs in flight by tenant (their share of the slots)."""
         return (self.backend.free_slots() - len(self.unstarted) - self.embeds.held() - self.texts.held(),
-                Counter(rqjobs.tenant_of(j) for j in self.inflight.values()))
+                Counter(tenant_of(j) for j in self.inflight.values()))
 
     def _wait_for_wake(self) -> bool:
         """Block up to IDLE_WAIT on the wake list; False when a stop signal cut the wait short."""
@@ -267,7 +268,7 @@ class FleetWorker:
             except Exception as e:  # one bad job must never take the worker down
                 log.exception("job %r could not start", raw_id)
                 job_id = raw_id.decode("utf-8", "replace")
-                self._end(self.inflight.get(job_id) or rqjobs.unloaded(self.redis, job_id, queue, 1),
+                self._end(self.inflight.get(job_id) or unloaded(self.redis, job_id, queue, 1),
                           Ending(error=f"internal error starting the job: {e}"))
             self.unstarted.pop(0)
 

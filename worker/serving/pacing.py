@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from worker.serving.rqjobs import ClaimedJob
+from worker.job import ClaimedJob
 
 CANCEL_CHECK_INTERVAL = 0.05  # seconds between looks at the running jobs' cancel flags (2 reads a job)
 

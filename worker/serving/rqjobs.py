@@ -8,13 +8,11 @@ results in RQ's result stream, so `rq info`, rq-dashboard and `job.latest_result
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,9 +41,9 @@ from backends.contract.keys import (
     inflight_key,
     job_key,
 )
-from backends.contract.queue import split_queue
 from backends.contract.replies import as_int, as_str
-from backends.contract.schema import DEFAULT_TENANT, GenerateRequest, describe_validation_error
+from backends.contract.schema import GenerateRequest, describe_validation_error
+from worker.job import ClaimedJob
 from worker.serving import limits
 
 log = logging.getLogger("fleet.worker")
@@ -71,48 +69,6 @@ class CancelledByRQ(Exception):
     def __init__(self, claimed: ClaimedJob) -> None:
         super().__init__(f"job {claimed.id} was cancelled with RQ")
         self.claimed = claimed
-
-
-@dataclass
-class Ending:
-    """The one final entry a job gets: a result (finished or cancelled) or a failure reason."""
-
-    result: dict[str, Any] | None = None
-    error: str | None = None
-
-
-@dataclass
-class ClaimedJob:
-    id: str
-    queue: str
-    attempt: int
-    job: Job | None = None  # None when the RQ hash itself is unreadable
-    # a generation (as the engine runs it: tools rendered, contract tools.lower) or an embedding job
-    request: JobRequest | None = None
-    tool_answer: bool = False  # the text is answer JSON (words, calls, thoughts), read into the result
-    execution: Execution | None = None
-    # Redis server time (ms) of the enqueue and the claim: queue_ttl compares these, never two
-    # hosts' wall clocks (they drift apart); durations of the run itself use this host's
-    # monotonic clock
-    enqueued_ms: int | None = None
-    claimed_ms: int | None = None
-    claimed_at: float = field(default_factory=time.monotonic)
-    deadline: float = 0.0  # time.monotonic()
-    first_token_at: float | None = None  # time.monotonic()
-    drains: int = 0  # earlier attempts handed back by a draining worker (not failures)
-    stale_execution: str | None = None  # an RQ execution of an earlier start of this attempt
-    origin: str = ""  # the queue its producer put it on (RQ's origin: a tenant's own queue)
-    text: list[str] = field(default_factory=list)
-    completion_tokens: int = 0
-    timed_out: bool = False
-    # What Redis has not seen yet (kept through a Redis outage, written in order when it is back):
-    unsent: list[str] = field(default_factory=list)  # text deltas of this attempt
-    sent: int = 0  # deltas of this attempt already written: the stream index of the next one
-    attempt_dirty: bool = False  # the engine restarted the job: write the new attempt first
-    restart_reason: str = ""  # why the engine restarted it (for the job's history)
-    started_written: bool = False  # RQ knows it started (mark_started applied)
-    suspect: bool = False  # its start named this worker in SUSPECT_FIELD; cleared with its first text
-    ending: Ending | None = None
 
 
 ENDED = {JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED}
@@ -215,26 +171,6 @@ def _check_code(claimed: ClaimedJob, job: Job) -> None:
         raise BadJob(claimed, "refused: fleet jobs may not carry callbacks")
     if getattr(job, "webhooks", None):
         raise BadJob(claimed, "refused: fleet jobs may not carry webhooks")
-
-
-def tenant_of(job: ClaimedJob) -> str:
-    """Whose job it is: its request's tenant (none named: the default tenant's); a job ended
-    before its request was read (refused, or its start failed) is its origin's tenant's, the
-    queue the gateway enqueued it on (a job holding a tenant's places always came that way)."""
-    if job.request is not None:
-        return job.request.tenant or DEFAULT_TENANT
-    return split_queue(job.origin)[1] if job.origin else DEFAULT_TENANT
-
-
-def unloaded(redis: Redis, job_id: str, queue: str, attempt: int, ending: Ending | None = None) -> ClaimedJob:
-    """A job ended without being loaded (the reaper's give-up, the loop's internal error starting
-    it), with its RQ record where it reads: its ending then frees its tenant's places and
-    counts to its tenant. `ending`: where the caller does not set it itself."""
-    claimed = ClaimedJob(job_id, queue, attempt=attempt, ending=ending)
-    with contextlib.suppress(Exception):  # missing or unreadable: ended by its id alone
-        claimed.job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
-        claimed.origin = claimed.job.origin
-    return claimed
 
 
 def _request(claimed: ClaimedJob, job: Job) -> JobRequest:

@@ -1,5 +1,5 @@
 """A batch line's job id and the record of its ending: the part of a batch's Redis record that
-workers write (the rest, and every other write, is dispatcher/batch/record.py's; docs/batch.md).
+workers write (the rest, and every other write, is dispatcher/gateway/batch/record.py's; docs/batch.md).
 
     fleet:batch:<id>        state, counts, timestamps, settings           TTL window + retention
     fleet:batch:<id>:lines  line key -> "<state><kind><custom_id JSON>[\\n<result JSON>]"   same TTL

@@ -1,5 +1,5 @@
 -- The batch-settling function shared by record_end.lua here and the producers' settle.lua and
--- start.lua in dispatcher/batch/ (loaded before each of them; it defines `settle` and returns
+-- start.lua in dispatcher/gateway/batch/ (loaded before each of them; it defines `settle` and returns
 -- nothing).
 -- settle(state key, lines key, now): ends the batch when every enqueued line has ended (state
 -- in_progress -> completed, cancelling -> cancelled) and keeps its record for `retention` more

@@ -15,7 +15,7 @@ from redis import Redis
 from backends.contract.batch.line_record import BATCH_ID_PATTERN, line_job_id, parse_job_id
 from backends.contract.keys import BATCHES_INDEX, batch_key, batch_lines_key, inflight_key
 from backends.contract.replies import as_str
-from dispatcher.batch import record
+from dispatcher.gateway.batch import record
 from dispatcher.gateway.core import JobUpdate
 from dispatcher.gateway.openai_bodies import Reply
 from dispatcher.plans import Plan, ask, cmd, gather, run

@@ -45,12 +45,12 @@ FINAL_STATES = ("completed", "cancelled", "failed", "expired")
 
 # KEYS, ARGV and replies: each script's header. The contract's settle_function.lua defines the Lua
 # `settle` (end the batch once every enqueued line has ended) that SETTLE and START call.
-SETTLE = "\n".join((SETTLE_FUNCTION, lua_script("dispatcher.batch", "settle.lua")))
+SETTLE = "\n".join((SETTLE_FUNCTION, lua_script("dispatcher.gateway.batch", "settle.lua")))
 # Every line is enqueued: validating -> in_progress (unless cancelled meanwhile), then settle.
-START = "\n".join((SETTLE_FUNCTION, lua_script("dispatcher.batch", "start.lua")))
-CREATE = lua_script("dispatcher.batch", "create.lua")  # the batch record, unless it exists
-MARK_CANCELLING = lua_script("dispatcher.batch", "mark_cancelling.lua")  # -> cancelling
-CANCEL_LINES = lua_script("dispatcher.batch", "cancel_lines.lua")  # one chunk of queued lines
+START = "\n".join((SETTLE_FUNCTION, lua_script("dispatcher.gateway.batch", "start.lua")))
+CREATE = lua_script("dispatcher.gateway.batch", "create.lua")  # the batch record, unless it exists
+MARK_CANCELLING = lua_script("dispatcher.gateway.batch", "mark_cancelling.lua")  # -> cancelling
+CANCEL_LINES = lua_script("dispatcher.gateway.batch", "cancel_lines.lua")  # one chunk of queued lines
 
 
 def queued_value(kind: Kind, custom_id: str) -> str:

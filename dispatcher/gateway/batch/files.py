@@ -30,8 +30,8 @@ ANONYMOUS = "anonymous"
 META_FIELDS = ("filename", "purpose", "bytes", "created_at", "owner")
 
 # KEYS, ARGV and replies: each script's header.
-_STORE = lua_script("dispatcher.batch", "store_file.lua")  # unless a limit would be passed
-_DELETE = lua_script("dispatcher.batch", "delete_file.lua")  # only by its creator
+_STORE = lua_script("dispatcher.gateway.batch", "store_file.lua")  # unless a limit would be passed
+_DELETE = lua_script("dispatcher.gateway.batch", "delete_file.lua")  # only by its creator
 
 
 def new_file_id() -> str:

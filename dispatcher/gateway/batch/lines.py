@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.contract.batch.line_record import line_key
-from dispatcher.batch.record import Kind
+from dispatcher.gateway.batch.record import Kind
 from dispatcher.gateway.core import ApiError, field_named
 from dispatcher.gateway.json_body import json_int
 from dispatcher.gateway.openai_bodies import job_fields

@@ -1,7 +1,7 @@
 """Submitting a batch: check every line, create the batch record, enqueue the lines in chunks.
 
 Idempotent: each chunk is one MULTI that enqueues the chunk's missing lines and marks them `q`
-in the batch's lines hash (dispatcher/batch/record.py). Running the same submission again after a
+in the batch's lines hash (dispatcher/gateway/batch/record.py). Running the same submission again after a
 crash or Ctrl-C asks the hash which keys it already has and enqueues only the others, so no
 line runs twice, whether its job is still in Redis or already finished and expired. One
 submitter at a time holds the batch's lock.
@@ -27,8 +27,8 @@ from backends.contract.connect import server_version
 from backends.contract.keys import batch_key, batch_lines_key, batch_lock_key, queue_name
 from backends.contract.lua import RELEASE_LOCK, lua_script
 from backends.contract.replies import as_str
-from dispatcher.batch import record
-from dispatcher.batch.lines import BatchLine, Scan, scan, valid_lines
+from dispatcher.gateway.batch import record
+from dispatcher.gateway.batch.lines import BatchLine, Scan, scan, valid_lines
 from dispatcher.plans import Call, Eval, Guarded, Plan, ask, cmd, run
 from dispatcher.rules import PreparedJob, prepare, wake_plan
 
@@ -40,7 +40,7 @@ MAX_WINDOW = 30 * 86400  # bounds keep every TTL (window + retention) well insid
 MAX_RETENTION = 365 * 86400
 
 # KEYS, ARGV and replies: the script's header.
-_REFRESH = lua_script("dispatcher.batch", "refresh_lock.lua")  # only while we own the lock
+_REFRESH = lua_script("dispatcher.gateway.batch", "refresh_lock.lua")  # only while we own the lock
 
 
 class BatchRefused(Exception):
