@@ -37,9 +37,10 @@ RECOVERY_LIMIT_S = 15.0
 MATRIX = [pytest.param(False, True, id="tenants-off-placement-on"),
           pytest.param(True, True, id="tenants-on-placement-on")]
 TENANTS = [None, "team-a", "team-b"]
-# 32 slots in the two workers and as many jobs again queued behind them: at the kill both are full
+# 16 slots in the two workers and as many jobs again queued behind them: at the kill both are full
 # and the queue is not empty, so the victims, the queued jobs and the survivor's own all end once
-JOBS = 64
+SLOTS = 8
+JOBS = 4 * SLOTS
 
 
 @pytest.mark.model
@@ -48,8 +49,8 @@ def test_kill9_one_of_two_workers_mid_generation(redis_url: str, redis: Redis, t
                                                  tenants: bool, placement: bool) -> None:
     fleet = Fleet(redis_url)
     with fleet_workers(redis_url, tmp_path / "logs") as workers:
-        workers.start("w1", backend__slots=16, backend__threads=1, placement=placement)
-        w2 = workers.start("w2", backend__slots=16, backend__threads=1, placement=placement)
+        workers.start("w1", backend__slots=SLOTS, backend__threads=1, placement=placement)
+        w2 = workers.start("w2", backend__slots=SLOTS, backend__threads=1, placement=placement)
         named = [({"tenant": t} if t and tenants else {}) for t in TENANTS]
         jobs = [fleet.submit(prompt=f"Story {i}: the", max_tokens=16, temperature=0.7, seed=i,
                              **named[i % len(named)]) for i in range(JOBS)]

@@ -236,8 +236,9 @@ FACTS = " ".join(f"Fact {i}: river {i} flows north past the town of Alder{i}." f
 
 def store_engine(root: Path | None, **settings: object) -> LlamaCppBackend:
     store = KvStoreSettings(path=root, min_tokens=64)
+    # one thread per core it may run on (one in a pinned pytest worker: two would spin on it)
     return LlamaCppBackend(LlamaCppSettings(slots=2, n_batch=N_BATCH, prefix_cache=0, draft_max=0,
-                                            kv_store=store, **settings), threads=2)
+                                            kv_store=store, **settings))
 
 
 def first_turn(engine: LlamaCppBackend) -> list[Message]:
