@@ -14,7 +14,7 @@ import ollama
 import openai
 import pytest
 
-from tests.gateway_harness import wait_until_healthy
+from tests.real_fleet import RealFleet, fleet_processes
 from tests.real_servers import LlamaServer, llama_server
 from tests.test_gateway_tools import BOTH, check_call, reassembled
 
@@ -30,13 +30,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def fleet(server: LlamaServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
+    """One worker and one gateway for the module: its tests only ask (none stops, reconfigures or
+    counts a process), so a start each would buy no verdict."""
+    worker = {"backend__type": "llama-server", "backend__endpoint": server.url,
+              "backend__connect_timeout": 30}
+    with fleet_processes(tmp_path_factory.mktemp("fleet"), "llama-server", worker,
+                         {"gateway__models": {"gemma": "llm"}}) as started:
+        yield started
+
+
 @pytest.fixture
-def gateway(server: LlamaServer, workers, gateways) -> Any:
-    workers.start("w1", backend__type="llama-server", backend__endpoint=server.url,
-                  backend__connect_timeout=30)
-    gw = gateways.start(gateway__models={"gemma": "llm"})
-    wait_until_healthy(gw)
-    return gw
+def gateway(fleet: RealFleet) -> Iterator[Any]:
+    fleet.check_serving()
+    yield fleet.gateway
+    fleet.check_serving()
 
 
 def test_openai_chat_stream_and_not_json_schema_and_logprobs(gateway: Any) -> None:

@@ -53,8 +53,9 @@ ASKS = [ask.format(city=c, n=i) for i, c in enumerate(CITIES) for ask in (
 
 
 def engine(template: str, slots: int) -> LlamaCppBackend:
-    return LlamaCppBackend(LlamaCppSettings(slots=slots, chat_template_file=TEMPLATES / f"{template}.jinja"),
-                           threads=2)
+    # a thread a core it may use (the engine's default): two threads on the one core a parallel
+    # run gives each test spin at each other's barriers, about doubling the CPU
+    return LlamaCppBackend(LlamaCppSettings(slots=slots, chat_template_file=TEMPLATES / f"{template}.jinja"))
 
 
 def required(i: int, soak: bool = False) -> GenerateRequest:
