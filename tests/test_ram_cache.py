@@ -15,26 +15,30 @@ from tests.test_chat_checkpoints import N_BATCH, run
 pytestmark = pytest.mark.model
 
 
-def conversation(engine: LlamaCppBackend, edited: bool, other_job: bool
-                 ) -> tuple[str, dict[str, object], int]:
-    """Turn 1, maybe another conversation in the only slot, then turn 2: (turn 2's text, the
-    engine's stats, tokens of turn 2's prompt reused)."""
+def conversation(engine: LlamaCppBackend, edited: bool, other_jobs: tuple[bool, ...]
+                 ) -> list[tuple[str, dict[str, object], int]]:
+    """Turn 1, then turn 2 once per entry of `other_jobs`, after another conversation in the only
+    slot where it is True: per turn 2, (its text, the engine's stats, tokens of its prompt
+    reused)."""
     facts = " ".join(f"Fact {i}: river {i} flows north past the town of Alder{i}." for i in range(34))
     history = [{"role": "user", "content": facts + "\nNow count from 1 to 200, numbers only."}]
     while len(engine.model.prompt_tokens(GenerateRequest(messages=history))) % N_BATCH:
         history[0]["content"] += " More."  # whole chunks: both ways compute the same chunks
     first = GenerateRequest(messages=history, max_tokens=300, ignore_eos=True, temperature=0.0)
     answer, _ = run(engine, "turn-1", first)
-    if other_job:  # shares only the template's first tokens: the slot's KV is cut to those
-        other = [{"role": "user", "content": "Name three colours of the rainbow. " * 20}]
-        run(engine, "other", GenerateRequest(messages=other, max_tokens=8, temperature=0.0))
     said = ("Sure! " + answer) if edited else answer
     second = [*history, {"role": "assistant", "content": said},
               {"role": "user", "content": "Thank you. Is the sky blue? Answer yes or no."}]
-    before = int(engine.stats()["prompt_tokens_reused"])  # type: ignore[call-overload]
-    text, _ = run(engine, "turn-2", GenerateRequest(messages=second, max_tokens=24, temperature=0.0))
-    stats = engine.stats()
-    return text, stats, int(stats["prompt_tokens_reused"]) - before  # type: ignore[call-overload]
+    turns = []
+    for i, other_job in enumerate(other_jobs):
+        if other_job:  # shares only the template's first tokens: the slot's KV is cut to those
+            other = [{"role": "user", "content": "Name three colours of the rainbow. " * 20}]
+            run(engine, f"other-{i}", GenerateRequest(messages=other, max_tokens=8, temperature=0.0))
+        before = int(engine.stats()["prompt_tokens_reused"])  # type: ignore[call-overload]
+        text, _ = run(engine, f"turn-2-{i}", GenerateRequest(messages=second, max_tokens=24, temperature=0.0))
+        stats = engine.stats()
+        turns.append((text, stats, int(stats["prompt_tokens_reused"]) - before))  # type: ignore[call-overload]
+    return turns
 
 
 def engine(cache_ram_mib: int) -> LlamaCppBackend:
@@ -46,10 +50,11 @@ def engine(cache_ram_mib: int) -> LlamaCppBackend:
 def test_a_conversation_whose_slot_went_to_another_finds_its_history_in_ram(edited: bool) -> None:
     cached, cold = engine(64), engine(0)
     try:
-        text, stats, reused = conversation(cached, edited, other_job=True)
-        _, cold_stats, cold_reused = conversation(cold, edited, other_job=True)
-        # the reference: the history never left its slot
-        kept_text, _, kept_reused = conversation(cold, edited, other_job=False)
+        [(text, stats, reused)] = conversation(cached, edited, other_jobs=(True,))
+        # the reference first: the history never left its slot; then, without the RAM cache,
+        # another job in the slot loses it (turn 1 is the same computation for both: done once)
+        (kept_text, _, kept_reused), (_, cold_stats, cold_reused) = conversation(
+            cold, edited, other_jobs=(False, True))
     finally:
         cached.close()
         cold.close()
