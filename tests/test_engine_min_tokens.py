@@ -22,7 +22,7 @@ STOPS_AT_ONCE = "#include <stdio.h>\nint main() { return 0; }\n"
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:
     settings = LlamaCppSettings(slots=4, n_ctx_per_seq=512, n_batch=512, prefix_cache=0, draft_max=4)
-    b = LlamaCppBackend(settings, threads=2)
+    b = LlamaCppBackend(settings)
     yield b
     b.close()
 

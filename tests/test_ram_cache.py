@@ -43,7 +43,7 @@ def conversation(engine: LlamaCppBackend, edited: bool, other_jobs: tuple[bool, 
 
 def engine(cache_ram_mib: int) -> LlamaCppBackend:
     return LlamaCppBackend(LlamaCppSettings(slots=1, n_batch=N_BATCH, prefix_cache=0, draft_max=0,
-                                            cache_ram_mib=cache_ram_mib), threads=2)
+                                            cache_ram_mib=cache_ram_mib))
 
 
 @pytest.mark.parametrize("edited", [False, True], ids=["real history", "edited answer"])

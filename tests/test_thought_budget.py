@@ -190,7 +190,7 @@ def test_openai_style_budget_fields_become_the_jobs_budget() -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:
-    b = LlamaCppBackend(LlamaCppSettings(slots=2, chat_template_file=THINKING), threads=2)
+    b = LlamaCppBackend(LlamaCppSettings(slots=2, chat_template_file=THINKING))
     yield b
     b.close()
 
@@ -229,7 +229,7 @@ def test_the_thought_ends_at_its_budget_and_the_answer_follows(engine: LlamaCppB
 
 @pytest.mark.model
 def test_budget_zero_renders_the_template_without_thinking() -> None:
-    b = LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=QWEN3), threads=2)
+    b = LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=QWEN3))
     try:
         request = GenerateRequest.model_validate({"messages": SEA, "reasoning_budget": 0})
         assert "<think>\n\n</think>" in b.model.apply_chat_template(thinking_off(request))
@@ -244,7 +244,7 @@ def test_a_required_call_follows_a_thought_its_budget_ended() -> None:
     """DeepSeek R1's template opens the thought; a required call must come at its end (a lazy
     grammar fired by `</think>`). The budget writes that end, the grammar fires on it, the call is
     valid. (Before its trigger the job drafts: backends/llamacpp/lazy_trigger.py.)"""
-    b = LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=R1), threads=2)
+    b = LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=R1))
     weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     try:
         text, _, thought = run(b, {
@@ -266,7 +266,7 @@ def test_a_gpt_oss_required_call_follows_one_analysis_held_to_its_budget() -> No
     one (the small model, let start another, loops from one analysis to the next and never calls);
     the budget ends it (`<|end|>`) where the model would not, the grammar writes the next header,
     and the call follows, read apart from the analysis."""
-    b = LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=GPT_OSS), threads=2)
+    b = LlamaCppBackend(LlamaCppSettings(slots=1, chat_template_file=GPT_OSS))
     weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     body = {"messages": [{"role": "user", "content": "Is it raining in Oslo?"}], "max_tokens": 160,
             "tools": [{"name": "get_weather", "description": "The current weather in a city.",
