@@ -41,8 +41,10 @@ def run(engine: LlamaCppBackend, job_id: str, request: GenerateRequest,
 def two_turns(checkpoints: int) -> tuple[list[Entry], dict[str, object], int]:
     # two threads, as SAME was measured (with one, a suite run once put a restored window's
     # token 0.118 nats from the cold prefill's; two held in every run)
+    # whole n_batch chunks (no pacing): a paced step's rows follow this machine's timed steps, so
+    # the chunk that ends the prompt, and the rounding of its last row, would vary run to run
     engine = LlamaCppBackend(LlamaCppSettings(slots=2, n_batch=N_BATCH, prefix_cache=0, draft_max=0,
-                                              checkpoints=checkpoints), threads=2)
+                                              max_stall_ms=0, checkpoints=checkpoints), threads=2)
     try:
         facts = " ".join(f"Fact {i}: river {i} flows north past the town of Alder{i}." for i in range(34))
         history = [{"role": "user", "content": facts + "\nNow count from 1 to 200, numbers only."}]
