@@ -18,7 +18,7 @@ from backends.base import Backend, Done, Failed
 from backends.contract.catalogue import ModelEntry
 from backends.contract.schema import GenerateRequest
 from backends.contract.settings import EngineSettings
-from backends.contract.text_ops import TextRequest
+from backends.contract.text_ops import ENCODE_CHUNK, TextRequest, encode_answer
 from backends.fake import FakeBackend, FakeSettings
 from backends.shelf import ModelShelf, ModelView
 from worker.serving import limits
@@ -154,3 +154,13 @@ def test_the_characters_a_request_carries_count_every_text_field() -> None:
     chat = GenerateRequest.model_validate(fields["reasoning_content"])
     assert limits.request_chars(TextRequest(kind="text", op="apply_template", chat=chat)) == chat.chars()
     assert limits.request_chars(TextRequest(kind="text", op="detokenize", tokens=[1, 2, 3])) == 0
+
+
+@pytest.mark.parametrize("answer", [
+    {"tokens": list(range(20_000))},
+    {"tokens": [{"id": i, "piece": "ü\n\"" if i % 3 else [240, 159]} for i in range(ENCODE_CHUNK * 2 + 1)]},
+    {"tokens": list(range(ENCODE_CHUNK))}, {"tokens": []}, {"content": "日本語 \"quoted\"\n"},
+    {"prompt": "<start_of_turn>user\nhi"},
+])
+def test_an_answer_encoded_in_chunks_is_what_json_writes(answer: dict[str, Any]) -> None:
+    assert encode_answer(answer) == json.dumps(answer, ensure_ascii=False, separators=(",", ":"))

@@ -91,9 +91,25 @@ class TextRequest(BaseModel):
         return len(self.tokens or [])
 
 
+ENCODE_CHUNK = 8192  # list items encoded at a time: the GIL changes hands between chunks
+
+
 def encode_answer(answer: dict[str, Any]) -> str:
-    """The result's `answer`: llama-server's body as JSON text."""
-    return json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
+    """The result's `answer`: llama-server's body as JSON text (what `json.dumps` writes). A
+    long list is encoded a chunk at a time: json's C encoder holds the GIL for a whole call, and
+    262,144 tokens in one call froze the worker's decode loop for 30-120 ms."""
+    fields = []
+    for key, value in answer.items():
+        if isinstance(value, list) and len(value) > ENCODE_CHUNK:
+            chunks = [_dumps(value[i:i + ENCODE_CHUNK])[1:-1] for i in range(0, len(value), ENCODE_CHUNK)]
+            fields.append(f"{_dumps(key)}:[{','.join(chunks)}]")
+        else:
+            fields.append(f"{_dumps(key)}:{_dumps(value)}")
+    return "{" + ",".join(fields) + "}"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def text_fields(op: TextOp, **fields: Any) -> dict[str, Any]:

@@ -264,8 +264,10 @@ class LlamaCppBackend:
 
     def text_op(self, request: TextRequest) -> dict[str, object]:
         """Tokenize, detokenize or render a chat (backends/llamacpp/text_ops.py): the vocabulary
-        and the template only, no decode."""
-        return text_ops.answer(self.model, request)
+        and the template only, no decode. It runs on a thread beside the steps, on a core the
+        decode leaves it."""
+        with self.executor.lending_a_core():
+            return text_ops.answer(self.model, request)
 
     def cancel(self, job_id: str) -> None:
         if self.scheduler.cancel_waiting(job_id):

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import llama_cpp as ll
 
@@ -63,6 +64,11 @@ class Executor:
         self.decode_calls = 0
         self.decode_seconds = 0.0
         self.last_decode_seconds = 0.0
+        # cores lent to the worker's text thread (written there, read here before each decode):
+        # ggml's threads wait for each other at every operation, so a decode thread that shares
+        # its core with a busy tokenizer stalls them all; one thread fewer decodes a little slower
+        self._lent = 0
+        self._threads = model.threads
 
     # -- KV and sampler chains --------------------------------------------------------------------
 
@@ -307,7 +313,20 @@ class Executor:
             self._logits_row[seq_id] = n + count - 1
         return n + count
 
+    @contextmanager
+    def lending_a_core(self) -> Iterator[None]:
+        """While the caller (one other thread) computes, decodes use one thread fewer."""
+        self._lent += 1
+        try:
+            yield
+        finally:
+            self._lent -= 1
+
     def _decode(self, n_rows: int) -> int:
+        threads = max(1, self.model.threads - self._lent)
+        if threads != self._threads:
+            ll.llama_set_n_threads(self._ctx, threads, threads)
+            self._threads = threads
         self._batch.n_tokens = n_rows
         t0 = time.perf_counter()
         rc = ll.llama_decode(self._ctx, self._batch)
