@@ -30,6 +30,7 @@ from worker.liveness.heartbeat import Heartbeat, clear_status, static_status
 from worker.liveness.reaper import Reaper, recover_own
 from worker.liveness.watchdog import Watchdog
 from worker.machine.pinning import pin
+from worker.machine.priority import starting_gently
 from worker.redis_link import RedisLink
 from worker.serving.burst import BurstSummary
 from worker.serving.loop import FleetWorker
@@ -55,6 +56,8 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
         raise WorkerNameTaken(f"a live worker named {name!r} is already registered; pick another --name")
     # pin before the model loads: llama.cpp's threads inherit the mask and the memory policy
     report = pin(settings.cpu_set(), settings.numa_node)
+    start = contextlib.ExitStack()  # until it serves, it yields the CPU to serving workers
+    start.enter_context(starting_gently(settings.start_nice))
     log.info("worker %s: %s", name, report.summary())
     threads = engine_threads(settings.backend) or len(os.sched_getaffinity(0))
     backend = serving_backend(settings, threads)
@@ -90,6 +93,7 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     if card is not None and not card.get("digest"):
         learn_digest(hb, card, settings.backend)
     fw.claimer.require_live = True  # from now on a claim needs the status key the heartbeat keeps
+    start.close()
     summary = None
     try:
         if burst:
