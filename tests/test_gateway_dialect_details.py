@@ -139,7 +139,8 @@ def test_ollama_keep_alive_zero_answers_then_unloads(workers, gateways) -> None:
 
 def test_ollama_think_for_a_model_that_does_not_think_is_a_400(workers, gateways) -> None:
     gw = started(workers, gateways)
-    chat = {"model": "llm", "messages": [{"role": "user", "content": WORDS}], "stream": False}
+    messages = [{"role": "user", "content": WORDS}]
+    chat = {"model": "llm", "messages": messages, "stream": False}
     with httpx.Client(base_url=gw.url, timeout=60) as http:
         for think in (True, "high"):
             for path, body in (("/api/chat", chat), ("/api/generate", {"model": "llm", "prompt": WORDS})):
@@ -150,6 +151,6 @@ def test_ollama_think_for_a_model_that_does_not_think_is_a_400(workers, gateways
         off = http.post("/api/chat", json={**chat, "think": False})
         assert off.status_code == 200 and off.json()["message"]["content"] == WORDS
     client = ollama.Client(host=gw.url)
-    with pytest.raises(ollama.ResponseError) as refused:
-        client.chat(model="llm", messages=chat["messages"], think=True)
-    assert refused.value.status_code == 400 and "does not support thinking" in refused.value.error
+    with pytest.raises(ollama.ResponseError) as raised:
+        client.chat(model="llm", messages=messages, think=True)
+    assert raised.value.status_code == 400 and "does not support thinking" in raised.value.error
