@@ -67,8 +67,8 @@ def test_the_documented_config_starts_a_worker_the_gateway_and_a_kubernetes_rend
         gateway = start_gateway(redis_url, logs, port=free_port(), config=path)
         wait_until_healthy(gateway)
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-        # the model name the example maps to the pool
-        assert [m.id for m in client.models.list().data] == ["gemma-3-270m"]
+        # the model name the example adds to the pool's own names (its name and its model's)
+        assert [m.id for m in client.models.list().data] == ["gemma-3-270m", "gemma3:270m", "llm"]
         done = client.completions.create(model="gemma-3-270m", prompt="Once upon a time", max_tokens=4)
         assert done.usage is not None and done.usage.completion_tokens == 4
     finally:

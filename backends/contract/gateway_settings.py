@@ -75,7 +75,9 @@ class GatewaySettings(BaseModel):
     admin_keys: list[SecretStr] = Field(default_factory=list, description="operators' keys: the "
                                         "dashboard, metrics and every tenant's data")
     models: dict[str, str] = Field(default_factory=dict,
-                                   description="model name -> pool; empty: the fleet's pool, by its name")
+                                   description="model name -> pool: names added to the served ones "
+                                   "(the fleet's pool by its name, or the catalogue's models): aliases, "
+                                   "other pools")
     request_timeout: float = Field(900.0, gt=0, description="seconds a request waits for its jobs")
     cold_start_wait: float = Field(0.0, ge=0, description="seconds a request for a catalogue model that "
                                    "no live worker serves waits in its queue for one to start (scale "

@@ -10,13 +10,14 @@ and sets their budget (reasoning.py). Imports nothing from Starlette.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from backends.contract.tools import AnswerReader
 from dispatcher.gateway.core import ApiError, JobUpdate, shown, unsupported
-from dispatcher.gateway.openai_bodies import answers_in_json
+from dispatcher.gateway.openai_bodies import answers_in_json, sse_data
 from dispatcher.gateway.openai_tools import invalid, tool_fields
 from dispatcher.gateway.reasoning import reasoning_fields
 
@@ -476,10 +477,19 @@ def tool_use_block(call: dict[str, str]) -> dict[str, Any]:
 
 def event(kind: str, **fields: Any) -> str:
     """One SSE event as Anthropic writes them: an `event:` line and data with the same `type`."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"
+    return sse_data({"type": kind, **fields}, kind)
 
 
 def text_delta(index: int, text: str) -> str:
-    """The most frequent event (a token per event): the same bytes as `event` of it, built as text."""
-    return ('event: content_block_delta\ndata: {"type":"content_block_delta","index":' + str(index)
-            + ',"delta":{"type":"text_delta","text":' + json.dumps(text) + "}}\n\n")
+    """The most frequent event (a token per event): the same bytes as `event` of it, the event
+    around the text serialised once per block."""
+    head, tail = _around_text(index)
+    return head + json.dumps(text) + tail
+
+
+@functools.lru_cache(maxsize=64)
+def _around_text(index: int) -> tuple[str, str]:
+    marker = "\u0000text\u0000"
+    whole = event("content_block_delta", index=index, delta={"type": "text_delta", "text": marker})
+    head, _, tail = whole.partition(json.dumps(marker))
+    return head, tail

@@ -109,12 +109,14 @@ async def render_outage(request: Request, exc: Exception) -> Response:
 # -- the request id on every response ---------------------------------------------------------------
 
 REQUEST_ID = b"x-request-id"
+ANTHROPIC_REQUEST_ID = b"request-id"  # what the anthropic SDKs read (`_request_id`, an error's request_id)
 SANE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces, bounded
 
 
 class RequestId:
     """ASGI middleware: adds `x-request-id` to the response head: the client's, when it sent a
-    sane one (1-128 printable ASCII characters, no spaces), else `req_` + 32 hex digits. Also in
+    sane one (1-128 printable ASCII characters, no spaces), else `req_` + 32 hex digits; on
+    Anthropic's routes as `request-id` too, the header Anthropic's API answers with. Also in
     `scope["state"]["request_id"]` for the handlers. It touches only the response's start
     message, so a stream's chunks cost nothing."""
 
@@ -127,11 +129,12 @@ class RequestId:
             return
         request_id = request_id_of(scope["headers"])
         scope.setdefault("state", {})["request_id"] = request_id.decode()
+        names = (REQUEST_ID, ANTHROPIC_REQUEST_ID) if anthropic_route(scope["path"]) else (REQUEST_ID,)
 
         async def with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", ()) if h[0].lower() != REQUEST_ID]
-                message = {**message, "headers": [*headers, (REQUEST_ID, request_id)]}
+                headers = [h for h in message.get("headers", ()) if h[0].lower() not in names]
+                message = {**message, "headers": [*headers, *((name, request_id) for name in names)]}
             await send(message)
 
         await self.app(scope, receive, with_id)

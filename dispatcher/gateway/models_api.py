@@ -45,7 +45,13 @@ def count(value: object) -> int:
 
 
 def listed(gw: Gateway, request: Request) -> list[Served]:
-    return sorted(gw.served_for(request.state.caller), key=lambda m: m.name)
+    """The caller's models, one per pool: an alias (another name in `gateway.models` for the same
+    pool) is the same model, never a second entry whose workers' memory would count twice. Its
+    first name is the one listed, the others follow as aliases."""
+    names: dict[str, list[str]] = {}
+    for m in gw.served_for(request.state.caller):
+        names.setdefault(m.pool, []).extend(m.names)
+    return sorted((Served(pool, tuple(dict.fromkeys(n))) for pool, n in names.items()), key=lambda m: m.name)
 
 
 def iso(at: datetime) -> str:

@@ -4,7 +4,8 @@
 The listings describe each model from its pool's model card (dispatcher/gateway/ollama_show.py):
 name, file size and sha256, details, the file's time; /api/ps the workers' RAM and their tokens
 per job. An empty prompt (or no messages) loads the model; with `keep_alive` 0 it unloads it,
-which only an operator may do (docs/gateway.md, "Load and unload").
+which only an operator may do (docs/gateway.md, "Load and unload"); a prompt with `keep_alive` 0
+is answered, then its model unloaded. `think` asked of a model that does not think is a 400.
 
 Streams are NDJSON (the default; `"stream": false` gives one object); the final object has
 `done: true`, `done_reason` and the counts and durations (nanoseconds) Ollama reports. Errors are
@@ -15,9 +16,11 @@ fleet's workers decide that; sampling options this gateway cannot honour are a 4
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +34,7 @@ from dispatcher.gateway.core import (
     Gateway,
     JobUpdate,
     cancel_all,
+    shown,
     unsupported,
 )
 from dispatcher.gateway.following import collect, follow
@@ -100,6 +104,26 @@ def zero_duration(keep_alive: object) -> bool:
     """Whether `keep_alive` is zero, as Ollama reads it (a number of seconds, or a Go duration
     such as "0", "0s", "0m"): the request then unloads the model."""
     return duration_seconds(keep_alive) == 0
+
+
+def refuse_thinking(gw: Gateway, pool: str, body: dict[str, Any]) -> None:
+    """Ollama's 400 (in its words) for `think` asked of a model without the thinking capability.
+    Known of a pool whose live workers describe their model; a catalogue model's template is read
+    by the worker that loads it, so its `think` goes on to the template."""
+    enable, _ = ollama_think(body.get("think"))  # a bad value: a 400 naming it
+    if enable and gw.live_workers.get(pool) and pool not in gw.thinking_pools | gw.catalogue_pools:
+        raise ApiError(400, f'"{shown(body.get("model"))}" does not support thinking', param="think",
+                       code="invalid_value")
+
+
+async def unload_after(request: Request, pool: str, body: dict[str, Any]) -> None:
+    """Ollama's `keep_alive` 0 on a request that ran: its model is unloaded once it answered
+    (marked, as an unload marks it), where the caller may unload (a tenant's keep_alive is left
+    out, as any of its keep_alive hints)."""
+    gw: Gateway = request.app.state.gateway
+    if zero_duration(body.get("keep_alive")) and gw.may_unload(request.state.caller):
+        with contextlib.suppress(ApiError):  # Redis away: the answer still goes, the model stays listed
+            await gw.set_unloaded(pool, True)
 
 
 def job_fields(body: dict[str, Any], chat: bool, thinks: bool = False) -> dict[str, Any] | None:
@@ -225,6 +249,7 @@ async def _run(request: Request, chat: bool) -> Response:
     model = body.get("model")
     caller = request.state.caller
     pool = gw.pool_for(model, caller)
+    refuse_thinking(gw, pool, body)
     fields = job_fields(body, chat, thinks=pool in gw.thinking_pools)
     reply = OllamaReply(str(model), chat, started, tools=bool(fields and answers_in_json(fields)))
     if fields is None:  # Ollama loads the model, or with keep_alive 0 unloads it
@@ -237,8 +262,9 @@ async def _run(request: Request, chat: bool) -> Response:
     check_limits(gw, [fields], 1, tokens_field="options.num_predict")
     jobs, headers = await submit(request, pool, [fields])
     timeout = gw.settings.gateway.request_timeout
+    then = functools.partial(unload_after, request, pool, body)
     if body.get("stream", True):
-        return JobStreamResponse(reply.ndjson(follow(jobs, timeout), jobs[0].id),
+        return JobStreamResponse(reply.ndjson(follow(jobs, timeout), jobs[0].id, then),
                                  media_type="application/x-ndjson", on_disconnect=lambda: cancel_all(jobs),
                                  headers=headers)
     finals = await unless_client_leaves(request, collect(jobs, timeout), lambda: cancel_all(jobs))
@@ -248,6 +274,7 @@ async def _run(request: Request, chat: bool) -> Response:
         raise late
     if finals[0].error is not None:  # as on the OpenAI paths: not 5xx, which clients would retry
         raise ApiError(422, f"generation failed: {finals[0].error}", code="job_failed", headers=headers)
+    await then()
     result = finals[0].result or {}
     whole = reply.final(result, reply.words(result), calls=result.get("tool_calls"),
                         thinking=result.get("reasoning_content") or "")
@@ -305,7 +332,9 @@ class OllamaReply:
             out["logprobs"] = result["logprobs"]
         return out
 
-    async def ndjson(self, updates: AsyncIterator[JobUpdate], job_id: str = "") -> AsyncIterator[str]:
+    async def ndjson(self, updates: AsyncIterator[JobUpdate], job_id: str = "",
+                     then: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[str]:
+        """The stream's lines; `then` runs once the job ended, before the last line goes."""
         reader = AnswerReader(job_id) if self.tools else None
         async for u in updates:
             if u.error is not None:
@@ -319,6 +348,8 @@ class OllamaReply:
             elif u.delta:
                 yield line(self.chunk(u.delta))
             if u.result is not None:
+                if then is not None:
+                    await then()
                 yield line(self.final(u.result, ""))
 
 

@@ -335,5 +335,9 @@ def finish_reason(result: dict[str, Any] | None) -> str:
     return reason if reason in FINISH_REASONS else "stop"
 
 
-def sse_data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def sse_data(obj: dict[str, Any], event: str | None = None) -> str:
+    """One SSE event, every stream's framing: its JSON data, after an `event:` line naming it
+    where the API writes one (Anthropic's Messages and OpenAI's Responses streams; chat
+    completions' chunks have none)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n"

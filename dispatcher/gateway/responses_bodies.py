@@ -274,7 +274,7 @@ class ResponseReply:
 
     def event(self, kind: str, **fields: Any) -> str:
         self.seq += 1
-        return sse_data({"type": kind, "sequence_number": self.seq - 1, **fields})
+        return sse_data({"type": kind, "sequence_number": self.seq - 1, **fields}, kind)
 
     async def events(self, updates: AsyncIterator[JobUpdate]) -> AsyncIterator[str]:
         """response.created, .in_progress, then each output item as it comes (a message: its

@@ -20,9 +20,10 @@ class ServeSettings(ProducerSettings):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     def model_pools(self) -> dict[str, str]:
-        """Model name -> pool, as the API lists them: the catalogue's models (each in its own pool)
-        and `gateway.models`; without either, the fleet's pool by its name."""
-        return {**model_pools(self.models), **self.gateway.models} or {self.pool: self.pool}
+        """Model name -> pool, as the API lists them: the catalogue's models (each in its own pool),
+        else the fleet's pool by its name; `gateway.models` adds names (aliases) to these, and
+        names another pool's model."""
+        return {**(model_pools(self.models) or {self.pool: self.pool}), **self.gateway.models}
 
 
 def load_serve_settings(config: str | None = None, **overrides: Any) -> ServeSettings:

@@ -5,9 +5,9 @@ The tokenizer and the chat template live with the model, in the workers, so each
 small text job (backends/contract/text_ops.py) that a worker of the pool answers between its
 steps, queued, prioritised and admitted for its tenant like any job. llama-server serves one
 model and its clients send none: without `model` the request goes to the one model the caller may
-use (with several, `model` is required). Bad input is a 400 naming the field, at the gateway (a
-missing or mistyped field, a content over the limit) or from the worker (an id outside the
-model's vocabulary, a text of too many tokens).
+use, whatever names (aliases) it has (with several pools, `model` is required). Bad input is a
+400 naming the field, at the gateway (a missing or mistyped field, a content over the limit) or
+from the worker (an id outside the model's vocabulary, a text of too many tokens).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def pool_of(request: Request, model: object) -> str:
     """The pool of `model`, or without one the caller's only model (llama-server's one model)."""
     gw: Gateway = request.app.state.gateway
     caller = request.state.caller
-    if model is None and len(served := gw.served_for(caller)) == 1:
-        return served[0].pool
+    if model is None and len(pools := {m.pool for m in gw.served_for(caller)}) == 1:
+        return pools.pop()  # however many names (aliases) it has
     return gw.pool_for(model, caller)  # 400 without a model, 404 for one not the caller's
 
 
