@@ -24,7 +24,7 @@ from backends.contract.text_ops import TextRequest
 # The request types in the protocol's signatures, importable from here too (defined in the contract)
 __all__ = ["Backend", "BackendUnavailable", "Done", "Embedder", "Embedding", "Event", "Failed",
            "FinishReason", "GenerateRequest", "InputRejected", "JobRejected", "Restarted", "Sampling",
-           "TextOps", "TextRequest", "Token"]
+           "Scorer", "Scores", "TextOps", "TextRequest", "Token"]
 
 # -- events a backend returns from step() ---------------------------------------------------------
 
@@ -150,6 +150,29 @@ class Embedder(Protocol):
         """One vector per text, in order; `truncate[i]`: cut text i to the engine's embedding
         context instead of refusing it. Raises InputRejected (that input never fits),
         JobRejected (this engine cannot embed), BackendUnavailable."""
+
+
+@dataclass
+class Scores:
+    """What one scoring call gave (backends/contract/rerank.py)."""
+
+    relevance: list[float]  # P("yes") / (P("yes") + P("no")), one per document, in order
+    tokens: list[int]  # each document's own tokens (with the prompt's closing), as decoded
+    prefix_tokens: int  # the instruction-and-query prefix's tokens, shared by the documents
+    prefilled: int  # tokens this call decoded: the documents', and the prefix's unless held
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """An engine that scores documents against a query (rerank jobs). The worker calls `score`
+    between generation steps with up to `score_batch` documents of one job; calls for the same
+    query and instruction in a row reuse the prefix they share."""
+
+    score_batch: int
+
+    def score(self, query: str, instruction: str, documents: Sequence[str]) -> Scores:
+        """Raises InputRejected (document `index` never fits; -1: the query and instruction
+        alone do not), JobRejected (this engine cannot score), BackendUnavailable."""
 
 
 @runtime_checkable
