@@ -47,7 +47,8 @@ class RerankRequest(BaseModel):
             if not text:
                 raise ValueError(f"document {i} is an empty string")
             if len(text) > MAX_PROMPT_CHARS:
-                raise ValueError(f"document {i} has {len(text):,} characters; the limit is {MAX_PROMPT_CHARS:,}")
+                raise ValueError(f"document {i} has {len(text):,} characters; the limit is "
+                                 f"{MAX_PROMPT_CHARS:,}")
         total = sum(map(len, v))
         if total > MAX_REQUEST_CHARS:
             raise ValueError(f"the documents hold {total:,} characters together; the limit is "

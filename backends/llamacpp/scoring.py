@@ -94,7 +94,8 @@ class ScoringContext:
 
     def score(self, query: str, instruction: str, documents: Sequence[str]) -> Scores:
         if len(documents) > self.n_seq:
-            raise ValueError(f"{len(documents)} documents in one call; the scoring context takes {self.n_seq}")
+            raise ValueError(f"{len(documents)} documents in one call; the scoring context takes "
+                             f"{self.n_seq}")
         prefix = self.prefix_of(query, instruction)
         room = self.n_ctx - len(prefix)
         if room < 1 + len(self.tail):

@@ -19,8 +19,8 @@ from redis import Redis
 
 from backends.contract.embed import JobRequest
 from backends.contract.keys import job_key
-from backends.contract.schema import MAX_REQUEST_CHARS, GenerateRequest
 from backends.contract.rerank import RerankRequest
+from backends.contract.schema import MAX_REQUEST_CHARS, GenerateRequest
 from backends.contract.text_ops import TextRequest
 from backends.registry import BackendSettings
 
