@@ -6,6 +6,7 @@ process at the end: documents scored together on the shared prefix score as each
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,9 +154,12 @@ def test_a_hundred_documents_prefill_the_prefix_once(fleet: RealFleet, url: str)
 
 def test_shared_prefix_scores_as_each_document_alone() -> None:
     """The scoring context: documents copied from the prefix's KV in one call (packed across
-    decodes and cell groups) score as each one does in a context that prefilled the whole prompt
-    for it alone, within the model's rounding (a document that did not see the prefix scores
-    PARIS 0.99 for any query); a repeated query prefills none of its prefix again."""
+    decodes and cell groups) score as each whole prompt does decoded alone in one sequence (no
+    copy), within the model's rounding (a document that does not see the prefix scores PARIS
+    0.99); a repeated query prefills none of its prefix again."""
+    import llama_cpp as ll
+    import numpy as np
+
     from backends.llamacpp.engine import LlamaCppBackend
     from backends.llamacpp_settings import LlamaCppSettings
 
@@ -169,16 +173,26 @@ def test_shared_prefix_scores_as_each_document_alone() -> None:
         assert together.prefilled == together.prefix_tokens + sum(together.tokens)
         again = engine.score(QUERY, DEFAULT_INSTRUCTION, documents[:2])
         assert again.prefilled == sum(again.tokens)  # the prefix was held
-        alone = []
-        scoring = engine._scoring
-        assert scoring is not None
-        for doc in documents:
-            scoring.held = []  # as if another query had come between
-            one = engine.score(QUERY, DEFAULT_INSTRUCTION, [doc])
-            assert one.prefilled == one.prefix_tokens + one.tokens[0]
-            alone += one.relevance
-        assert together.relevance == pytest.approx(alone, abs=ROUNDING)
-        assert again.relevance == pytest.approx(alone[:2], abs=ROUNDING)
+        ctx = engine._scoring
+        assert ctx is not None
+
+        def alone(doc: str) -> float:
+            """The whole prompt in sequence 0 of a cleared context, P(yes) / (P(yes) + P(no))."""
+            ll.llama_memory_clear(ctx.memory, True)
+            ctx.held = []
+            tokens = ctx.prefix_of(QUERY, DEFAULT_INSTRUCTION) + ctx.document_of(doc)
+            for start in range(0, len(tokens), ctx.n_batch):
+                chunk = tokens[start:start + ctx.n_batch]
+                for i, token in enumerate(chunk):
+                    ctx._add(token, start + i, 0, logits=start + i == len(tokens) - 1)
+                ctx._decode()
+            last = ll.llama_get_logits_ith(ctx.ctx, len(chunk) - 1)
+            row = np.ctypeslib.as_array(last, shape=(ctx.n_vocab,))
+            return 1 / (1 + math.exp(float(row[ctx.no]) - float(row[ctx.yes])))
+
+        reference = [alone(doc) for doc in documents]
+        assert together.relevance == pytest.approx(reference, abs=ROUNDING)
+        assert again.relevance == pytest.approx(reference[:2], abs=ROUNDING)
         assert together.relevance[0] - together.relevance[1] > MARGIN
     finally:
         engine.close()
