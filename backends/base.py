@@ -156,8 +156,10 @@ class Embedder(Protocol):
 class Scores:
     """What one scoring call gave (backends/contract/rerank.py)."""
 
-    relevance: list[float]  # P("yes") / (P("yes") + P("no")), one per document, in order
-    tokens: list[int]  # each document's own tokens (with the prompt's closing), as decoded
+    # P("yes") / (P("yes") + P("no")) of the first documents, in order (a call may score fewer
+    # than it was given: Scorer.score)
+    relevance: list[float]
+    tokens: list[int]  # each scored document's own tokens (with the prompt's closing)
     prefix_tokens: int  # the instruction-and-query prefix's tokens, shared by the documents
     prefilled: int  # tokens this call decoded: the documents', and the prefix's unless held
 
@@ -171,8 +173,10 @@ class Scorer(Protocol):
     score_batch: int
 
     def score(self, query: str, instruction: str, documents: Sequence[str]) -> Scores:
-        """Raises InputRejected (document `index` never fits; -1: the query and instruction
-        alone do not), JobRejected (this engine cannot score), BackendUnavailable."""
+        """Scores of the first documents, in order: all of them, or as many as one bounded pass
+        of the engine takes (at least one; the caller sends the rest again). Raises
+        InputRejected (document `index` never fits; -1: the query and instruction alone do
+        not), JobRejected (this engine cannot score), BackendUnavailable."""
 
 
 @runtime_checkable

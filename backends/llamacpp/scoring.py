@@ -8,9 +8,11 @@ token (Qwen3-Reranker's `log_softmax` over the two, i.e. a sigmoid of their diff
 Everything up to the document is the same for every document of a request, so it is decoded once
 into sequence 0 and each document's sequence starts as a copy of it (`llama_memory_seq_cp`: in
 a unified KV pool a copy only tags the prefix's cells). Documents are packed into decodes of
-`n_batch` tokens, a logits row only at each document's last token; after a call the documents'
-sequences are removed and the prefix stays, so the next call of the same request (a job's
-documents span worker turns) decodes none of it again.
+`n_batch` tokens, a logits row only at each document's last token. A call scores the first
+documents that fit in the cells after the prefix (at least one: a longer one is refused), so
+its work is bounded by the context's size however many and long the documents are; after it the
+documents' sequences are removed and the prefix stays, so the next call of the same request (a
+job's documents span worker turns) decodes none of it again.
 
 A context of its own on the generation model's weights (like embeddings: the generation slots'
 KV is never touched). Client text is always text: only the template's own text may hold control
@@ -116,22 +118,20 @@ class ScoringContext:
                 self._decode_prefix(prefix)
                 self.held = prefix
                 prefilled += len(prefix)
-            relevance = [0.0] * len(docs)
-            start = 0
-            while start < len(docs):  # as many documents as the cells after the prefix hold
-                end, used = start, 0
-                while end < len(docs) and used + len(docs[end]) <= room:
-                    used += len(docs[end])
-                    end += 1
-                relevance[start:end] = self._score_group(len(prefix), docs[start:end])
-                prefilled += used
-                start = end
+            # the first documents the cells after the prefix hold together: one pass of the
+            # context, so a call's work stays bounded by rerank_n_ctx whatever the documents
+            end, used = 0, 0
+            while end < len(docs) and used + len(docs[end]) <= room:
+                used += len(docs[end])
+                end += 1
+            relevance = self._score_group(len(prefix), docs[:end])
+            prefilled += used
         except BaseException:
             self.held = []  # what the cells hold is unknown now: the next call starts clean
             raise
         finally:
             self.batch.n_tokens = 0
-        return Scores(relevance, [len(d) for d in docs], len(prefix), prefilled)
+        return Scores(relevance, [len(d) for d in docs[:end]], len(prefix), prefilled)
 
     def _decode_prefix(self, prefix: list[int]) -> None:
         for start in range(0, len(prefix), self.n_batch):

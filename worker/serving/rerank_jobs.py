@@ -1,8 +1,9 @@
 """Rerank jobs in the worker: claimed, started and ended like any job, run between the engine's
-steps as embedding jobs are (worker/serving/embed_jobs.py). Each `step()` scores the next
-`score_batch` documents of the oldest job in one call of its engine; a job's documents in calls
-in a row share its query's prefix (the engine keeps it), so a request of many documents prefills
-that prefix once.
+steps as embedding jobs are (worker/serving/embed_jobs.py). Each `step()` hands the next
+`score_batch` documents of the oldest job to one call of its engine, which scores those that fit
+one bounded pass (the rest go again next turn: generation runs between); a job's documents in
+calls in a row share its query's prefix (the engine keeps it), so a request of many documents
+prefills that prefix once.
 
 The result: `scores` in document order, `rerank` with the prefix's and each document's tokens
 and the tokens prefilled; usage counts every token of every document's prompt, and as
