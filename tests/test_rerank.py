@@ -99,6 +99,36 @@ def test_cohere_shape(url: str) -> None:
     assert all(x["document"] == {"text": body["documents"][x["index"]]} for x in with_docs)
 
 
+def test_cohere_sdk_both_clients(url: str) -> None:
+    """Cohere's SDK with its base URL set: ClientV2 posts /v2/rerank, the v1 Client /v1/rerank."""
+    import cohere
+
+    v2 = cohere.ClientV2(api_key="unused", base_url=url, timeout=300)
+    answer = v2.rerank(model="llm", query=QUERY, documents=[RECIPE, PARIS], top_n=2)
+    assert [x.index for x in answer.results] == [1, 0]
+    assert answer.results[0].relevance_score - answer.results[1].relevance_score > MARGIN
+    assert answer.meta and answer.meta.billed_units and answer.meta.billed_units.search_units == 1
+    v1 = cohere.Client(api_key="unused", base_url=url, timeout=300)
+    old = v1.rerank(model="llm", query=QUERY, documents=[RECIPE, PARIS], top_n=1, return_documents=True)
+    assert len(old.results) == 1 and old.results[0].index == 1
+    assert old.results[0].document and old.results[0].document.text == PARIS
+
+
+@pytest.mark.parametrize(("provider", "base"), [("cohere", ""), ("jina_ai", "/v1"), ("hosted_vllm", "")])
+def test_litellm_rerank(url: str, provider: str, base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """litellm's rerank() through the providers whose shape the gateway speaks (Cohere's, Jina's,
+    vLLM's), the gateway as their api_base."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list
+    import litellm
+
+    answer = litellm.rerank(model=f"{provider}/llm", query=QUERY, documents=[RECIPE, PARIS], top_n=2,
+                            return_documents=True, api_base=url + base, api_key="unused")
+    results = answer.results or []
+    assert [x["index"] for x in results] == [1, 0]
+    assert results[0]["relevance_score"] - results[1]["relevance_score"] > MARGIN
+    assert results[0]["document"]["text"] == PARIS
+
+
 @pytest.mark.parametrize(("route", "body", "says"), [
     ("/v1/rerank", {"query": QUERY, "documents": [PARIS]}, "'model' is required"),
     ("/v1/rerank", {"model": "llm", "documents": [PARIS]}, "'query' is required"),
