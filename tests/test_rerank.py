@@ -1,6 +1,7 @@
 """Rerank end to end: a real `fleet worker` on the embedded model (gemma-3-270m judging documents
 as Qwen3-Reranker does), a real `fleet serve`; llama-server's/Jina's `/v1/rerank` and `/rerank`,
-Cohere's `/v2/rerank`, their fields, `top_n` and `return_documents`; the limits' 400s; a request
+Cohere's `/v2/rerank` (over HTTP, Cohere's SDK and litellm), their fields, `top_n` and
+`return_documents`; the worker's limit's 400s (the gateway's: tests/test_rerank_gateway.py); a request
 of 100 documents prefilling the query's prefix once. The engine's scoring context is checked in
 process at the end: documents scored together on the shared prefix score as each alone does."""
 
@@ -32,15 +33,13 @@ UNRELATED = ("Bake the bread for 40 minutes.", "The stock market fell on Monday.
 # rounding; a prefix the documents do not see moves them 0.25
 ROUNDING = 0.1
 N_CTX = 512  # backend.rerank_n_ctx: the prompt, query and one document together
-MAX_DOCUMENTS = 150  # gateway.rerank_max_documents
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
     """One worker and one gateway for the module: its tests only ask."""
     worker = {"backend__slots": 4, "backend__rerank_n_ctx": N_CTX}
-    with fleet_processes(tmp_path_factory.mktemp("rerank"), "rerank", worker,
-                         {"gateway__rerank_max_documents": MAX_DOCUMENTS}) as started:
+    with fleet_processes(tmp_path_factory.mktemp("rerank"), "rerank", worker) as started:
         yield started
 
 
@@ -131,33 +130,19 @@ def test_litellm_rerank(url: str, provider: str, base: str, monkeypatch: pytest.
 
 
 @pytest.mark.parametrize(("route", "body", "says"), [
-    ("/v1/rerank", {"query": QUERY, "documents": [PARIS]}, "'model' is required"),
-    ("/v1/rerank", {"model": "llm", "documents": [PARIS]}, "'query' is required"),
-    ("/v2/rerank", {"model": "llm", "query": QUERY, "documents": []}, "'documents' is required"),
-    ("/v1/rerank", {"model": "llm", "query": QUERY, "documents": "one text"}, "'documents' is required"),
-    ("/v1/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS, 7]}, "document 1 is neither"),
-    ("/v1/rerank", {"model": "llm", "query": QUERY, "documents": [{"title": "x"}]}, "document 0 is neither"),
-    ("/v1/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS, ""]}, "document 1 is an empty"),
-    ("/v1/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS] * (MAX_DOCUMENTS + 1)},
-     f"at most {MAX_DOCUMENTS} in one request (gateway.rerank_max_documents)"),
-    ("/v2/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS], "top_n": 0}, "'top_n' must be"),
-    ("/v2/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS], "top_n": "2"}, "'top_n' must be"),
-    ("/v1/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS], "return_documents": "yes"},
-     "'return_documents' must be"),
-    ("/v1/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS], "rank_fields": ["a"]},
-     "'rank_fields' is not supported"),
-    # the worker's limit: a document whose tokens do not fit beside the query's prompt
+    # the worker's limit: a document whose tokens do not fit beside the query's prompt (the
+    # gateway's own refusals: tests/test_rerank_gateway.py)
     ("/v1/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS, "word " * 2000]},
      "document 1 has 2,0"),
     ("/v2/rerank", {"model": "llm", "query": "why " * 1000, "documents": [PARIS]},
      "the query and instruction"),
 ])
-def test_refusals_name_the_limit(url: str, route: str, body: dict[str, Any], says: str) -> None:
+def test_the_workers_limit_is_a_400_naming_it(url: str, route: str, body: dict[str, Any], says: str) -> None:
     r = post(url, route, body)
     assert r.status_code == 400, r.text
-    assert says in r.json()["error"]["message"], r.text
-    if "tokens" in r.text:
-        assert f"at most {N_CTX}" in r.text and "backend.rerank_n_ctx" in r.text
+    message = r.json()["error"]["message"]
+    assert says in message and f"at most {N_CTX}" in message and "backend.rerank_n_ctx" in message, message
+    assert post(url, "/v1/rerank", {"model": "llm", "query": QUERY, "documents": [PARIS]}).status_code == 200
 
 
 def test_a_hundred_documents_prefill_the_prefix_once(fleet: RealFleet, url: str) -> None:
