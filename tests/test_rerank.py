@@ -191,7 +191,7 @@ def test_shared_prefix_scores_as_each_document_alone() -> None:
         calls = [engine.score(QUERY, DEFAULT_INSTRUCTION, documents)]
         while (done := sum(len(c.relevance) for c in calls)) < len(documents):
             calls.append(engine.score(QUERY, DEFAULT_INSTRUCTION, documents[done:]))
-        assert len(calls) > 1  # one pass of the context a call, bounded
+        assert len(calls) > 2  # a decode's worth of documents a call (the long one alone), bounded
         first, *more = calls
         assert first.prefilled == first.prefix_tokens + sum(first.tokens)
         assert all(c.prefilled == sum(c.tokens) for c in more)  # the prefix was held

@@ -9,10 +9,11 @@ Everything up to the document is the same for every document of a request, so it
 into sequence 0 and each document's sequence starts as a copy of it (`llama_memory_seq_cp`: in
 a unified KV pool a copy only tags the prefix's cells). Documents are packed into decodes of
 `n_batch` tokens, a logits row only at each document's last token. A call scores the first
-documents that fit in the cells after the prefix (at least one: a longer one is refused), so
-its work is bounded by the context's size however many and long the documents are; after it the
-documents' sequences are removed and the prefix stays, so the next call of the same request (a
-job's documents span worker turns) decodes none of it again.
+documents that fill one decode of `n_batch` tokens (at least one; a document that does not fit
+in the cells after the prefix is refused), so its work is about a generation step's prefill
+chunk however many the documents are; after it the documents' sequences are removed and the
+prefix stays, so the next call of the same request (a job's documents span worker turns)
+decodes none of it again.
 
 A context of its own on the generation model's weights (like embeddings: the generation slots'
 KV is never touched). Client text is always text: only the template's own text may hold control
@@ -118,10 +119,11 @@ class ScoringContext:
                 self._decode_prefix(prefix)
                 self.held = prefix
                 prefilled += len(prefix)
-            # the first documents the cells after the prefix hold together: one pass of the
-            # context, so a call's work stays bounded by rerank_n_ctx whatever the documents
-            end, used = 0, 0
-            while end < len(docs) and used + len(docs[end]) <= room:
+            # the first documents that fill one decode (n_batch tokens; a longer document alone)
+            # and the cells after the prefix, so a call costs about a generation step's prefill
+            # chunk whatever the documents
+            end, used, fill = 0, 0, min(self.n_batch, room)
+            while end < len(docs) and (end == 0 or used + len(docs[end]) <= fill):
                 used += len(docs[end])
                 end += 1
             relevance = self._score_group(len(prefix), docs[:end])
