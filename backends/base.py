@@ -24,7 +24,7 @@ from backends.contract.text_ops import TextRequest
 # The request types in the protocol's signatures, importable from here too (defined in the contract)
 __all__ = ["Backend", "BackendUnavailable", "Done", "Embedder", "Embedding", "Event", "Failed",
            "FinishReason", "GenerateRequest", "InputRejected", "JobRejected", "Restarted", "Sampling",
-           "TextOps", "TextRequest", "Token"]
+           "Scorer", "Scores", "TextOps", "TextRequest", "Token"]
 
 # -- events a backend returns from step() ---------------------------------------------------------
 
@@ -150,6 +150,33 @@ class Embedder(Protocol):
         """One vector per text, in order; `truncate[i]`: cut text i to the engine's embedding
         context instead of refusing it. Raises InputRejected (that input never fits),
         JobRejected (this engine cannot embed), BackendUnavailable."""
+
+
+@dataclass
+class Scores:
+    """What one scoring call gave (backends/contract/rerank.py)."""
+
+    # P("yes") / (P("yes") + P("no")) of the first documents, in order (a call may score fewer
+    # than it was given: Scorer.score)
+    relevance: list[float]
+    tokens: list[int]  # each scored document's own tokens (with the prompt's closing)
+    prefix_tokens: int  # the instruction-and-query prefix's tokens, shared by the documents
+    prefilled: int  # tokens this call decoded: the documents', and the prefix's unless held
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """An engine that scores documents against a query (rerank jobs). The worker calls `score`
+    between generation steps with up to `score_batch` documents of one job; calls for the same
+    query and instruction in a row reuse the prefix they share."""
+
+    score_batch: int
+
+    def score(self, query: str, instruction: str, documents: Sequence[str]) -> Scores:
+        """Scores of the first documents, in order: all of them, or as many as one bounded pass
+        of the engine takes (at least one; the caller sends the rest again). Raises
+        InputRejected (document `index` never fits; -1: the query and instruction alone do
+        not), JobRejected (this engine cannot score), BackendUnavailable."""
 
 
 @runtime_checkable

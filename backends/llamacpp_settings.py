@@ -92,6 +92,11 @@ class LlamaCppSettings(EngineSettings):
                              "embedding context's sequences)")
     embed_n_batch: int = Field(512, ge=16, description="tokens per llama_decode of the embedding context "
                                "(its logits buffer costs ~1 MB per token with a 262k vocabulary)")
+    rerank_n_ctx: int = Field(4096, ge=64, description="tokens of a rerank job's prompt, query and one "
+                              "document together at most (longer: refused); the cells of the scoring "
+                              "context, made at the first rerank job, where a call's documents sit together")
+    rerank_batch: int = Field(32, ge=1, le=256, description="rerank documents scored per call (one "
+                              "sequence each, all sharing the query's prefix)")
 
     @model_validator(mode="after")
     def _invariance_needs_streams(self) -> LlamaCppSettings:

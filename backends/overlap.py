@@ -17,7 +17,17 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from backends.base import Backend, Bilingual, Embedder, Embedding, Event, GenerateRequest, JobRejected
+from backends.base import (
+    Backend,
+    Bilingual,
+    Embedder,
+    Embedding,
+    Event,
+    GenerateRequest,
+    JobRejected,
+    Scorer,
+    Scores,
+)
 from backends.contract.text_ops import TextRequest
 
 
@@ -32,6 +42,7 @@ class OverlappedBackend:
         self._running: Future[list[Event]] | None = None
         self._free = inner.free_slots()
         self.embed_batch = inner.embed_batch if isinstance(inner, Embedder) else 1
+        self.score_batch = inner.score_batch if isinstance(inner, Scorer) else 1
 
     def free_slots(self) -> int:
         return self._free
@@ -59,6 +70,13 @@ class OverlappedBackend:
             raise JobRejected(f"this worker's engine ({self.name}) does not embed")
         with self._lock:
             return self.inner.embed(texts, truncate)
+
+    def score(self, query: str, instruction: str, documents: Sequence[str]) -> Scores:
+        """Between steps, like embed."""
+        if not isinstance(self.inner, Scorer):
+            raise JobRejected(f"this worker's engine ({self.name}) does not rerank")
+        with self._lock:
+            return self.inner.score(query, instruction, documents)
 
     def text_op(self, request: TextRequest) -> dict[str, object]:
         """Beside a step, not between: it reads only the vocabulary and the template (TextOps),

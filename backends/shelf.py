@@ -42,6 +42,8 @@ from backends.base import (
     GenerateRequest,
     JobRejected,
     Resumable,
+    Scorer,
+    Scores,
     TextOps,
     TextRequest,
 )
@@ -345,12 +347,22 @@ class ModelView:
         self.embeds_only = shelf.entries[model.name].embedding
         if isinstance(self.engine, Embedder):  # only then is the view an Embedder
             self.embed_batch = self.engine.embed_batch
+        if isinstance(self.engine, Scorer):  # only then is the view a Scorer
+            self.score_batch = self.engine.score_batch
 
     def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
         if self.model.name not in self.shelf.held or not isinstance(self.engine, Embedder):
             raise BackendUnavailable(f"model {self.model.name!r} was unloaded")  # the job goes again
         self.model.last_used = time.monotonic()
         return self.engine.embed(texts, truncate)
+
+    def score(self, query: str, instruction: str, documents: Sequence[str]) -> Scores:
+        if self.model.name not in self.shelf.held or not isinstance(self.engine, Scorer):
+            raise BackendUnavailable(f"model {self.model.name!r} was unloaded")  # the job goes again
+        if self.embeds_only:
+            raise JobRejected(f"model {self.model.name!r} is an embedding model: it cannot judge documents")
+        self.model.last_used = time.monotonic()
+        return self.engine.score(query, instruction, documents)
 
     def _held(self, job_id: str) -> None:
         self.model.jobs.add(job_id)
@@ -396,7 +408,7 @@ class Unloadable:
     """The engine of a model that could not be loaded: every job it is given fails with why (a
     bad file: JobRejected) or goes back to its queue (no room now: BackendUnavailable)."""
 
-    embed_batch = 1  # an embedding job fails (or goes back) with why, too
+    embed_batch = score_batch = 1  # an embedding or rerank job fails (or goes back) with why, too
 
     def __init__(self, error: JobRejected | BackendUnavailable) -> None:
         self.error, self.name, self.slots = error, "unloaded", 0
@@ -405,6 +417,9 @@ class Unloadable:
         raise self.error
 
     def embed(self, texts: Sequence[str], truncate: Sequence[bool]) -> list[Embedding]:
+        raise self.error
+
+    def score(self, query: str, instruction: str, documents: Sequence[str]) -> Scores:
         raise self.error
 
     def resume(self, job_id: str, request: GenerateRequest, delivered: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from backends.contract.rerank import RerankRequest
 from backends.contract.schema import MAX_PROMPT_CHARS, MAX_REQUEST_CHARS, TENANT_PATTERN, GenerateRequest
 from backends.contract.text_ops import TextRequest
 
@@ -76,19 +77,20 @@ class EmbedRequest(BaseModel):
         return v
 
 
-# what a job's payload is: `kind` tells them apart (text jobs: backends/contract/text_ops.py)
-JobRequest = GenerateRequest | EmbedRequest | TextRequest
+# what a job's payload is: `kind` tells them apart (text jobs: backends/contract/text_ops.py,
+# rerank jobs: backends/contract/rerank.py)
+JobRequest = GenerateRequest | EmbedRequest | TextRequest | RerankRequest
+KINDS: dict[str, type[EmbedRequest | TextRequest | RerankRequest]] = {
+    "embed": EmbedRequest, "text": TextRequest, "rerank": RerankRequest}
 
 
 def parse_request(payload: Any) -> JobRequest:
     """A job's request from its payload: an embedding job says `"kind": "embed"`, a text job
-    `"kind": "text"`, anything else is a generation request (pydantic's ValidationError for a bad
-    one)."""
-    if isinstance(payload, Mapping) and payload.get("kind") == "embed":
-        return EmbedRequest.model_validate(payload)
-    if isinstance(payload, Mapping) and payload.get("kind") == "text":
-        return TextRequest.model_validate(payload)
-    return GenerateRequest.model_validate(payload)
+    `"kind": "text"`, a rerank job `"kind": "rerank"`, anything else is a generation request
+    (pydantic's ValidationError for a bad one)."""
+    kind = payload.get("kind") if isinstance(payload, Mapping) else None
+    model = KINDS.get(kind) if isinstance(kind, str) else None
+    return (model or GenerateRequest).model_validate(payload)
 
 
 def finish_vector(values: Sequence[float], dimensions: int | None, normalize: bool = True) -> list[float]:

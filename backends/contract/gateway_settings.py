@@ -17,6 +17,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from backends.contract.rerank import MAX_RERANK_DOCUMENTS
 from backends.contract.schema import MAX_TOKENS_LIMIT, TENANT_PATTERN, Priority
 
 POOL_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -98,6 +99,8 @@ class GatewaySettings(BaseModel):
     max_connections: int = Field(2048, ge=1, description="open connections and requests (uvicorn "
                                  "limit_concurrency); 503 beyond")
     keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle kept-alive connection stays")
+    rerank_max_documents: int = Field(1000, ge=1, le=MAX_RERANK_DOCUMENTS,
+                                      description="documents one rerank request may hold; 400 beyond")
     max_n: int = Field(8, ge=1, le=16, description="jobs one request may start (n x prompts); 400")
     max_tokens: int = Field(4096, ge=1, le=MAX_TOKENS_LIMIT,
                             description="largest max_tokens / num_predict a request may ask; 400 "

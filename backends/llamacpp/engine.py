@@ -34,7 +34,7 @@ from pathlib import Path
 import llama_cpp as ll
 import psutil
 
-from backends.base import Done, Embedding, Event, Failed
+from backends.base import Done, Embedding, Event, Failed, Scores
 from backends.contract import tools
 from backends.contract.schema import DEFAULT_TENANT, GenerateRequest, Sampling
 from backends.contract.text_ops import TextRequest
@@ -47,6 +47,7 @@ from backends.llamacpp.kv_store import Header, KvStore, Read, StoreReader, Store
 from backends.llamacpp.model import LoadedModel, load_weights
 from backends.llamacpp.sampling import check_format, check_logit_bias, compile_dialect, grammar_takes
 from backends.llamacpp.scheduler import Scheduler, check_n_batch
+from backends.llamacpp.scoring import ScoringContext
 from backends.llamacpp.state import WaitingJob
 from backends.llamacpp.thought_budget import thinking_off
 from backends.llamacpp.updates import CallUpdate
@@ -117,6 +118,10 @@ class LlamaCppBackend:
             raise FileNotFoundError(f"embedding model file not found: {settings.embed_model_path}")
         self._embedding: EmbeddingContext | None = None  # made at the first embedding job
         self.embedded_inputs = 0
+        self.score_batch = settings.rerank_batch
+        self._scoring: ScoringContext | None = None  # made at the first rerank job
+        self.scored_documents = 0
+        self.score_prefilled = 0  # tokens the scoring context decoded (shared prefixes once)
 
     def _bookkeeping(self) -> tuple[KvBookkeeper, Scheduler]:
         settings = self.settings
@@ -262,6 +267,16 @@ class LlamaCppBackend:
         self.embedded_inputs += len(out)
         return out
 
+    def score(self, query: str, instruction: str, documents: Sequence[str]) -> Scores:
+        """Rerank scores from a context of their own (backends/llamacpp/scoring.py)."""
+        if self._scoring is None:
+            self._scoring = ScoringContext(self.model, n_ctx=self.settings.rerank_n_ctx,
+                                           n_batch=self.n_batch, n_seq=self.score_batch)
+        out = self._scoring.score(query, instruction, documents)
+        self.scored_documents += len(documents)
+        self.score_prefilled += out.prefilled
+        return out
+
     def text_op(self, request: TextRequest) -> dict[str, object]:
         """Tokenize, detokenize or render a chat (backends/llamacpp/text_ops.py): the vocabulary
         and the template only, no decode. It runs on a thread beside the steps, on a core the
@@ -350,6 +365,8 @@ class LlamaCppBackend:
             "deferred_admissions": self.scheduler.deferred_admissions,
             "decode_seconds": round(self.executor.decode_seconds, 3),
             "embedded_inputs": self.embedded_inputs,
+            "scored_documents": self.scored_documents,
+            "score_prefilled": self.score_prefilled,
             "faults": self.faults,
             **self._store_stats(),
         }
@@ -378,6 +395,8 @@ class LlamaCppBackend:
         self.executor.close()
         if self._embedding is not None:  # before the weights it may share
             self._embedding.close()
+        if self._scoring is not None:
+            self._scoring.close()
         self.model.close()
 
     # -- one step -------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from dispatcher.gateway import (
     ollama_api,
     ollama_show,
     openai_api,
+    rerank_api,
     responses_api,
     tokenize_api,
 )
@@ -361,6 +362,9 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/v1/messages", guarded(anthropic_api.create_message), methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(anthropic_api.count_tokens), methods=["POST"]),
         Route("/v1/embeddings", guarded(embeddings_api.openai_embeddings), methods=["POST"]),
+        Route("/v1/rerank", guarded(rerank_api.jina_rerank), methods=["POST"]),
+        Route("/rerank", guarded(rerank_api.jina_rerank), methods=["POST"]),  # llama-server's
+        Route("/v2/rerank", guarded(rerank_api.cohere_rerank), methods=["POST"]),  # Cohere's
         Route("/api/generate", guarded(ollama_api.generate), methods=["POST"]),
         Route("/api/chat", guarded(ollama_api.chat), methods=["POST"]),
         Route("/api/embed", guarded(embeddings_api.ollama_embed), methods=["POST"]),

@@ -90,13 +90,13 @@ async def embed(request: Request, body: dict[str, Any],
                          param="input")
 
 
-def refuse_unknown(body: dict[str, Any], allowed: set[str], api: str) -> None:
+def refuse_unknown(body: dict[str, Any], allowed: set[str], api: str, route: str = "embeddings") -> None:
     """400 naming every field this route does not take (a null one counts as absent)."""
     unknown = sorted(set(body) - allowed)
     if unknown:
         names = ", ".join(f"'{shown(f)}'" for f in unknown)
         raise ApiError(400, f"{names} {'is' if len(unknown) == 1 else 'are'} not supported by this {api} "
-                       f"embeddings route (llama-fleet)", param=unknown[0], code="unsupported_parameter")
+                       f"{route} route (llama-fleet)", param=unknown[0], code="unsupported_parameter")
 
 
 def check_options(body: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from backends.base import (
     BackendUnavailable,
@@ -34,6 +35,17 @@ from backends.contract.embed import REJECTED, EmbedRequest, encode_vector, finis
 log = logging.getLogger("fleet.worker")
 
 
+class _Queued(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def tokens(self) -> int: ...  # counted so far (a cancelled job's usage)
+
+
+J = TypeVar("J", bound=_Queued)
+
+
 @dataclass
 class _Job:
     id: str
@@ -44,14 +56,37 @@ class _Job:
     taken: int = 0  # inputs handed to the engine so far
 
 
-class EmbedQueue:
+class StepQueue(Generic[J]):
+    """Jobs the loop runs between the engine's steps, oldest first: what embedding and rerank
+    jobs (worker/serving/rerank_jobs.py) share, from the loop's side."""
+
     def __init__(self) -> None:
-        self.jobs: dict[str, _Job] = {}  # oldest first
+        self.jobs: dict[str, J] = {}  # oldest first
         self._ended: list[Event] = []  # cancelled since the last step
 
     def held(self) -> int:
         return len(self.jobs)
 
+    def cancel(self, job_id: str) -> bool:
+        """True when it was a job of this queue: it ends cancelled at the next step."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return False
+        self._ended.append(Done(job_id, "cancelled", job.tokens, 0))
+        return True
+
+    def _fail_batch(self, events: list[Event], batch: list[tuple[J, int]], reason: str,
+                    retryable: bool = False) -> None:
+        """Every job with an input in the batch fails, once."""
+        for job in {id(j): j for j, _ in batch}.values():
+            self._fail(events, job, reason, retryable)
+
+    def _fail(self, events: list[Event], job: J, reason: str, retryable: bool = False) -> None:
+        self.jobs.pop(job.id, None)
+        events.append(Failed(job.id, reason, retryable=retryable))
+
+
+class EmbedQueue(StepQueue[_Job]):
     def add(self, job_id: str, request: EmbedRequest, engine: object) -> None:
         """Queue a started job on `engine` (the worker's, or on a catalogue worker its model's);
         JobRejected when that engine cannot embed (the worker's setup, not the request: no
@@ -59,14 +94,6 @@ class EmbedQueue:
         if not isinstance(engine, Embedder):
             raise JobRejected(f"this worker's engine ({getattr(engine, 'name', '?')}) does not embed")
         self.jobs[job_id] = _Job(job_id, request, engine)
-
-    def cancel(self, job_id: str) -> bool:
-        """True when it was an embedding job here: it ends cancelled at the next step."""
-        job = self.jobs.pop(job_id, None)
-        if job is None:
-            return False
-        self._ended.append(Done(job_id, "cancelled", job.tokens, 0))
-        return True
 
     def step(self) -> list[Event]:
         events, self._ended = self._ended, []
@@ -110,13 +137,3 @@ class EmbedQueue:
                 events.append(Done(job.id, "stop", job.tokens, 0, extra={
                     "embeddings": job.vectors, "dimensions": wanted or len(emb.vector)}))
         return events
-
-    def _fail_batch(self, events: list[Event], batch: list[tuple[_Job, int]], reason: str,
-                    retryable: bool = False) -> None:
-        """Every job with an input in the batch fails, once."""
-        for job in {id(j): j for j, _ in batch}.values():
-            self._fail(events, job, reason, retryable)
-
-    def _fail(self, events: list[Event], job: _Job, reason: str, retryable: bool = False) -> None:
-        self.jobs.pop(job.id, None)
-        events.append(Failed(job.id, reason, retryable=retryable))

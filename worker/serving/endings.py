@@ -78,10 +78,10 @@ def result_of(job: ClaimedJob, done: Done, now: float, worker: str, backend: str
     ttft_ms = (job.first_token_at - job.claimed_at) * 1000 if job.first_token_at else None
     gen_s = now - job.first_token_at if job.first_token_at else 0.0
     # per-token log-probabilities, when the request asked and the engine gave them; an
-    # embedding job's vectors, a text job's answer (worker/serving/text_jobs.py); the stop
-    # string that ended the text
+    # embedding job's vectors, a text job's answer (worker/serving/text_jobs.py), a rerank job's
+    # scores and tokens (worker/serving/rerank_jobs.py); the stop string that ended the text
     extra: dict[str, Any] = {k: done.extra[k] for k in ("logprobs", "embeddings", "dimensions", "answer",
-                                                        "stop_word") if done.extra.get(k)}
+                                                        "scores", "rerank", "stop_word") if done.extra.get(k)}
     text, finish = "".join(job.text), done.finish_reason
     if job.tool_answer:  # text is the raw JSON answer: its words and calls ride beside it
         answer = tools.read_answer(text, job.id)

@@ -19,6 +19,7 @@ from redis import Redis
 
 from backends.contract.embed import JobRequest
 from backends.contract.keys import job_key
+from backends.contract.rerank import RerankRequest
 from backends.contract.schema import MAX_REQUEST_CHARS, GenerateRequest
 from backends.contract.text_ops import TextRequest
 from backends.registry import BackendSettings
@@ -85,9 +86,12 @@ def check_payload(redis: Redis, job_id: str, budget: RequestBudget) -> None:
 def request_chars(request: JobRequest) -> int:
     """What one context must hold: every text field of a generation job (GenerateRequest.chars)
     or of a text job (a text to tokenize, a chat to render: bounded as a prompt is, though no
-    context holds it, since tokenizing it costs as much); an embedding job's longest input."""
+    context holds it, since tokenizing it costs as much); an embedding job's longest input; a
+    rerank job's query and instruction with its longest document (one context holds them)."""
     if isinstance(request, GenerateRequest | TextRequest):
         return request.chars()
+    if isinstance(request, RerankRequest):
+        return request.longest()
     return max(map(len, request.input))
 
 

@@ -43,6 +43,7 @@ from backends.base import (
 )
 from backends.contract.embed import EmbedRequest
 from backends.contract.keys import cancel_key, job_key, queue_names
+from backends.contract.rerank import RerankRequest
 from backends.contract.retry import OUTAGE_ERRORS
 from backends.contract.schema import DEFAULT_TENANT
 from backends.contract.text_ops import TextRequest
@@ -60,6 +61,7 @@ from worker.serving.counters import EngineHold, WorkerCounters
 from worker.serving.embed_jobs import EmbedQueue
 from worker.serving.endings import AttemptWriter, Contended
 from worker.serving.pacing import EVERYTHING, Due, WritePacer
+from worker.serving.rerank_jobs import RerankQueue
 from worker.serving.rqjobs import BadJob, CancelledByRQ, NotToRun
 from worker.serving.stall import ADMITTING, STEPPING, LoopWatch
 from worker.serving.text_jobs import TextJobs
@@ -82,6 +84,7 @@ class FleetWorker:
         self.settings = settings
         self.backend = backend
         self.embeds = EmbedQueue()  # embedding jobs, run between generation steps
+        self.reranks = RerankQueue()  # rerank jobs, likewise
         self.texts = TextJobs()  # text jobs, answered on a thread of their own beside the steps
         self.redis = redis
         self.name = name
@@ -243,7 +246,8 @@ class FleetWorker:
 
     def _room(self) -> tuple[int, Counter[str]]:
         """Free slots, and the jobs in flight by tenant (their share of the slots)."""
-        return (self.backend.free_slots() - len(self.unstarted) - self.embeds.held() - self.texts.held(),
+        side = self.embeds.held() + self.reranks.held() + self.texts.held()
+        return (self.backend.free_slots() - len(self.unstarted) - side,
                 Counter(tenant_of(j) for j in self.inflight.values()))
 
     def _wait_for_wake(self) -> bool:
@@ -311,7 +315,8 @@ class FleetWorker:
         self.inflight[job_id] = job
         request = job.request
         assert request is not None
-        resumable = isinstance(backend, Resumable) and not isinstance(request, TextRequest | EmbedRequest)
+        side_job = isinstance(request, TextRequest | EmbedRequest | RerankRequest)
+        resumable = isinstance(backend, Resumable) and not side_job
         delivered = handover.resume_text(self.redis, job) if resumable else ""  # Redis: outside the watch
         try:
             with self.watch.engine(ADMITTING, lambda: (job_id,)):
@@ -319,6 +324,8 @@ class FleetWorker:
                     self.texts.add(job_id, request, backend)
                 elif isinstance(request, EmbedRequest):
                     self.embeds.add(job_id, request, backend)
+                elif isinstance(request, RerankRequest):
+                    self.reranks.add(job_id, request, backend)
                 elif isinstance(backend, Resumable) and handover.resume(backend, job, request, delivered):
                     self.counters.resumed += 1  # continues its last attempt's text (claiming/handover.py)
                 else:
@@ -338,9 +345,9 @@ class FleetWorker:
         # an outage); endings still to flush (a refused or finished job) go out at once
         busy = self.backend.free_slots() < self.backend.slots
         # only text jobs running (on their thread): wait for one rather than spin on the claim
-        only_texts = not busy and not self.embeds.held() and self.link.ready()
+        only_texts = not busy and not self.embeds.held() and not self.reranks.held() and self.link.ready()
         with self.watch.engine(STEPPING, self._in_step):
-            events = (self.embeds.step() + self.texts.step(0.02 if only_texts else 0.0)
+            events = (self.embeds.step() + self.reranks.step() + self.texts.step(0.02 if only_texts else 0.0)
                       + self.backend.step(0.05 if busy or not self.link.ready() else 0.0))
         now = time.monotonic()  # deadlines, durations: this host's clock, never the wall (hosts differ)
         n_tokens = self._apply(events, now)
@@ -455,7 +462,7 @@ class FleetWorker:
             log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
     def _cancel(self, job_id: str) -> None:
-        if not self.embeds.cancel(job_id) and not self.texts.cancel(job_id):
+        if not any(side.cancel(job_id) for side in (self.embeds, self.reranks, self.texts)):
             self.backend.cancel(job_id)
 
     def _end(self, job: ClaimedJob, ending: Ending) -> None:
