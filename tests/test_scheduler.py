@@ -385,32 +385,65 @@ def simulated_seconds(call: DecodeCall) -> float:
     return 0.010 + 0.008 * len(call.decoders) + prompt_rows
 
 
-@pytest.mark.parametrize("target_ms", [150, 250])
-def test_a_long_prompt_beside_streams_takes_what_fits_the_stall_target(target_ms: int) -> None:
+def streaming(target_ms: float) -> Scheduler:
+    """Four jobs streaming, a stall target of `target_ms`."""
     kv = KvBookkeeper(slots=8, prefix_cache=0, n_ctx=8 * 4096, n_batch=512, per_slot=True, invariant=False)
     s = Scheduler(kv, n_batch=512, n_ctx_per_seq=4096, max_stall_ms=target_ms)
     for i in range(4):
         admit(s, f"d{i}", prompt(10, 100 * i), max_tokens=1000)
     while any(j.next_token is None for j in s.active.values()):
         execute(s, s.plan_step())
-    longs = [admit(s, f"long{i}", prompt(3000, 50_000 * (i + 1)))[0] for i in range(2)]
-    gaps: list[float] = []  # from one decoders' call to the end of the next: a stream's wait
+    return s
+
+
+def prefill_beside_streams(s: Scheduler, prompts: list[ActiveJob]) -> tuple[list[float], list[int]]:
+    """Steps until `prompts` are prefilled, on simulated costs: each stream's wait (from one
+    decoders' call to the end of the next, the last one open) and the prompts' chunks."""
+    gaps: list[float] = []
     chunks: list[int] = []
     waited = 0.0
-    while any(j.next_token is None for j in longs):
+    while any(j.next_token is None for j in prompts):
         for call in s.plan_step().calls:
-            chunks += [count for job, count in call.prompts if job in longs]
+            chunks += [count for job, count in call.prompts if job in prompts]
             waited += (seconds := simulated_seconds(call))
             s.update(call, sampled_sevens(call), seconds)
             if call.decoders:
                 gaps.append(waited)
                 waited = 0.0
         s.end_step()
+    return [*gaps, waited], chunks
+
+
+@pytest.mark.parametrize("target_ms", [150, 250])
+def test_a_long_prompt_beside_streams_takes_what_fits_the_stall_target(target_ms: int) -> None:
+    s = streaming(target_ms)
+    longs = [admit(s, f"long{i}", prompt(3000, 50_000 * (i + 1)))[0] for i in range(2)]
+    gaps, chunks = prefill_beside_streams(s, longs)
+    gaps = gaps[:-1]  # closed waits only
     assert sum(chunks) == 6000
     timed = gaps[3:]  # the first steps take 32 rows: they time the machine
     assert max(timed) <= target_ms / 1000, max(timed)
     # and a step uses most of what it may: the prefill is not starved
     assert statistics.median(timed) >= 0.7 * target_ms / 1000, statistics.median(timed)
+
+
+@pytest.mark.parametrize("size", [300, 400, 500])
+def test_a_newcomer_whose_own_step_would_pass_the_stall_target_is_paced(size: int) -> None:
+    """A newcomer's whole prompt in a step of its own goes out sooner, but the streams skip that
+    step: where it would hold them past the target (a first turn of a few hundred tokens is
+    seconds of prefill on a CPU), it is paced beside them like a long prompt."""
+    s = streaming(250)
+    (timer,) = admit(s, "timer", prompt(3000, 50_000))  # times this machine's rows
+    prefill_beside_streams(s, [timer])
+    (newcomer,) = admit(s, "newcomer", prompt(size, 90_000))
+    assert simulated_seconds(DecodeCall(prompts=[(newcomer, size)])) > 0.25  # alone, past the target
+    gaps, chunks = prefill_beside_streams(s, [newcomer])
+    assert sum(chunks) == size and len(chunks) > 1
+    assert max(gaps) <= 0.25, gaps
+    # one that fits still takes its own step: its first token goes out sooner
+    (short,) = admit(s, "short", prompt(100, 120_000))
+    gaps, chunks = prefill_beside_streams(s, [short])
+    assert chunks == [100] and max(gaps) <= 0.25, gaps
 
 
 def test_without_streams_a_long_prompt_takes_whole_chunks_and_zero_turns_pacing_off() -> None:
