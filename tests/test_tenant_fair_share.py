@@ -13,6 +13,7 @@ import pytest
 from redis import Redis
 from rq import Queue
 
+from backends.contract.gateway_settings import FairTokens
 from backends.contract.keys import fair_key, inflight_key, job_key, queue_key
 from dispatcher import Fleet
 from tests.harness import wait_for
@@ -68,7 +69,10 @@ def test_jobs_without_a_tenant_are_the_default_tenants_share(redis_url: str, red
     plain = [rq.enqueue("dispatcher.jobs.generate", {"prompt": f"p{i}", "max_tokens": 2}).id
              for i in range(20)]
     submit(fleet, "team", 20)
-    order = claim_order(redis, Claimer(redis, "w", [QUEUE]), 20)
+    # a job with no size (the plain producer's) is charged `unsized` tokens: here the team's jobs'
+    # own size ("team 0": 2 prompt tokens, max_tokens 2 at weight 2), so both take equal turns
+    claimer = Claimer(redis, "w", [QUEUE], tokens=FairTokens(unsized=6))
+    order = claim_order(redis, claimer, 20)
     assert Counter(order) == {"default": 10, "team": 10}, order
     # RQ's view: the tenant's queue is an RQ queue with its jobs, the pool's queue holds the rest
     assert Queue(f"{QUEUE}:team", connection=redis).count == 10

@@ -62,7 +62,7 @@ def _names(redis: Redis, pattern: str) -> list[str]:
 def _snapshot(redis: Redis) -> dict[str, Any]:
     queues = [k for k in _names(redis, QUEUE_PREFIX + "*") if redis.type(k) == b"list"]
     inflights = [k for k in _names(redis, _INFLIGHT_PREFIX + "*") if redis.type(k) == b"list"]
-    fairs = [k for k in _names(redis, fair_key("*")) if not k.endswith(":clock")]
+    fairs = [k for k in _names(redis, fair_key("*")) if not k.endswith((":clock", ":spent"))]
     places = [k for k in _names(redis, _TENANT_PREFIX + "*") if k.endswith((":open", ":queued"))]
     wips = [k for k in _names(redis, _WIP_PREFIX + "*") if redis.type(k) == b"zset"]
     jobs = _names(redis, _JOB_PREFIX + "*")
