@@ -23,7 +23,8 @@ from rq.serializers import JSONSerializer
 
 from backends.base import Done
 from backends.contract import keys, queue
-from backends.contract.queue.invariants import queue_violations
+from backends.contract.queue import fair
+from backends.contract.queue.invariants import fair_spread_violations, queue_violations
 from backends.contract.queue.scripts import PRELUDE
 from dispatcher import Fleet
 from dispatcher.gateway.batch.submit import BatchSpec, submit_batch
@@ -41,6 +42,7 @@ POOL = "llm"
 TENANTS = ("default", "alpha", "beta")
 LIMITS = {"alpha": Limits(max_concurrent=3, max_queued=2), "beta": Limits(requests_per_minute=1000)}
 WORKERS = ("w1", "w2")
+WEIGHTS = {"beta": 3.0}
 _server: RedisServer | None = None
 
 
@@ -66,16 +68,17 @@ class QueueModel(RuleBasedStateMachine):
         self.started: set[str] = set()
         self.ids = itertools.count()
         self.writers = {w: endings.AttemptWriter(self.redis, w, "fake", 600, job_hooks()) for w in WORKERS}
-        self.claimers = {w: Claimer(self.redis, w, keys.queue_names(POOL), slots=4, pool=POOL)
-                         for w in WORKERS}
+        self.claimers = {w: Claimer(self.redis, w, keys.queue_names(POOL), slots=4, pool=POOL,
+                                    weights=WEIGHTS) for w in WORKERS}
+        self.largest_charge = 0.0  # of any job so far, over its tenant's weight (the fair share's bound)
 
     def teardown(self) -> None:
         self.redis.close()
 
     # -- producers ---------------------------------------------------------------------------------
     @rule(tenant=st.sampled_from(TENANTS), priority=st.sampled_from(("high", "default", "low")),
-          n=st.integers(1, 3))
-    def submit(self, tenant: str, priority: str, n: int) -> None:
+          n=st.integers(1, 3), words=st.sampled_from((1, 2, 300)), max_tokens=st.sampled_from((2, 64, None)))
+    def submit(self, tenant: str, priority: str, n: int, words: int = 2, max_tokens: int | None = 2) -> None:
         ids = [f"{next(self.ids):032x}" for _ in range(n)]
         if tenant in LIMITS:
             try:
@@ -84,7 +87,8 @@ class QueueModel(RuleBasedStateMachine):
                 return
         named = {} if tenant == "default" else {"tenant": tenant}
         for job_id in ids:
-            self.fleet.submit(prompt="a b", max_tokens=2, priority=priority, job_id=job_id, **named)
+            self.fleet.submit(prompt=" ".join("ab"[i % 2] for i in range(words)), priority=priority,
+                              job_id=job_id, max_tokens=max_tokens, **named)
             self.where[job_id] = "queue"
 
     @rule(n=st.integers(1, 3))
@@ -139,14 +143,16 @@ class QueueModel(RuleBasedStateMachine):
             assert self.writers[self.where[job_id]].start(self.jobs[job_id], 600)
             self.started.add(job_id)
 
-    @rule(data=st.data())
-    def end(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), prompt=st.sampled_from((1, 2, 400)), generated=st.sampled_from((0, 1, 64, 200)),
+          cached=st.sampled_from((0, 1, 300)))
+    def end(self, data: st.DataObject, prompt: int = 2, generated: int = 1, cached: int = 0) -> None:
         running = sorted(self.started)
         if not running:
             return
         job_id = data.draw(st.sampled_from(running))
         job, worker = self.jobs[job_id], self.where[job_id]
-        job.ending = endings.finished(job, Done(job_id, "stop", 2, 1), time.monotonic(), worker, "fake")
+        done = Done(job_id, "stop", prompt, generated, min(cached, prompt))
+        job.ending = endings.finished(job, done, time.monotonic(), worker, "fake")
         assert self.writers[worker].end([job]) == {job_id}
         self._gone(job_id)
 
@@ -205,6 +211,17 @@ class QueueModel(RuleBasedStateMachine):
     @invariant()
     def queue_model_holds(self) -> None:
         broken = queue_violations(self.redis)
+        assert not broken, "\n".join(map(str, broken))
+
+    @invariant()
+    def no_tenant_runs_ahead_by_more_than_one_job(self) -> None:
+        """The token counters: among the tenants with work at one pool and priority, none is
+        ahead of the least served by more than the largest job charge over its weight."""
+        for key in self.redis.scan_iter(match=keys.job_key("*")):
+            charged = (self.redis.hget(key, keys.CHARGED_FIELD) or b"").split()
+            if len(charged) == 2:
+                self.largest_charge = max(self.largest_charge, fair.spread_bound(*map(float, charged)))
+        broken = fair_spread_violations(self.redis, self.largest_charge)
         assert not broken, "\n".join(map(str, broken))
 
     @invariant()
