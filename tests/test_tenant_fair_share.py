@@ -146,10 +146,14 @@ def test_slots_are_shared_so_a_newcomer_starts_at_once(redis_url: str, redis: Re
     assert len(first) == 15  # one slot kept for whoever comes next
     submit(fleet, "b", 20)
     assert [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": 15})] == ["b"]
-    # a holds 15 of 16 with weight 1 of 4: until it is down to 4, every free slot goes to b
-    for a_held in (14, 10, 5):
+    # a holds 15 of 16 with weight 1 of 4: while a is not behind in tokens, free slots go to b
+    for a_held in (14, 10):
         got = [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": a_held, "b": 16 - a_held})]
-        assert got == (["b"] if 16 - a_held < 12 else []), (a_held, got)
+        assert got == ["b"], (a_held, got)
+    # b was charged 3 jobs since it came (at weight 3: one of a's), a none: a is a whole job behind
+    # and may take a slot beyond its share, before b has its 12
+    got = [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": 5, "b": 11})]
+    assert got == ["a"], got
     got = [tenant_of(redis, raw) for raw, _ in claimer.claim(4, held={"a": 3, "b": 9})]
     assert Counter(got) == {"a": 1, "b": 3}, got
 
@@ -297,3 +301,19 @@ def test_a_job_of_unknown_length_pays_at_its_end_even_after_its_tenant_left(redi
     order = [tenant_of(redis, raw) for _ in range(5) for raw, _q in claimer.claim(4)]
     # b was charged 7 jobs (7 x 228), a comes back at 13 + 2 x 2,000: b's next 11 jobs go first
     assert order.index("a") == 11, order
+
+
+def test_a_tenant_behind_in_tokens_takes_slots_beyond_its_share(redis_url: str, redis: Redis) -> None:
+    """Slots shared by weight alone, a tenant of 3,000-token documents and one of 100-token
+    questions hold 2 of 4 slots each, and the first gets ~14x the tokens whatever the claim
+    order. A tenant behind in tokens (still the lowest after its next job's charge) may take any
+    free slot, and nobody makes it give them back while it is behind."""
+    fleet = Fleet(redis_url)
+    backlog(fleet, "a", BIG, 10)
+    backlog(fleet, "b", SMALL, 100)
+    claimer = Claimer(redis, "w", [QUEUE], slots=4)
+    assert [tenant_of(redis, raw) for raw, _ in claimer.claim(4, held={})] == ["a", "b", "b", "b"]
+    # one of b's jobs ended: b holds its 2 of 4 and is still 2,216 tokens behind a
+    assert [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": 1, "b": 2})] == ["b"]
+    want, over = claimer.starved({"a": 1, "b": 3})
+    assert want == {"a": 1, "b": 1} and over == {}, (want, over)  # a waits, but b need not give way

@@ -56,7 +56,7 @@ local function order(p)
   for i = 0, nq - 1 do o[#o + 1] = 3 + ((first - 1 + i) % nq) + 1 end
   return o
 end
-local weight, holds, cap, held, share = tenant_share(ARGV[8])
+local weight, holds, cap, held, share, estimate = tenant_share(ARGV[8])
 local live_ms = CAPACITY_LIVE_MS  -- a capacity entry older than this is a worker full, busy or gone
 -- pops only a list (an error after an earlier LPOP would lose its id), leaving to other workers
 -- the jobs whose prefixes they hold (placement.lua)
@@ -64,12 +64,9 @@ local pool = string.match(queue_name_of(KEYS[4] or ''), '^(.*):[^:]+$') or ''
 local list_pop = placement(me, pool, capacity, out[1], live_ms, share.placement ~= false, share.store)
 -- the job's charge to its tenant (weighted tokens over `w`), written to the job hash once: a job
 -- handed back and claimed again is not charged again (nil: nothing to charge)
-local tok = type(share.tok) == 'table' and share.tok or {}
 local function charge(key, w)
   if redis.call('TYPE', key).ok ~= 'hash' or redis.call('HEXISTS', key, FIELD.charged) == 1 then return nil end
-  local p, g = string.match(tostring(redis.call('HGET', key, FIELD.size) or ''), '^(%d+) (%d+)$')
-  local raw = tonumber(tok.u) or 256
-  if p then raw = (tonumber(tok.p) or 1) * tonumber(p) + (tonumber(tok.g) or 2) * tonumber(g) end
+  local raw = estimate(key)
   redis.call('HSET', key, FIELD.charged, tostring(raw) .. ' ' .. tostring(w))
   return raw / w
 end
@@ -94,7 +91,6 @@ local function fair_pop(queue_key, mine_only)
       if not full[ranked[i]] then tenant, pass = ranked[i], tonumber(ranked[i + 1]) or 0; break end
     end
     if tenant == nil then return nil end
-    local most = cap(fair, tenant)
     if pass < 0 then
       -- a newcomer: it joins at the lowest counter among the tenants with work, never below its own
       local low = redis.call('ZRANGEBYSCORE', fair, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
@@ -103,7 +99,7 @@ local function fair_pop(queue_key, mine_only)
       if own and own > start then start = own end
       redis.call('ZADD', fair, start, tenant)
       if own then redis.call('HDEL', spent_key, tenant) end
-    elseif most ~= nil and holds(tenant) >= most then
+    elseif holds(tenant) >= (cap(fair, tenant, queue_name_of(queue_key)) or math.huge) then
       full[tenant] = true
     else
       local id, others = list_pop(KEY.queue(tenant_queue(queue_name_of(queue_key), tenant)),

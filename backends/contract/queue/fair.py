@@ -15,7 +15,7 @@ Language Models", OSDI 2024). This module and claim.lua (+ fair_correct.lua) own
   (`keys.fair_spent_key`): idle time earns no credit and a short absence erases no debt.
 
 So among tenants with work no counter runs ahead of the lowest by more than one job's worth
-(the largest charge over the tenant's weight): `spread_bound`.
+(the largest charge over the tenant's weight), or two where slots are shared: `spread_bound`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,17 @@ def correct_call(job_id: str, queue: str, tenant: str, real: float) -> tuple[lis
     return [job_key(job_id), fair_key(queue), fair_spent_key(queue)], [tenant, repr(float(real))]
 
 
-def spread_bound(largest_charge: float, weight: float = 1.0) -> float:
-    """How far one tenant's counter may run ahead of the lowest among tenants with work."""
-    return largest_charge / weight
+def size_charge(size: str, weights: FairTokens) -> float:
+    """What the claim charges a job of `SIZE_FIELD` `size` (claim.lua's `estimate`)."""
+    parts = size.split()
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return float(weights.unsized)
+    return weights.prompt * int(parts[0]) + weights.generated * int(parts[1])
+
+
+def spread_bound(largest_charge: float, shared_slots: bool) -> float:
+    """How far one tenant's counter may run ahead of the lowest among tenants with work, given
+    the largest job charge over its tenant's weight: one job's worth; one more where workers
+    share their slots between tenants, as a tenant at its share of a worker's slots is passed
+    over for the next (the claim stays work conserving)."""
+    return largest_charge * (2 if shared_slots else 1)

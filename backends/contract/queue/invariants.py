@@ -35,7 +35,9 @@ from backends.contract.keys import (
     fair_key,
     inflight_key,
     job_key,
+    queue_key,
     tenant_open_key,
+    tenant_queue_name,
 )
 from backends.contract.queue import PENDING_MS, split_queue
 from backends.contract.replies import as_str
@@ -168,14 +170,19 @@ def queue_violations(redis: Redis) -> list[Violation]:
 
 
 def fair_spread_violations(redis: Redis, largest_charge: float) -> list[Violation]:
-    """Each fair share whose tenants' counters (those lifted, with work) spread wider than
-    `largest_charge` (the largest job charge over its tenant's weight: fair.spread_bound)."""
+    """Each fair share whose tenants' counters (those lifted, with jobs queued) spread wider
+    than `largest_charge` (the largest job charge over its tenant's weight: fair.spread_bound).
+    A tenant still listed whose queue ran empty is not waiting: the claim drops it when it
+    next visits it."""
     out: list[Violation] = []
     for key in _names(redis, fair_key("*")):
         if redis.type(key) != b"zset":
             continue
+        base = key[len(fair_key("")):]
         scores: list[tuple[bytes, float]] = redis.zrange(key, 0, -1, withscores=True)  # type: ignore[assignment]
-        counters = {as_str(m) or "": score for m, score in scores if score >= 0}
+        counters = {tenant: score for tenant, score in ((as_str(m) or "", s) for m, s in scores)
+                    if score >= 0 and redis.type(queue_key(tenant_queue_name(base, tenant))) == b"list"
+                    and redis.llen(queue_key(tenant_queue_name(base, tenant)))}
         if counters and max(counters.values()) - min(counters.values()) > largest_charge + 1e-6:
             shown = ", ".join(f"{t}={v:g}" for t, v in sorted(counters.items(), key=lambda kv: kv[1]))
             out.append(Violation("fair-spread", f"{key}: {shown} spread wider than one job's worth "

@@ -11,7 +11,7 @@ for _, queue_key in ipairs(KEYS) do
   if redis.call('TYPE', fair).ok == 'zset' then
     for _, tenant in ipairs(redis.call('ZRANGE', fair, 0, 255)) do
       local key = KEY.queue(tenant_queue(queue_name_of(queue_key), tenant))
-      local most = cap(fair, tenant)
+      local most = cap(fair, tenant, queue_name_of(queue_key))
       if most and not seen[tenant] and redis.call('TYPE', key).ok == 'list' then
         local waiting = redis.call('LLEN', key)
         if waiting > 0 and holds(tenant) < most then
@@ -23,7 +23,7 @@ for _, queue_key in ipairs(KEYS) do
     end
     if #want > 0 and #over == 0 then
       for tenant in pairs(cjson.decode(ARGV[1]).held or {}) do
-        local most = cap(fair, tenant)
+        local most = cap(fair, tenant, queue_name_of(queue_key))
         if most and holds(tenant) > most then
           over[#over + 1] = tenant
           over[#over + 1] = holds(tenant) - most
