@@ -77,7 +77,7 @@ local function spent_of(spent_key, tenant)
 end
 local function fair_pop(queue_key, mine_only)
   local fair = KEY.fair(queue_name_of(queue_key))
-  if redis.call('TYPE', fair).ok ~= 'zset' then return list_pop(queue_key, mine_only) end
+  if redis.call('TYPE', fair).ok ~= 'zset' then return (list_pop(queue_key, mine_only)), nil end
   local clock_key, spent_key = fair .. ':clock', KEY.fair_spent(queue_name_of(queue_key))
   local clock = tonumber(redis.call('GET', clock_key) or '0') or 0
   if redis.call('TYPE', queue_key).ok == 'list' and redis.call('LLEN', queue_key) > 0 then
