@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -129,7 +130,7 @@ def scenario(name: str, weights: dict[str, float], plan: dict[str, int], args: d
              logs: Path) -> dict[str, Any]:
     """`plan`: tenant -> characters of its prompts; returns the row of each tenant."""
     with tempfile.TemporaryDirectory() as tmp, RedisServer.start(Path(tmp)) as redis:
-        worker = start_worker(redis.url, f"bench-{name.replace(' ', '-').replace(':', '-')}", logs,
+        worker = start_worker(redis.url, "bench-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", name), logs,
                               backend__slots=args["slots"],
                               gateway__tenants={t: {"weight": weights.get(t, 1.0)} for t in plan})
         try:
