@@ -14,6 +14,9 @@ Language Models", OSDI 2024). This module and claim.lua (+ fair_correct.lua) own
   larger of the lowest counter of the tenants with work and its own counter from before
   (`keys.fair_spent_key`): idle time earns no credit and a short absence erases no debt.
 
+Slots follow the counters too (tenant_share.lua): a tenant behind in tokens may take free slots
+beyond its weight's share, and one a whole job ahead makes nobody give way to it.
+
 So among tenants with work no counter runs ahead of the lowest by more than one job's worth
 (the largest charge over the tenant's weight), or two where slots are shared: `spread_bound`.
 """
