@@ -35,14 +35,17 @@ from backends.contract.embed import JobRequest, parse_request
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     ENQUEUED_MS_META,
+    FAIR_NEWCOMER,
     FAIR_TTL,
     JOB_FUNCTION,
     RQ_QUEUES_SET,
+    SIZE_FIELD,
     cancel_key,
     job_key,
     queue_key,
     wake_key,
 )
+from backends.contract.queue import fair
 from backends.contract.replies import as_int, as_str
 from backends.contract.schema import (
     PRIORITIES,
@@ -89,6 +92,7 @@ class PreparedJob:
     result_ttl: int
     meta: dict[str, Any] = field(default_factory=dict)
     affinity: list[str] = field(default_factory=list)  # its prefixes' keys (contract/affinity.py)
+    size: str = ""  # its estimated size, which the claim charges its tenant (queue/fair.py)
 
     def rq_job(self, queue: str, enqueued_ms: int | None = None) -> Job:
         """The RQ job as `Queue.enqueue` makes it, enqueued now (`enqueued_ms`: Redis's clock)."""
@@ -111,7 +115,7 @@ class PreparedJob:
                              cmd("hset", job_key(self.job_id), mapping=self._hash(job)),
                              cmd("rpush", queue_key(target), self.job_id)]
         if fair is not None:
-            calls += [cmd("zadd", fair, {tenant: 0}, nx=True), cmd("expire", fair, FAIR_TTL)]
+            calls += [cmd("zadd", fair, {tenant: FAIR_NEWCOMER}, nx=True), cmd("expire", fair, FAIR_TTL)]
         if tenant:  # the places an admission reserved are held from now on for the job's lifetime
             expires = int(time.time() * 1000) + queue_model.reservation_ms(self.meta.get("queue_ttl"),
                                                                            self.job_timeout)
@@ -123,6 +127,8 @@ class PreparedJob:
         fields = job.to_dict()
         if self.affinity:
             fields[AFFINITY_FIELD] = " ".join(self.affinity)
+        if self.size:
+            fields[SIZE_FIELD] = self.size
         return fields
 
 
@@ -151,6 +157,7 @@ def prepare(prompt: str | None, priority: str, fields: dict[str, Any], *, job_ti
         job_timeout=job_timeout, result_ttl=result_ttl, meta={"queue_ttl": queue_ttl} if queue_ttl else {},
         # the keys of what the worker will run (tools rendered), as it computes what it holds
         affinity=job_keys(tools.lower(request)[0]) if isinstance(request, GenerateRequest) else [],
+        size=fair.size_field(request),
     )
 
 

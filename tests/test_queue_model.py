@@ -23,7 +23,9 @@ from rq.serializers import JSONSerializer
 
 from backends.base import Done
 from backends.contract import keys, queue
-from backends.contract.queue.invariants import queue_violations
+from backends.contract.gateway_settings import FairTokens
+from backends.contract.queue import fair
+from backends.contract.queue.invariants import fair_spread_violations, queue_violations
 from backends.contract.queue.scripts import PRELUDE
 from dispatcher import Fleet
 from dispatcher.gateway.batch.submit import BatchSpec, submit_batch
@@ -41,6 +43,7 @@ POOL = "llm"
 TENANTS = ("default", "alpha", "beta")
 LIMITS = {"alpha": Limits(max_concurrent=3, max_queued=2), "beta": Limits(requests_per_minute=1000)}
 WORKERS = ("w1", "w2")
+WEIGHTS = {"beta": 3.0}
 _server: RedisServer | None = None
 
 
@@ -55,6 +58,8 @@ def _redis_server(redis_server: RedisServer) -> Iterator[None]:
 class QueueModel(RuleBasedStateMachine):
     """The test's own view: each live job is `queued` or held by a worker (claimed, then started)."""
 
+    slots = 4  # each worker's, shared between the tenants
+
     def __init__(self) -> None:
         super().__init__()
         assert _server is not None
@@ -66,16 +71,17 @@ class QueueModel(RuleBasedStateMachine):
         self.started: set[str] = set()
         self.ids = itertools.count()
         self.writers = {w: endings.AttemptWriter(self.redis, w, "fake", 600, job_hooks()) for w in WORKERS}
-        self.claimers = {w: Claimer(self.redis, w, keys.queue_names(POOL), slots=4, pool=POOL)
-                         for w in WORKERS}
+        self.claimers = {w: Claimer(self.redis, w, keys.queue_names(POOL), slots=self.slots, pool=POOL,
+                                    weights=WEIGHTS) for w in WORKERS}
+        self.largest_charge = 0.0  # of any job so far, over its tenant's weight (the fair share's bound)
 
     def teardown(self) -> None:
         self.redis.close()
 
     # -- producers ---------------------------------------------------------------------------------
     @rule(tenant=st.sampled_from(TENANTS), priority=st.sampled_from(("high", "default", "low")),
-          n=st.integers(1, 3))
-    def submit(self, tenant: str, priority: str, n: int) -> None:
+          n=st.integers(1, 3), words=st.sampled_from((1, 2, 300)), max_tokens=st.sampled_from((2, 64, None)))
+    def submit(self, tenant: str, priority: str, n: int, words: int = 2, max_tokens: int | None = 2) -> None:
         ids = [f"{next(self.ids):032x}" for _ in range(n)]
         if tenant in LIMITS:
             try:
@@ -84,7 +90,8 @@ class QueueModel(RuleBasedStateMachine):
                 return
         named = {} if tenant == "default" else {"tenant": tenant}
         for job_id in ids:
-            self.fleet.submit(prompt="a b", max_tokens=2, priority=priority, job_id=job_id, **named)
+            self.fleet.submit(prompt=" ".join("ab"[i % 2] for i in range(words)), priority=priority,
+                              job_id=job_id, max_tokens=max_tokens, **named)
             self.where[job_id] = "queue"
 
     @rule(n=st.integers(1, 3))
@@ -139,14 +146,16 @@ class QueueModel(RuleBasedStateMachine):
             assert self.writers[self.where[job_id]].start(self.jobs[job_id], 600)
             self.started.add(job_id)
 
-    @rule(data=st.data())
-    def end(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), prompt=st.sampled_from((1, 2, 400)), generated=st.sampled_from((0, 1, 64, 200)),
+          cached=st.sampled_from((0, 1, 300)))
+    def end(self, data: st.DataObject, prompt: int = 2, generated: int = 1, cached: int = 0) -> None:
         running = sorted(self.started)
         if not running:
             return
         job_id = data.draw(st.sampled_from(running))
         job, worker = self.jobs[job_id], self.where[job_id]
-        job.ending = endings.finished(job, Done(job_id, "stop", 2, 1), time.monotonic(), worker, "fake")
+        done = Done(job_id, "stop", prompt, generated, min(cached, prompt))
+        job.ending = endings.finished(job, done, time.monotonic(), worker, "fake")
         assert self.writers[worker].end([job]) == {job_id}
         self._gone(job_id)
 
@@ -208,6 +217,21 @@ class QueueModel(RuleBasedStateMachine):
         assert not broken, "\n".join(map(str, broken))
 
     @invariant()
+    def no_tenant_runs_ahead_by_more_than_one_job(self) -> None:
+        """The token counters: among the tenants with work at one pool and priority, none is
+        ahead of the least served by more than the largest job charge over its weight."""
+        for key in self.redis.scan_iter(match=keys.job_key("*")):
+            charged, size, origin = self.redis.hmget(key, [keys.CHARGED_FIELD, keys.SIZE_FIELD, "origin"])
+            if charged:  # claimed: what it was charged; queued: what it will be
+                raw, weight = map(float, charged.split())
+            else:
+                raw = fair.size_charge((size or b"").decode(), FairTokens())
+                weight = WEIGHTS.get(queue.split_queue((origin or b"").decode())[1], 1.0)
+            self.largest_charge = max(self.largest_charge, raw / weight)
+        broken = fair_spread_violations(self.redis, fair.spread_bound(self.largest_charge, self.slots > 0))
+        assert not broken, "\n".join(map(str, broken))
+
+    @invariant()
     def every_job_is_where_the_model_says(self) -> None:
         for worker in WORKERS:
             held = sorted(x.decode() for x in self.redis.lrange(keys.inflight_key(worker), 0, -1))
@@ -222,6 +246,18 @@ class QueueModel(RuleBasedStateMachine):
 QueueModel.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
 test_queue_model = QueueModel.TestCase
+
+
+class QueueModelClaimOrder(QueueModel):
+    """The same on workers that share no slots (claim order only): no tenant is ever passed
+    over, so the counters keep within one job's worth."""
+
+    slots = 0
+
+
+QueueModelClaimOrder.TestCase.settings = settings(max_examples=20, stateful_step_count=30, deadline=None,
+                                                  suppress_health_check=[HealthCheck.too_slow])
+test_queue_model_claim_order = QueueModelClaimOrder.TestCase
 
 
 def test_a_tenants_job_the_reaper_gives_up_on_frees_its_places() -> None:

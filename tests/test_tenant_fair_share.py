@@ -13,11 +13,17 @@ import pytest
 from redis import Redis
 from rq import Queue
 
-from backends.contract.keys import fair_key, inflight_key, job_key, queue_key
+from backends.base import Done
+from backends.contract.gateway_settings import FairTokens
+from backends.contract.keys import fair_key, fair_spent_key, inflight_key, job_key, queue_key
+from backends.contract.queue import fair
 from dispatcher import Fleet
 from tests.harness import wait_for
 from tests.reliability_checks import fleet_workers, streaming
+from worker.assembly import job_hooks
 from worker.claiming.claim import Claimer
+from worker.liveness.reaper import Reaper
+from worker.serving import endings, rqjobs
 
 POOL = "llm"
 QUEUE = f"{POOL}:default"
@@ -68,7 +74,10 @@ def test_jobs_without_a_tenant_are_the_default_tenants_share(redis_url: str, red
     plain = [rq.enqueue("dispatcher.jobs.generate", {"prompt": f"p{i}", "max_tokens": 2}).id
              for i in range(20)]
     submit(fleet, "team", 20)
-    order = claim_order(redis, Claimer(redis, "w", [QUEUE]), 20)
+    # a job with no size (the plain producer's) is charged `unsized` tokens: here the team's jobs'
+    # own size ("team 0": 2 prompt tokens, max_tokens 2 at weight 2), so both take equal turns
+    claimer = Claimer(redis, "w", [QUEUE], tokens=FairTokens(unsized=6))
+    order = claim_order(redis, claimer, 20)
     assert Counter(order) == {"default": 10, "team": 10}, order
     # RQ's view: the tenant's queue is an RQ queue with its jobs, the pool's queue holds the rest
     assert Queue(f"{QUEUE}:team", connection=redis).count == 10
@@ -105,9 +114,13 @@ def test_fair_share_state_has_a_ttl(redis_url: str, redis: Redis) -> None:
     fleet = Fleet(redis_url)
     submit(fleet, "a", 3)
     submit(fleet, "b", 3)
-    Claimer(redis, "w", [QUEUE]).claim(2)
+    claimer = Claimer(redis, "w", [QUEUE])
+    claimer.claim(2)
     for key in (fair_key(QUEUE), fair_key(QUEUE) + ":clock"):
         assert 0 < redis.ttl(key) <= 86400, key
+    claimer.claim(8)  # both run out of work: their counters are kept, for a day at most
+    assert redis.hlen(fair_spent_key(QUEUE)) == 2
+    assert 0 < redis.ttl(fair_spent_key(QUEUE)) <= 86400
 
 
 def test_tenant_jobs_run_cancel_and_end_on_a_worker(redis_url: str, redis: Redis, tmp_path: Path) -> None:
@@ -133,10 +146,14 @@ def test_slots_are_shared_so_a_newcomer_starts_at_once(redis_url: str, redis: Re
     assert len(first) == 15  # one slot kept for whoever comes next
     submit(fleet, "b", 20)
     assert [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": 15})] == ["b"]
-    # a holds 15 of 16 with weight 1 of 4: until it is down to 4, every free slot goes to b
-    for a_held in (14, 10, 5):
+    # a holds 15 of 16 with weight 1 of 4: while a is not behind in tokens, free slots go to b
+    for a_held in (14, 10):
         got = [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": a_held, "b": 16 - a_held})]
-        assert got == (["b"] if 16 - a_held < 12 else []), (a_held, got)
+        assert got == ["b"], (a_held, got)
+    # b was charged 3 jobs since it came (at weight 3: one of a's), a none: a is a whole job behind
+    # and may take a slot beyond its share, before b has its 12
+    got = [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": 5, "b": 11})]
+    assert got == ["a"], got
     got = [tenant_of(redis, raw) for raw, _ in claimer.claim(4, held={"a": 3, "b": 9})]
     assert Counter(got) == {"a": 1, "b": 3}, got
 
@@ -192,3 +209,111 @@ def test_a_full_worker_gives_way_to_a_tenant_below_its_share(redis_url: str, red
     assert handed_back, "no job of a gave way"
     for r in handed_back:  # a preemption is no failure: it used none of the job's attempts
         assert redis.hget(job_key(r["job_id"]), "fleet_drains") == str(r["attempt"] - 1).encode()
+
+
+# -- fair share in tokens (the Virtual Token Counter: backends/contract/queue/fair.py) ----------------
+
+BIG, SMALL = 3000, 100  # prompt tokens of tenant a's documents and tenant b's questions (chars / 4)
+
+
+def backlog(fleet: Fleet, tenant: str, prompt_tokens: int, n: int, max_tokens: int = 64) -> dict[str, float]:
+    """`n` jobs of `prompt_tokens` (as the producer estimates them) for `tenant`: id -> the
+    service each is charged at its claim, in weighted tokens (prompt 1, generated 2)."""
+    text = ("word " * prompt_tokens)[:prompt_tokens * 4]
+    return {fleet.submit(prompt=text, max_tokens=max_tokens, tenant=tenant).id:
+            prompt_tokens + 2.0 * max_tokens for _ in range(n)}
+
+
+def served_by_claims(redis: Redis, claimer: Claimer, sizes: dict[str, float], n: int) -> dict[str, float]:
+    """The service each tenant's claimed jobs add up to, over the next `n` claims (4 at a time)."""
+    served: dict[str, float] = {}
+    for _ in range(n // 4):
+        for raw, _queue in claimer.claim(4):
+            tenant = tenant_of(redis, raw)
+            served[tenant] = served.get(tenant, 0.0) + sizes[raw.decode()]
+    return served
+
+
+def test_equal_weights_share_the_tokens_not_the_claims(redis_url: str, redis: Redis) -> None:
+    """Tenant a's jobs carry 3,000-token documents, b's 100-token questions: counted in claims
+    a got ~14x b's tokens; counted in tokens each gets half."""
+    fleet = Fleet(redis_url)
+    sizes = backlog(fleet, "a", BIG, 40) | backlog(fleet, "b", SMALL, 400)
+    served = served_by_claims(redis, Claimer(redis, "w", [QUEUE]), sizes, 300)
+    assert 0.85 <= served["a"] / served["b"] <= 1.15, served
+    assert redis.llen(queue_key(f"{QUEUE}:a")) and redis.llen(queue_key(f"{QUEUE}:b"))  # both still waiting
+
+
+def test_weights_share_the_tokens_in_proportion(redis_url: str, redis: Redis) -> None:
+    fleet = Fleet(redis_url)
+    sizes = backlog(fleet, "a", BIG, 60) | backlog(fleet, "b", SMALL, 400)
+    served = served_by_claims(redis, Claimer(redis, "w", [QUEUE], weights={"a": 3}), sizes, 200)
+    assert 3 * 0.85 <= served["a"] / served["b"] <= 3 * 1.15, served
+    assert redis.llen(queue_key(f"{QUEUE}:a")) and redis.llen(queue_key(f"{QUEUE}:b"))
+
+
+def end_job(redis: Redis, worker: str, raw: bytes, queue: str, *, prompt: int, cached: int,
+            generated: int) -> None:
+    """Start and end a claimed job as `worker` does, with that usage."""
+    job_id = raw.decode()
+    writer = endings.AttemptWriter(redis, worker, "fake", 600, job_hooks())
+    job = rqjobs.load(redis, job_id, queue, 600, me=worker)
+    assert writer.start(job, 600)
+    job.ending = endings.finished(job, Done(job_id, "stop", prompt, generated, cached), time.monotonic(),
+                                  worker, "fake")
+    assert writer.end([job]) == {job_id}
+
+
+def test_a_job_is_charged_once_and_corrected_to_what_it_was_served(redis_url: str, redis: Redis) -> None:
+    """Charged its estimate at the claim, not again when a dead worker's job is claimed again,
+    and corrected at its ending to its usage: prompt 1, cached 0.1, generated 2 a token."""
+    fleet = Fleet(redis_url)
+    backlog(fleet, "t", SMALL, 1)  # charged 100 + 2 x 64
+    [(raw, queue)] = Claimer(redis, "w1", [QUEUE]).claim(1)
+    assert redis.zscore(fair_key(QUEUE), "t") == 228
+    Reaper(redis, "w2", max_attempts=3, result_ttl=600).reap_worker("w1")  # w1 died: handed back
+    assert redis.lrange(queue_key(f"{QUEUE}:t"), 0, -1) == [raw]
+    [(again, queue)] = Claimer(redis, "w2", [QUEUE]).claim(1)
+    assert again == raw and redis.zscore(fair_key(QUEUE), "t") == 228
+    end_job(redis, "w2", raw, queue, prompt=90, cached=40, generated=10)
+    assert redis.zscore(fair_key(QUEUE), "t") == pytest.approx(50 + 4 + 20)
+    # the correction is idempotent: once more, nothing moves
+    keys, args = fair.correct_call(raw.decode(), QUEUE, "t", 74.0)
+    redis.eval(fair.FAIR_CORRECT, len(keys), *keys, *args)
+    assert redis.zscore(fair_key(QUEUE), "t") == pytest.approx(74)
+
+
+def test_a_job_of_unknown_length_pays_at_its_end_even_after_its_tenant_left(redis_url: str,
+                                                                           redis: Redis) -> None:
+    """A job without max_tokens is charged its prompt at the claim and what it generated at its
+    end. Its tenant ran out of work meanwhile: the counter it left with is kept and corrected, so
+    when it comes back the other tenant is served until it has caught up."""
+    fleet = Fleet(redis_url)
+    backlog(fleet, "b", SMALL, 200)
+    long_id = fleet.submit(prompt="word " * 10, max_tokens=None, tenant="a").id  # 13 tokens, no max
+    claimer = Claimer(redis, "w", [QUEUE])
+    claimed = {raw: queue for raw, queue in claimer.claim(4)}
+    assert long_id.encode() in claimed
+    claimer.claim(4)  # a has no more work: it leaves the fair share, its counter kept
+    assert redis.zscore(fair_key(QUEUE), "a") is None
+    end_job(redis, "w", long_id.encode(), claimed[long_id.encode()], prompt=13, cached=0, generated=2000)
+    backlog(fleet, "a", SMALL, 5)
+    order = [tenant_of(redis, raw) for _ in range(5) for raw, _q in claimer.claim(4)]
+    # b was charged 7 jobs (7 x 228), a comes back at 13 + 2 x 2,000: b's next 11 jobs go first
+    assert order.index("a") == 11, order
+
+
+def test_a_tenant_behind_in_tokens_takes_slots_beyond_its_share(redis_url: str, redis: Redis) -> None:
+    """Slots shared by weight alone, a tenant of 3,000-token documents and one of 100-token
+    questions hold 2 of 4 slots each, and the first gets ~14x the tokens whatever the claim
+    order. A tenant behind in tokens (still the lowest after its next job's charge) may take any
+    free slot, and nobody makes it give them back while it is behind."""
+    fleet = Fleet(redis_url)
+    backlog(fleet, "a", BIG, 10)
+    backlog(fleet, "b", SMALL, 100)
+    claimer = Claimer(redis, "w", [QUEUE], slots=4)
+    assert [tenant_of(redis, raw) for raw, _ in claimer.claim(4, held={})] == ["a", "b", "b", "b"]
+    # one of b's jobs ended: b holds its 2 of 4 and is still 2,216 tokens behind a
+    assert [tenant_of(redis, raw) for raw, _ in claimer.claim(1, held={"a": 1, "b": 2})] == ["b"]
+    # a waits below its share, but it is a whole job ahead in tokens: nobody gives way to it
+    assert claimer.starved({"a": 1, "b": 3}) == ({"b": 1}, {})

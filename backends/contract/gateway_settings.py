@@ -60,6 +60,21 @@ class TenantSettings(BaseModel):
         return 0 if any(v is not None for v in limited) else None
 
 
+class FairTokens(BaseModel):
+    """What a token of service weighs in the tenants' fair share (docs/tenants.md, "Fair share at
+    the claim"): on CPU prefill is most of a job's cost per job, decode most per token."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: float = Field(1.0, ge=0, le=1000, description="a prompt token the engine prefilled")
+    generated: float = Field(2.0, ge=0, le=1000, description="a generated token (one decode step each, "
+                             "where prefill does a batch of prompt tokens per step)")
+    cached: float = Field(0.1, ge=0, le=1000, description="a prompt token found in the KV cache (not "
+                          "prefilled: it costs memory, not compute)")
+    unsized: int = Field(256, ge=1, le=1_000_000, description="tokens charged at claim for a job whose "
+                         "producer gave no size (a plain RQ producer's), until its ending corrects it")
+
+
 class GatewaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -75,6 +90,9 @@ class GatewaySettings(BaseModel):
                                                description="tenant name -> its keys, weight and limits")
     admin_keys: list[SecretStr] = Field(default_factory=list, description="operators' keys: the "
                                         "dashboard, metrics and every tenant's data")
+    fair_tokens: FairTokens = Field(default_factory=FairTokens,
+                                    description="weights of prompt, generated and cached tokens in the "
+                                    "tenants' fair share at the claim")
     models: dict[str, str] = Field(default_factory=dict,
                                    description="model name -> pool: names added to the served ones "
                                    "(the fleet's pool by its name, or the catalogue's models): aliases, "

@@ -34,12 +34,21 @@ def pool_queue_of(origin: str, queues: list[str]) -> str:
 
 
 def fair_key(queue: str) -> str:
-    """zset tenant -> virtual pass of one priority queue's tenants with work (claim.lua's fair
-    share; `<key>:clock` is the pass of the last pick). `queue`: the pool's own queue name."""
+    """zset tenant -> virtual token counter of one priority queue's tenants with work (claim.lua's
+    fair share, backends/contract/queue/fair.py; `<key>:clock` is the counter of the last pick).
+    `queue`: the pool's own queue name."""
     return f"fleet:fair:{queue}"
 
 
+def fair_spent_key(queue: str) -> str:
+    """hash tenant -> the counter a tenant had when its work ran out (fair_key's), so a tenant
+    that comes back never starts below what it was served: idle time earns no credit, and a
+    short absence erases no debt."""
+    return f"fleet:fair:{queue}:spent"
+
+
 FAIR_TTL = 86400  # seconds the fair-share state outlives the last enqueue or claim
+FAIR_NEWCOMER = -1  # a tenant's score as it joins a fair share: the claim lifts it (queue/fair.py)
 
 
 # A tenant's admission state (dispatcher/tenants.py, tenant_admit.lua): zsets job id -> expiry (ms)
@@ -225,6 +234,11 @@ SUSPECT_FIELD = "fleet_suspect"
 # workers whose loop hung in this job's engine call (its admission, a step it was in) and were
 # restarted, comma-separated; at POISON_HANGS the job fails instead of going to another worker
 HUNG_FIELD = "fleet_hung"
+# the producer's size of the job: "<prompt tokens> <max_tokens>" (0: not set), estimated
+SIZE_FIELD = "fleet_size"
+# what the job was charged to its tenant's fair share: "<weighted tokens> <tenant weight>" (the
+# claim writes the estimate once, the ending the real usage: a job handed back is never charged twice)
+CHARGED_FIELD = "fleet_charged"
 POISON_HANGS = 2
 ENQUEUED_MS_META = "fleet_enqueued_ms"  # job meta: Redis server time of the enqueue (ms)
 

@@ -22,6 +22,7 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
+from backends.contract.gateway_settings import FairTokens
 from backends.contract.keys import (
     ATTEMPT_FIELD,
     FINAL_FIELD,
@@ -35,7 +36,7 @@ from backends.contract.keys import (
     queue_names,
     worker_key,
 )
-from backends.contract.queue import CLAIM, STARVED
+from backends.contract.queue import CLAIM, STARVED, fair
 from backends.contract.replies import as_str
 
 log = logging.getLogger("fleet.worker")
@@ -56,12 +57,15 @@ def tenant_reserve(slots: int) -> int:
 class Claimer:
     def __init__(self, redis: Redis, worker_name: str, queues: list[str],
                  weights: dict[str, float] | None = None, slots: int = 0, pool: str | None = None,
-                 placement: bool = True, pools: Sequence[str] = (), store: str = "") -> None:
+                 placement: bool = True, pools: Sequence[str] = (), store: str = "",
+                 tokens: FairTokens | None = None) -> None:
         """`pools`: a worker serving several pools (one per catalogue model) claims from each
         apart (`claim(pool=...)`); `queues` are then all their queues. `store`: the id of the
-        KV store this worker reads (backends/llamacpp/kv_store.py), "" for none."""
+        KV store this worker reads (backends/llamacpp/kv_store.py), "" for none. `tokens`: what
+        a token weighs in the fair share (backends/contract/queue/fair.py)."""
         self.redis = redis
         self.weights = dict(weights or {})  # tenant -> weight, for the claim's fair share
+        self.tokens = fair.claim_args(tokens or FairTokens())
         self.placement = placement  # False: claim in queue order, blind to who holds a prefix
         self.store = store  # a busy holder's jobs come here when this worker reads its store
         self.slots = slots  # shared between tenants with work (0: claim order only)
@@ -116,7 +120,7 @@ class Claimer:
         self._last_held = {t: at for t, at in self._last_held.items() if now - at < RECENT_SECONDS}
         return json.dumps({"w": self.weights, "held": held, "recent": recent, "slots": self.slots,
                            "reserve": tenant_reserve(self.slots), "placement": self.placement,
-                           "store": self.store})
+                           "store": self.store, "tok": self.tokens})
 
     def starved(self, held: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
         """On a worker with no free slot: tenants with jobs queued below their share of its slots

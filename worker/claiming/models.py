@@ -244,11 +244,12 @@ def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backe
     if isinstance(backend, ModelShelf):
         pools = list(backend.pool_model)
         claimer = Claimer(redis, name, [q for p in pools for q in queue_names(p)], weights=weights,
-                          slots=slots, pool=pools[0], placement=placement, pools=pools, store=store)
+                          slots=slots, pool=pools[0], placement=placement, pools=pools, store=store,
+                          tokens=settings.gateway.fair_tokens)
         return ModelClaims(redis, claimer, backend, name, changed or threading.Event(),
                            settings.second_copy_after, lock_ms=int(settings.silent_for_dead * 1000))
     claimer = Claimer(redis, name, queue_names(pool), weights=weights, slots=slots, pool=pool,
-                      placement=placement, store=store)
+                      placement=placement, store=store, tokens=settings.gateway.fair_tokens)
     return PoolClaims(claimer, pool, name)
 
 

@@ -12,6 +12,7 @@ producers and the workers alike.
 | cancel while queued | `cancel_queued.lua` (`cancel_queued_call`) | producers, gateway |
 | end an RQ cancel | `end_rq_cancel.lua` (`end_rq_cancel_call`) | the workers' housekeeping |
 | end | a hook in the worker's final MULTI (worker/hooks/tenant_usage.py: `release_calls`' keys) | worker |
+| correct a charge | `fair_correct.lua` (`fair.correct_call`) | worker, in the end's MULTI (fair_share hook) |
 
 Every script starts with the prelude (`scripts.py`): key names rendered from keys.py and the
 shared rules (which tenant a queue is, how a tenant's job joins its queue and the fair share,

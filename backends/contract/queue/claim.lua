@@ -3,8 +3,9 @@
 -- ARGV: max jobs, worker name, pick counter, owner field, final field, attempt field, '1' if the
 -- status key must exist, the tenants' share (JSON: {"w": {tenant: weight > 0, 1 when absent},
 -- "held": {tenant: jobs this worker runs}, "slots": its slots, "reserve": slots kept from a lone
--- tenant, "store": the id of its KV store, if any}), then optionally per queue the most jobs the
--- claim may hold once it took from that queue (worker/claiming/priority.py)
+-- tenant, "store": the id of its KV store, if any, "tok": the token weights, fair.claim_args}),
+-- then optionally per queue the most jobs the claim may hold once it took from that queue
+-- (worker/claiming/priority.py)
 -- Returns: server time (ms), ids dropped (-1: refused, the status key is missing), then id1,
 -- queue1, id2, queue2, ...
 -- A worker whose status key expired is dead to the fleet: the reaper hands back whatever it holds.
@@ -18,13 +19,16 @@
 -- Fairness: of every 8 picks, the 4th starts at the second queue (default) and the
 -- 8th at the last one (low), so lower priorities move under sustained high-priority load
 -- (FAIR_EVERY in worker/claiming/claim.py).
--- Tenants: within one priority, the tenants with work take turns in proportion to their weights
--- (start-time fair queueing). A tenant's jobs wait in '<queue>:<tenant>' (the default tenant's in
--- the queue itself); 'fleet:fair:<queue>' holds each tenant with work and its virtual pass, which
--- grows by 1/weight per job taken; the lowest pass goes next. A tenant that had no work starts
--- at the pass of the last pick ('<fair>:clock'), so idle time earns no credit. Producers add a
--- tenant when they enqueue; an empty tenant queue leaves the set here. Without the set (nobody
--- named a tenant) a queue is plain FIFO. The claimed job's queue is reported as the priority's
+-- Tenants: within one priority, the tenants with work share the service in tokens in proportion
+-- to their weights (the Virtual Token Counter: backends/contract/queue/fair.py). A tenant's jobs
+-- wait in '<queue>:<tenant>' (the default tenant's in the queue itself); 'fleet:fair:<queue>'
+-- holds each tenant with work and its counter, which grows by a job's charge (its size, in
+-- weighted tokens, over the tenant's weight) as the job is taken; the lowest counter goes next.
+-- Producers add a tenant at FAIR_NEWCOMER when they enqueue; its first visit here lifts it to the
+-- lowest counter of the tenants with work (the last pick's, '<fair>:clock', when none has one) or
+-- its own from before it ran out of work ('<fair>:spent'), whichever is higher, so idle time
+-- earns no credit. An empty tenant queue leaves the set here, its counter kept in '<fair>:spent'.
+-- Without the set (nobody named a tenant) a queue is plain FIFO. The claimed job's queue is reported as the priority's
 -- own queue: its registries and its priority go by it (a hand-back finds the tenant's queue from
 -- the job's origin: requeue.lua).
 -- Slots are shared too, or a tenant that filled them all would make a newcomer wait for its jobs
@@ -52,19 +56,32 @@ local function order(p)
   for i = 0, nq - 1 do o[#o + 1] = 3 + ((first - 1 + i) % nq) + 1 end
   return o
 end
-local weight, holds, cap, held, share = tenant_share(ARGV[8])
+local weight, holds, cap, held, share, estimate = tenant_share(ARGV[8])
 local live_ms = CAPACITY_LIVE_MS  -- a capacity entry older than this is a worker full, busy or gone
 -- pops only a list (an error after an earlier LPOP would lose its id), leaving to other workers
 -- the jobs whose prefixes they hold (placement.lua)
 local pool = string.match(queue_name_of(KEYS[4] or ''), '^(.*):[^:]+$') or ''
 local list_pop = placement(me, pool, capacity, out[1], live_ms, share.placement ~= false, share.store)
+-- the job's charge to its tenant (weighted tokens over `w`), written to the job hash once: a job
+-- handed back and claimed again is not charged again (nil: nothing to charge)
+local function charge(key, w)
+  if redis.call('TYPE', key).ok ~= 'hash' or redis.call('HEXISTS', key, FIELD.charged) == 1 then return nil end
+  local raw = estimate(key)
+  redis.call('HSET', key, FIELD.charged, tostring(raw) .. ' ' .. tostring(w))
+  return raw / w
+end
+-- a tenant's counter from before it ran out of work (nil: none kept)
+local function spent_of(spent_key, tenant)
+  if redis.call('TYPE', spent_key).ok ~= 'hash' then return nil end
+  return tonumber(redis.call('HGET', spent_key, tenant) or '')
+end
 local function fair_pop(queue_key, mine_only)
   local fair = KEY.fair(queue_name_of(queue_key))
-  if redis.call('TYPE', fair).ok ~= 'zset' then return list_pop(queue_key, mine_only) end
-  local clock_key = fair .. ':clock'
+  if redis.call('TYPE', fair).ok ~= 'zset' then return (list_pop(queue_key, mine_only)), nil end
+  local clock_key, spent_key = fair .. ':clock', KEY.fair_spent(queue_name_of(queue_key))
   local clock = tonumber(redis.call('GET', clock_key) or '0') or 0
   if redis.call('TYPE', queue_key).ok == 'list' and redis.call('LLEN', queue_key) > 0 then
-    redis.call('ZADD', fair, 'NX', clock, DEFAULT_TENANT)
+    redis.call('ZADD', fair, 'NX', FAIR_NEWCOMER, DEFAULT_TENANT)
   end
   local full = {}  -- tenants at their cap, passed over in this pop
   for _ = 1, 256 do
@@ -74,8 +91,15 @@ local function fair_pop(queue_key, mine_only)
       if not full[ranked[i]] then tenant, pass = ranked[i], tonumber(ranked[i + 1]) or 0; break end
     end
     if tenant == nil then return nil end
-    local most = cap(fair, tenant)
-    if most ~= nil and holds(tenant) >= most then
+    if pass < 0 then
+      -- a newcomer: it joins at the lowest counter among the tenants with work, never below its own
+      local low = redis.call('ZRANGEBYSCORE', fair, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      local start = tonumber(low[2] or '') or clock
+      local own = spent_of(spent_key, tenant)
+      if own and own > start then start = own end
+      redis.call('ZADD', fair, start, tenant)
+      if own then redis.call('HDEL', spent_key, tenant) end
+    elseif holds(tenant) >= (cap(fair, tenant, queue_name_of(queue_key)) or math.huge) then
       full[tenant] = true
     else
       local id, others = list_pop(KEY.queue(tenant_queue(queue_name_of(queue_key), tenant)),
@@ -83,14 +107,15 @@ local function fair_pop(queue_key, mine_only)
       if others and not id then
         full[tenant] = true  -- its jobs wait for the workers that hold their prefixes
       elseif id then
-        if pass < clock then pass = clock end
         redis.call('SET', clock_key, tostring(pass), 'EX', FAIR_TTL)
-        redis.call('ZADD', fair, pass + 1 / weight(tenant), tenant)
         redis.call('EXPIRE', fair, FAIR_TTL)
         held[tenant] = holds(tenant) + 1
-        return id
+        return id, {fair, tenant}
       else
         redis.call('ZREM', fair, tenant)
+        if redis.call('TYPE', spent_key).ok ~= 'hash' then redis.call('DEL', spent_key) end
+        redis.call('HSET', spent_key, tenant, tostring(pass))
+        redis.call('EXPIRE', spent_key, FAIR_TTL)
       end
     end
   end
@@ -99,11 +124,11 @@ end
 local function pop(p, claimed, mine_only)
   for _, k in ipairs(order(p)) do
     if claimed < tonumber(ARGV[5 + k] or ARGV[1]) then
-      local id = fair_pop(KEYS[k], mine_only)
-      if id then return id, queue_name_of(KEYS[k]) end
+      local id, fair = fair_pop(KEYS[k], mine_only)
+      if id then return id, queue_name_of(KEYS[k]), fair end
     end
   end
-  return nil, nil
+  return nil, nil, nil
 end
 local function queued()
   local total = 0
@@ -126,7 +151,7 @@ local share_n = balance(capacity, me, out[1], live_ms, n, slots, queued)
 local claimed, looked = 0, 0
 while claimed < n and looked < n + 256 do
   -- past its share of the work, a worker takes only the jobs whose prefixes it holds
-  local id, queue = pop(pick, claimed, claimed >= share_n)
+  local id, queue, fair = pop(pick, claimed, claimed >= share_n)
   if not id then break end
   looked = looked + 1
   local key = KEY.job(id)
@@ -143,6 +168,7 @@ while claimed < n and looked < n + 256 do
       local before = tonumber(f[4] or '0')
       if final and before and tonumber(final) and tonumber(final) >= before + 1 then
         redis.call('HSET', key, ARGV[6], before + 1)  -- re-run of an ended attempt: a new number
+        redis.call('HDEL', key, FIELD.charged)  -- new work: charged again
         redis.call('PERSIST', key)
         redis.call('PERSIST', KEY.stream(id))
       end
@@ -150,6 +176,8 @@ while claimed < n and looked < n + 256 do
     end
   end
   if keep then
+    local c = fair and charge(key, weight(fair[2]))
+    if c then redis.call('ZINCRBY', fair[1], c, fair[2]) end
     redis.call('RPUSH', KEYS[1], id)
     out[#out + 1] = id
     out[#out + 1] = queue

@@ -13,7 +13,9 @@ it after every step, the soak when the fleet is quiet, and `fleet soak` names wh
   free: admission drops it). A place whose job does not exist is an admission whose enqueue never
   came (its gateway died, or Redis went away between the two): it must expire within PENDING_MS,
   never hold for a job's lifetime;
-- `wip`: RQ's started registries name only executions of jobs a worker holds.
+- `wip`: RQ's started registries name only executions of jobs a worker holds;
+- `fair-spread` (`fair_spread_violations`, given the largest charge): no counter of a tenant with
+  work runs ahead of the lowest by more than one job's worth (queue/fair.py).
 
 The snapshot is read in one MULTI after listing the keys, so a quiet fleet (or a test that
 steps the model itself) reads one consistent state.
@@ -33,7 +35,9 @@ from backends.contract.keys import (
     fair_key,
     inflight_key,
     job_key,
+    queue_key,
     tenant_open_key,
+    tenant_queue_name,
 )
 from backends.contract.queue import PENDING_MS, split_queue
 from backends.contract.replies import as_str
@@ -62,7 +66,7 @@ def _names(redis: Redis, pattern: str) -> list[str]:
 def _snapshot(redis: Redis) -> dict[str, Any]:
     queues = [k for k in _names(redis, QUEUE_PREFIX + "*") if redis.type(k) == b"list"]
     inflights = [k for k in _names(redis, _INFLIGHT_PREFIX + "*") if redis.type(k) == b"list"]
-    fairs = [k for k in _names(redis, fair_key("*")) if not k.endswith(":clock")]
+    fairs = [k for k in _names(redis, fair_key("*")) if not k.endswith((":clock", ":spent"))]
     places = [k for k in _names(redis, _TENANT_PREFIX + "*") if k.endswith((":open", ":queued"))]
     wips = [k for k in _names(redis, _WIP_PREFIX + "*") if redis.type(k) == b"zset"]
     jobs = _names(redis, _JOB_PREFIX + "*")
@@ -162,4 +166,25 @@ def queue_violations(redis: Redis) -> list[Violation]:
             if job_id not in held_by:
                 out.append(Violation("wip", f"{key} names execution {member} of job {job_id}, which no "
                                             f"worker holds"))
+    return out
+
+
+def fair_spread_violations(redis: Redis, largest_charge: float) -> list[Violation]:
+    """Each fair share whose tenants' counters (those lifted, with jobs queued) spread wider
+    than `largest_charge` (the largest job charge over its tenant's weight: fair.spread_bound).
+    A tenant still listed whose queue ran empty is not waiting: the claim drops it when it
+    next visits it."""
+    out: list[Violation] = []
+    for key in _names(redis, fair_key("*")):
+        if redis.type(key) != b"zset":
+            continue
+        base = key[len(fair_key("")):]
+        scores: list[tuple[bytes, float]] = redis.zrange(key, 0, -1, withscores=True)  # type: ignore[assignment]
+        counters = {tenant: score for tenant, score in ((as_str(m) or "", s) for m, s in scores)
+                    if score >= 0 and redis.type(queue_key(tenant_queue_name(base, tenant))) == b"list"
+                    and redis.llen(queue_key(tenant_queue_name(base, tenant)))}
+        if counters and max(counters.values()) - min(counters.values()) > largest_charge + 1e-6:
+            shown = ", ".join(f"{t}={v:g}" for t, v in sorted(counters.items(), key=lambda kv: kv[1]))
+            out.append(Violation("fair-spread", f"{key}: {shown} spread wider than one job's worth "
+                                                f"({largest_charge:g})"))
     return out

@@ -29,12 +29,13 @@ local function tenant_queue(base, tenant)
 end
 
 -- A named tenant with work is listed in its pool queue's fair share (claim.lua visits only the
--- tenants listed there); a newcomer enters at pass 0, which the claim lifts to the clock.
+-- tenants listed there); a newcomer enters at FAIR_NEWCOMER, which the claim lifts
+-- (backends/contract/queue/fair.py).
 local function join_fair(base, tenant)
   if tenant == DEFAULT_TENANT then return end  -- the claim lists the pool queue's own jobs itself
   local fair = KEY.fair(base)
   if redis.call('TYPE', fair).ok ~= 'zset' and redis.call('EXISTS', fair) == 1 then return end
-  redis.call('ZADD', fair, 'NX', 0, tenant)
+  redis.call('ZADD', fair, 'NX', FAIR_NEWCOMER, tenant)
   redis.call('EXPIRE', fair, FAIR_TTL)
 end
 

@@ -28,6 +28,7 @@ _KEY_FUNCTIONS: dict[str, Callable[[str], str]] = {
     "stream": keys.stream_key,
     "cancel": keys.cancel_key,
     "fair": keys.fair_key,
+    "fair_spent": keys.fair_spent_key,
     "wip": keys.started_registry_key,
     "canceled": keys.canceled_registry_key,
     "execution": keys.execution_key,
@@ -47,11 +48,12 @@ _KEY_FUNCTIONS_2: dict[str, Callable[[str, str], str]] = {
 _FIELDS = {
     "attempt": keys.ATTEMPT_FIELD, "died_on": keys.DIED_ON_FIELD, "owner": keys.OWNER_FIELD,
     "final": keys.FINAL_FIELD, "drains": keys.DRAINS_FIELD, "execution": keys.EXECUTION_FIELD,
-    "suspect": keys.SUSPECT_FIELD,
+    "suspect": keys.SUSPECT_FIELD, "size": keys.SIZE_FIELD, "charged": keys.CHARGED_FIELD,
 }
 _NUMBERS = {
-    "FAIR_TTL": keys.FAIR_TTL, "USAGE_TTL": keys.USAGE_TTL, "CAPACITY_LIVE_MS": keys.CAPACITY_LIVE_MS,
-    "CAPACITY_TTL": keys.CAPACITY_TTL, "WORKER_WAKE_TTL": keys.WORKER_WAKE_TTL,
+    "FAIR_TTL": keys.FAIR_TTL, "FAIR_NEWCOMER": keys.FAIR_NEWCOMER, "USAGE_TTL": keys.USAGE_TTL,
+    "CAPACITY_LIVE_MS": keys.CAPACITY_LIVE_MS, "CAPACITY_TTL": keys.CAPACITY_TTL,
+    "WORKER_WAKE_TTL": keys.WORKER_WAKE_TTL,
 }
 
 
