@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from backends.contract import queue as queue_model
+from backends.contract.gateway_settings import BudgetSettings
 from backends.contract.keys import (
     USAGE_TENANTS,
+    USAGE_TTL,
     usage_key,
 )
 from backends.contract.replies import as_str
 from dispatcher.plans import Eval, Plan, ask, cmd, gather
 
-USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "queue_ms", "failed")
-LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued")
+USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "queue_ms", "failed",
+                "over_budget")
+# what a refusal is counted under (`rejected_<name>`): the limits, and any hard budget
+LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued", "budget")
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,65 @@ def release_plan(tenant: str, job_ids: list[str]) -> Plan[None]:
     """Give back reservations of jobs that were never enqueued."""
     if job_ids:
         yield from gather([cmd("zrem", key, *job_ids) for key in queue_model.places_keys(tenant)])
+
+
+@dataclass(frozen=True)
+class Spend:
+    """A tenant's tokens over one budget's period, and when the period resets (unix seconds)."""
+
+    tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    resets_at: int
+
+
+def spend_plan(tenant: str, budgets: list[BudgetSettings]) -> Plan[tuple[int, list[Spend]]]:
+    """Redis's time and the tenant's spend over each budget's period (counted by the workers as
+    jobs end: worker/hooks/tenant_usage.py)."""
+    keys, args = queue_model.spent_call(tenant, [(b.period, b.rolling) for b in budgets])
+    now, spent = yield from ask(Eval(queue_model.SPENT, keys, args))
+    return int(now), [Spend(*(int(v) for v in row)) for row in spent]
+
+
+def utc(seconds: int) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class BudgetReached(Exception):
+    """A request refused by a hard budget until the budget's period resets."""
+
+    def __init__(self, tenant: str, budget: BudgetSettings, spend: Spend, now: int) -> None:
+        self.budget, self.spend = budget, spend
+        self.retry_after = max(1, spend.resets_at - now)
+        resets = "resets" if not budget.rolling else "its oldest day leaves it"
+        super().__init__(f"tenant '{tenant}' reached its {budget.name} budget of {budget.tokens:,} tokens "
+                         f"({spend.tokens:,} spent); {resets} at {utc(spend.resets_at)}, "
+                         f"in {self.retry_after}s")
+
+
+def budget_plan(tenant: str, budgets: list[BudgetSettings]) -> Plan[dict[str, str]]:
+    """Check the tenant's budgets before admitting its request: BudgetReached for a hard budget
+    reached (counted as `rejected_budget`); for soft ones reached, the headers that mark the answer
+    (counted as `over_budget`)."""
+    if not budgets:
+        return {}
+    now, spent = yield from spend_plan(tenant, budgets)
+    reached = [(b, s) for b, s in zip(budgets, spent, strict=True) if s.tokens >= b.tokens]
+    hard = next(((b, s) for b, s in reached if b.hard), None)
+    if not reached:
+        return {}
+    field = "rejected_budget" if hard else "over_budget"
+    hour = now // 3600
+    yield from gather([cmd("hincrby", usage_key(tenant, h), field, 1) for h in (hour, "total")]
+                      + [cmd("expire", usage_key(tenant, h), USAGE_TTL) for h in (hour, "total")]
+                      + [cmd("zadd", USAGE_TENANTS, {tenant: hour}), cmd("expire", USAGE_TENANTS, USAGE_TTL)])
+    if hard:
+        raise BudgetReached(tenant, *hard, now)
+    budget, spend = reached[0]
+    return {"x-fleet-budget-exceeded": ",".join(b.name for b, _ in reached),
+            "x-fleet-budget-limit": str(budget.tokens), "x-fleet-budget-spent": str(spend.tokens),
+            "x-fleet-budget-reset": utc(spend.resets_at)}
 
 
 Usage = dict[str, dict[str, int]]  # tenant -> field -> count

@@ -14,6 +14,7 @@ checks it at start, and neither side may import the other.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -25,6 +26,44 @@ POOL_PATTERN = r"^[A-Za-z0-9_.-]+$"
 def shown_name(name: str) -> str:
     return name.encode("utf-8", "backslashreplace").decode()[:80]
 MIB = 1024 * 1024
+
+
+class BudgetSettings(BaseModel):
+    """Tokens (prompt + completion) a tenant may spend over a period (docs/tenants.md, "Budgets")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int = Field(ge=1, description="prompt + completion tokens of the tenant's ended jobs in the "
+                        "period")
+    period: Literal["day", "week", "month"] = Field("month", description="calendar: this UTC day, ISO "
+                                                    "week (from Monday) or month; rolling: the last 1, 7 "
+                                                    "or 30 days")
+    rolling: bool = Field(False, description="the last N days (day 1, week 7, month 30) instead of the "
+                          "calendar period, which resets at its start (00:00 UTC)")
+    hard: bool = Field(True, description="hard: 429 once reached, until it resets; soft: served, marked "
+                       "with x-fleet-budget-* headers and counted (fleet_tenant_over_budget_requests)")
+
+    @property
+    def name(self) -> str:
+        """How refusals, headers and `fleet usage` name it: 'month', 'rolling-30d'."""
+        return f"rolling-{ROLLING_DAYS[self.period]}d" if self.rolling else self.period
+
+
+ROLLING_DAYS = {"day": 1, "week": 7, "month": 30}  # periods.lua's, for the names
+
+
+class Prices(BaseModel):
+    """What a tenant's tokens cost, per 1,000, to report its spend (`fleet usage`); no effect on
+    admission."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: float = Field(0.0, ge=0, description="per 1k prompt tokens prefilled")
+    cached: float = Field(0.0, ge=0, description="per 1k prompt tokens found in the KV cache")
+    completion: float = Field(0.0, ge=0, description="per 1k generated tokens")
+
+    def cost(self, prompt: int, cached: int, completion: int) -> float:
+        return ((prompt - cached) * self.prompt + cached * self.cached + completion * self.completion) / 1000
 
 
 class TenantSettings(BaseModel):
@@ -48,6 +87,18 @@ class TenantSettings(BaseModel):
     max_batch_lines: int | None = Field(None, ge=0, description="batch lines not ended yet across the "
                                         "tenant's open batches (a batch's own quota); 0: no batches; "
                                         "unset: no cap for a tenant without limits, 0 for one with any")
+    budgets: list[BudgetSettings] = Field(default_factory=list, description="token budgets over days, "
+                                          "weeks or months, hard (429) or soft (marked)")
+    prices: Prices | None = Field(None, description="per 1k prompt / cached / completion tokens: the "
+                                  "spend `fleet usage` reports")
+
+    @field_validator("budgets")
+    @classmethod
+    def _one_budget_per_period(cls, v: list[BudgetSettings]) -> list[BudgetSettings]:
+        names = [b.name for b in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two budgets over the same period ({', '.join(names)}): keep one")
+        return v
 
     def batch_lines_cap(self) -> int | None:
         """What the tenant's open batches may hold (None: no cap of its own). Batch lines do not

@@ -39,7 +39,15 @@ from dispatcher.aio import AsyncFleet, AsyncFleetJob
 from dispatcher.gateway.settings import ServeSettings
 from dispatcher.plans import run_async
 from dispatcher.rules import new_job_id
-from dispatcher.tenants import LimitReached, Limits, NeverAdmitted, admit_plan, release_plan
+from dispatcher.tenants import (
+    BudgetReached,
+    LimitReached,
+    Limits,
+    NeverAdmitted,
+    admit_plan,
+    budget_plan,
+    release_plan,
+)
 
 log = logging.getLogger("fleet.gateway")
 REFRESH_INTERVAL = 1.0  # seconds between reads of the workers' status hashes
@@ -373,10 +381,11 @@ class Gateway:
         return pool
 
     async def submit(self, pool: str, requests: list[dict[str, Any]], priority: str,
-                     caller: Caller = OPEN) -> list[AsyncFleetJob]:
+                     caller: Caller = OPEN) -> tuple[list[AsyncFleetJob], dict[str, str]]:
         """Admit and enqueue a request's jobs (one per choice) as `caller`'s tenant. 503 without a
         live worker for the pool, 429 when more than `max_queue` of the tenant's jobs wait in it
-        or a tenant limit is reached, 400 for a bad field."""
+        or a tenant limit or hard budget is reached, 400 for a bad field. Returns the jobs and the
+        headers marking a soft budget passed."""
         if priority not in PRIORITIES:
             raise ApiError(400, f"X-Fleet-Priority must be one of {', '.join(PRIORITIES)}, not "
                            f"'{shown(priority)}'", param="X-Fleet-Priority", code="invalid_priority")
@@ -401,6 +410,7 @@ class Gateway:
                            f"(limit {limit}); retry later",
                            code="queue_full", headers={"Retry-After": str(self.settings.gateway.retry_after)})
         ids = [new_job_id() for _ in requests]
+        marks = await self.check_budgets(caller.tenant, tenant)
         await self._admit(caller.tenant, tenant, ids)
         named = {} if caller.tenant == DEFAULT_TENANT else {"tenant": caller.tenant}
         jobs: list[AsyncFleetJob] = []
@@ -416,7 +426,7 @@ class Gateway:
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
         if not self.live_workers.get(pool):  # scale from zero: the queued jobs start a worker
             await self.wait_for_worker(pool, jobs)
-        return jobs
+        return jobs, marks
 
     def refuse_too_big(self, pool: str) -> None:
         """422 when every live worker serving `pool` says its model could never load there (the
@@ -448,6 +458,20 @@ class Gateway:
             raise ApiError(503, f"no worker serving pool '{pool}' started within "
                            f"{self.settings.gateway.cold_start_wait:g}s (gateway.cold_start_wait)",
                            code="no_workers")
+
+    async def check_budgets(self, name: str, tenant: TenantSettings | None) -> dict[str, str]:
+        """The one check of a tenant's budgets, for every route that starts jobs (and a batch's
+        creation): 429 naming a hard budget reached, with its reset time; the headers that mark an
+        answer past a soft one."""
+        if tenant is None or not tenant.budgets:
+            return {}
+        try:
+            return await run_async(self.fleet.redis, budget_plan(name, tenant.budgets))
+        except BudgetReached as e:
+            raise ApiError(429, str(e), code="budget_exceeded", param="budget", kind="tokens",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except OUTAGE_ERRORS:
+            raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
 
     async def _admit(self, name: str, tenant: TenantSettings | None, ids: list[str]) -> None:
         """Reserve the jobs under the tenant's limits (429 naming the limit, OpenAI's shape; 400
