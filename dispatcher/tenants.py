@@ -11,12 +11,13 @@ the same MULTI as the job's own final entry, so usage is counted exactly once.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from backends.contract import queue as queue_model
-from backends.contract.gateway_settings import BudgetSettings
+from backends.contract.gateway_settings import BudgetSettings, TenantSettings
 from backends.contract.keys import (
     USAGE_TENANTS,
     USAGE_TTL,
@@ -117,10 +118,10 @@ class Spend:
     resets_at: int
 
 
-def spend_plan(tenant: str, budgets: list[BudgetSettings]) -> Plan[tuple[int, list[Spend]]]:
-    """Redis's time and the tenant's spend over each budget's period (counted by the workers as
+def spend_plan(tenant: str, periods: list[tuple[str, bool]]) -> Plan[tuple[int, list[Spend]]]:
+    """Redis's time and the tenant's spend over each (period, rolling) (counted by the workers as
     jobs end: worker/hooks/tenant_usage.py)."""
-    keys, args = queue_model.spent_call(tenant, [(b.period, b.rolling) for b in budgets])
+    keys, args = queue_model.spent_call(tenant, periods)
     now, spent = yield from ask(Eval(queue_model.SPENT, keys, args))
     return int(now), [Spend(*(int(v) for v in row)) for row in spent]
 
@@ -147,7 +148,7 @@ def budget_plan(tenant: str, budgets: list[BudgetSettings]) -> Plan[dict[str, st
     (counted as `over_budget`)."""
     if not budgets:
         return {}
-    now, spent = yield from spend_plan(tenant, budgets)
+    now, spent = yield from spend_plan(tenant, [(b.period, b.rolling) for b in budgets])
     reached = [(b, s) for b, s in zip(budgets, spent, strict=True) if s.tokens >= b.tokens]
     hard = next(((b, s) for b, s in reached if b.hard), None)
     if not reached:
@@ -163,6 +164,44 @@ def budget_plan(tenant: str, budgets: list[BudgetSettings]) -> Plan[dict[str, st
     return {"x-fleet-budget-exceeded": ",".join(b.name for b, _ in reached),
             "x-fleet-budget-limit": str(budget.tokens), "x-fleet-budget-spent": str(spend.tokens),
             "x-fleet-budget-reset": utc(spend.resets_at)}
+
+
+@dataclass(frozen=True)
+class BudgetLine:
+    """A tenant's spend over a period, against its budget for that period if it has one."""
+
+    tenant: str
+    period: str  # the budget's name ('month', 'rolling-30d'); the calendar period without one
+    spend: Spend
+    budget: BudgetSettings | None
+    cost: float | None  # by the tenant's prices, if set
+
+    def json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "period": self.period, **vars(self.spend), "cost": self.cost,
+                "resets_at": utc(self.spend.resets_at),
+                "budget": None if self.budget is None else {"tokens": self.budget.tokens,
+                                                            "hard": self.budget.hard}}
+
+
+def budget_report_plan(tenants: Mapping[str, TenantSettings], tenant: str | None,
+                       period: str) -> Plan[list[BudgetLine]]:
+    """Each tenant's spend over `period` (one tenant, or the configured ones and every one seen):
+    over its budget for that period, calendar or rolling, if it has one, else the calendar one."""
+    if tenant is not None:
+        names = [tenant]
+    else:
+        seen = yield from ask(cmd("zrange", USAGE_TENANTS, 0, -1))
+        names = sorted(set(tenants) | {as_str(t) or "" for t in seen})
+    out = []
+    for name in names:
+        settings = tenants.get(name)
+        budget = next((b for b in (settings.budgets if settings else []) if b.period == period), None)
+        _, (spend,) = yield from spend_plan(name, [(period, budget is not None and budget.rolling)])
+        prices = settings.prices if settings else None
+        cost = None if prices is None else prices.cost(spend.prompt_tokens, spend.cached_tokens,
+                                                       spend.completion_tokens)
+        out.append(BudgetLine(name, budget.name if budget else period, spend, budget, cost))
+    return out
 
 
 Usage = dict[str, dict[str, int]]  # tenant -> field -> count

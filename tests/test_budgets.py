@@ -5,8 +5,11 @@ equal to the results' usage (also after a Redis crash), and the periods reset on
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -16,21 +19,22 @@ import httpx
 import pytest
 from redis import Redis
 
-from backends.contract.gateway_settings import BudgetSettings
 from backends.contract.keys import spend_prefix
 from backends.contract.queue.scripts import PRELUDE
 from dispatcher import Fleet
 from dispatcher.plans import run
 from dispatcher.tenants import spend_plan, usage_plan, utc
 from tests.gateway_harness import Gateways, wait_until_healthy
-from tests.harness import RedisServer, wait_for
+from tests.harness import ROOT, RedisServer, wait_for
+from tests.observe_helpers import cli_env
 from tests.reliability_checks import assert_exactly_one_final, fleet_workers, held, wait_streaming
 from tests.test_hostile_batch import auth, jsonl, upload
 from tests.test_tenants_gateway import FAKE
 
 pytestmark = pytest.mark.timeout(240)
 
-MONTH = {"tokens": 5, "period": "month"}
+MONTH_TOKENS = 5
+MONTH = {"tokens": MONTH_TOKENS, "period": "month"}
 TENANTS = {
     "capped": {"api_keys": ["key-capped"], "budgets": [MONTH]},
     "soft": {"api_keys": ["key-soft"], "budgets": [{"tokens": 5, "period": "day", "hard": False}],
@@ -73,7 +77,7 @@ def complete(url: str, key: str) -> httpx.Response:
 
 def spent(redis: Redis, tenant: str) -> int:
     """The tenant's tokens today and the 29 days before it."""
-    _, spends = run(redis, spend_plan(tenant, [BudgetSettings(tokens=1, period="month", rolling=True)]))
+    _, spends = run(redis, spend_plan(tenant, [("month", True)]))
     return spends[0].tokens
 
 
@@ -97,7 +101,7 @@ def test_a_tenant_at_its_budget_gets_429_with_the_reset_time(route: str, redis: 
     workers.start("w1", **FAKE, **SETTINGS)
     gw = gateways.start(**SETTINGS)
     wait_until_healthy(gw)
-    while spent(redis, "capped") < MONTH["tokens"]:  # spend up to the budget: admitted till then
+    while spent(redis, "capped") < MONTH_TOKENS:  # spend up to the budget: admitted till then
         answer = complete(gw.url, "key-capped")
         assert answer.status_code == 200, answer.text
     now = int(redis.time()[0])
@@ -118,7 +122,8 @@ def test_a_tenant_at_its_budget_gets_429_with_the_reset_time(route: str, redis: 
     assert run(redis, usage_plan("capped", 1))["capped"]["rejected_budget"] == 1
 
 
-def test_a_soft_budget_marks_answers_and_serves_them(redis: Redis, workers: Any, gateways: Gateways) -> None:
+def test_a_soft_budget_marks_answers_and_serves_them(redis_url: str, redis: Redis, workers: Any,
+                                                     gateways: Gateways) -> None:
     workers.start("w1", **FAKE, **SETTINGS)
     gw = gateways.start(**SETTINGS)
     wait_until_healthy(gw)
@@ -139,6 +144,20 @@ def test_a_soft_budget_marks_answers_and_serves_them(redis: Redis, workers: Any,
     assert run(redis, usage_plan("soft", 1))["soft"]["over_budget"] == marked
     metrics = httpx.get(f"{gw.url}/metrics", headers=auth("key-admin"), timeout=30).text
     assert f'llama_fleet_tenant_over_budget_requests_total{{tenant="soft"}} {marked}.0' in metrics
+    # `fleet usage --period day`: the spend against the budget, priced
+    env = {**cli_env(redis_url),
+           "FLEET_GATEWAY__TENANTS": json.dumps(TENANTS), "COLUMNS": "200"}
+    cli = [sys.executable, "-m", "ecosystem.cli", "usage", "--period", "day"]
+    shown = json.loads(subprocess.run([*cli, "--json", "--tenant", "soft"], env=env, cwd=ROOT, check=True,
+                                      capture_output=True, text=True).stdout)
+    tokens = spent(redis, "soft")
+    (line,) = shown
+    assert line["tokens"] == tokens == line["prompt_tokens"] + line["completion_tokens"]
+    assert line["budget"] == {"tokens": 5, "hard": False} and line["period"] == "day"
+    prompt, cached = line["prompt_tokens"], line["cached_tokens"]
+    assert line["cost"] == pytest.approx(((prompt - cached) * 0.5 + line["completion_tokens"] * 2.0) / 1000)
+    table = subprocess.run(cli, env=env, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    assert "soft" in table and "5 soft" in table and f"{tokens / 5:.0%}" in table, table
 
 
 def test_a_period_resets_at_its_start_on_redis_clock(redis: Redis, workers: Any, gateways: Gateways) -> None:
