@@ -118,10 +118,11 @@ class Spend:
     resets_at: int
 
 
-def spend_plan(tenant: str, periods: list[tuple[str, bool]]) -> Plan[tuple[int, list[Spend]]]:
-    """Redis's time and the tenant's spend over each (period, rolling) (counted by the workers as
-    jobs end: worker/hooks/tenant_usage.py)."""
-    keys, args = queue_model.spent_call(tenant, periods)
+def spend_plan(tenant: str, periods: list[tuple[str, bool]],
+               key: str | None = None) -> Plan[tuple[int, list[Spend]]]:
+    """Redis's time and the tenant's (or its named key's) spend over each (period, rolling)
+    (counted by the workers as jobs end: worker/hooks/tenant_usage.py)."""
+    keys, args = queue_model.spent_call(tenant, key, periods)
     now, spent = yield from ask(Eval(queue_model.SPENT, keys, args))
     return int(now), [Spend(*(int(v) for v in row)) for row in spent]
 
@@ -133,22 +134,22 @@ def utc(seconds: int) -> str:
 class BudgetReached(Exception):
     """A request refused by a hard budget until the budget's period resets."""
 
-    def __init__(self, tenant: str, budget: BudgetSettings, spend: Spend, now: int) -> None:
+    def __init__(self, who: str, budget: BudgetSettings, spend: Spend, now: int) -> None:
         self.budget, self.spend = budget, spend
         self.retry_after = max(1, spend.resets_at - now)
         resets = "resets" if not budget.rolling else "its oldest day leaves it"
-        super().__init__(f"tenant '{tenant}' reached its {budget.name} budget of {budget.tokens:,} tokens "
+        super().__init__(f"{who} reached its {budget.name} budget of {budget.tokens:,} tokens "
                          f"({spend.tokens:,} spent); {resets} at {utc(spend.resets_at)}, "
                          f"in {self.retry_after}s")
 
 
-def budget_plan(tenant: str, budgets: list[BudgetSettings]) -> Plan[dict[str, str]]:
-    """Check the tenant's budgets before admitting its request: BudgetReached for a hard budget
-    reached (counted as `rejected_budget`); for soft ones reached, the headers that mark the answer
-    (counted as `over_budget`)."""
+def budget_plan(tenant: str, budgets: list[BudgetSettings], key: str | None = None) -> Plan[dict[str, str]]:
+    """Check the tenant's budgets (or its named key's) before admitting its request: BudgetReached
+    for a hard budget reached (counted as the tenant's `rejected_budget`); for soft ones reached,
+    the headers that mark the answer (counted as `over_budget`)."""
     if not budgets:
         return {}
-    now, spent = yield from spend_plan(tenant, [(b.period, b.rolling) for b in budgets])
+    now, spent = yield from spend_plan(tenant, [(b.period, b.rolling) for b in budgets], key)
     reached = [(b, s) for b, s in zip(budgets, spent, strict=True) if s.tokens >= b.tokens]
     hard = next(((b, s) for b, s in reached if b.hard), None)
     if not reached:
@@ -159,7 +160,7 @@ def budget_plan(tenant: str, budgets: list[BudgetSettings]) -> Plan[dict[str, st
                       + [cmd("expire", usage_key(tenant, h), USAGE_TTL) for h in (hour, "total")]
                       + [cmd("zadd", USAGE_TENANTS, {tenant: hour}), cmd("expire", USAGE_TENANTS, USAGE_TTL)])
     if hard:
-        raise BudgetReached(tenant, *hard, now)
+        raise BudgetReached(f"tenant '{tenant}'" + (f" key '{key}'" if key else ""), *hard, now)
     budget, spend = reached[0]
     return {"x-fleet-budget-exceeded": ",".join(b.name for b, _ in reached),
             "x-fleet-budget-limit": str(budget.tokens), "x-fleet-budget-spent": str(spend.tokens),
@@ -185,8 +186,9 @@ class BudgetLine:
 
 def budget_report_plan(tenants: Mapping[str, TenantSettings], tenant: str | None,
                        period: str) -> Plan[list[BudgetLine]]:
-    """Each tenant's spend over `period` (one tenant, or the configured ones and every one seen):
-    over its budget for that period, calendar or rolling, if it has one, else the calendar one."""
+    """Each tenant's spend over `period` (one tenant, or the configured ones and every one seen),
+    then each of its named keys': over its budget for that period, calendar or rolling, if it has
+    one, else the calendar one."""
     if tenant is not None:
         names = [tenant]
     else:
@@ -194,13 +196,17 @@ def budget_report_plan(tenants: Mapping[str, TenantSettings], tenant: str | None
         names = sorted(set(tenants) | {as_str(t) or "" for t in seen})
     out = []
     for name in names:
-        settings = tenants.get(name)
-        budget = next((b for b in (settings.budgets if settings else []) if b.period == period), None)
-        _, (spend,) = yield from spend_plan(name, [(period, budget is not None and budget.rolling)])
-        prices = settings.prices if settings else None
-        cost = None if prices is None else prices.cost(spend.prompt_tokens, spend.cached_tokens,
-                                                       spend.completion_tokens)
-        out.append(BudgetLine(name, budget.name if budget else period, spend, budget, cost))
+        settings = tenants.get(name) or TenantSettings()
+        spenders: list[tuple[str | None, list[BudgetSettings]]] = [(None, settings.budgets)]
+        spenders += [(key, named.budgets) for key, named in settings.keys.items()]
+        for key, budgets in spenders:
+            budget = next((b for b in budgets if b.period == period), None)
+            _, (spend,) = yield from spend_plan(name, [(period, budget is not None and budget.rolling)], key)
+            prices = settings.prices
+            cost = None if prices is None else prices.cost(spend.prompt_tokens, spend.cached_tokens,
+                                                           spend.completion_tokens)
+            shown = name if key is None else f"{name} (key {key})"
+            out.append(BudgetLine(shown, budget.name if budget else period, spend, budget, cost))
     return out
 
 

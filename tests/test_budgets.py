@@ -42,6 +42,9 @@ TENANTS = {
     "daily": {"api_keys": ["key-daily"], "budgets": [{"tokens": 100, "period": "day"}]},
     "weekly": {"api_keys": ["key-weekly"], "budgets": [{"tokens": 100, "period": "week"}]},
     "rolling": {"api_keys": ["key-rolling"], "budgets": [{"tokens": 100, "period": "week", "rolling": True}]},
+    "team": {"keys": {"ci": {"key": "key-ci", "budgets": [{"tokens": 5, "period": "day"}]},
+                      "app": {"key": "key-app"}},
+             "budgets": [{"tokens": 100_000, "period": "month"}]},
 }
 SETTINGS = {"gateway__tenants": TENANTS, "gateway__admin_keys": ["key-admin"]}
 MESSAGES = [{"role": "user", "content": "one two three"}]
@@ -75,9 +78,9 @@ def complete(url: str, key: str) -> httpx.Response:
                       json={"model": "llm", "prompt": "one two three", "max_tokens": 3})
 
 
-def spent(redis: Redis, tenant: str) -> int:
-    """The tenant's tokens today and the 29 days before it."""
-    _, spends = run(redis, spend_plan(tenant, [("month", True)]))
+def spent(redis: Redis, tenant: str, key: str | None = None) -> int:
+    """The tenant's (or its named key's) tokens today and the 29 days before it."""
+    _, spends = run(redis, spend_plan(tenant, [("month", True)], key))
     return spends[0].tokens
 
 
@@ -158,6 +161,30 @@ def test_a_soft_budget_marks_answers_and_serves_them(redis_url: str, redis: Redi
     assert line["cost"] == pytest.approx(((prompt - cached) * 0.5 + line["completion_tokens"] * 2.0) / 1000)
     table = subprocess.run(cli, env=env, cwd=ROOT, check=True, capture_output=True, text=True).stdout
     assert "soft" in table and "5 soft" in table and f"{tokens / 5:.0%}" in table, table
+
+
+def test_a_named_key_has_its_own_budget_within_its_tenant(redis_url: str, redis: Redis, workers: Any,
+                                                          gateways: Gateways) -> None:
+    workers.start("w1", **FAKE, **SETTINGS)
+    gw = gateways.start(**SETTINGS)
+    wait_until_healthy(gw)
+    while spent(redis, "team", "ci") < 5:
+        assert complete(gw.url, "key-ci").status_code == 200
+    assert complete(gw.url, "key-app").status_code == 200
+    now = int(redis.time()[0])
+    refusal = complete(gw.url, "key-ci")
+    budget_refusal(refusal, now, (now // 86400 + 1) * 86400)
+    assert "tenant 'team' key 'ci' reached its day budget of 5 tokens" in refusal.text, refusal.text
+    assert complete(gw.url, "key-app").status_code == 200  # the tenant's other key is not held back
+    ci, app = spent(redis, "team", "ci"), spent(redis, "team", "app")
+    assert app > 0 and spent(redis, "team") == ci + app
+    env = {**cli_env(redis_url), "FLEET_GATEWAY__TENANTS": json.dumps(TENANTS)}
+    shown = json.loads(subprocess.run([sys.executable, "-m", "ecosystem.cli", "usage", "--period", "day",
+                                       "--json", "--tenant", "team"], env=env, cwd=ROOT, check=True,
+                                      capture_output=True, text=True).stdout)
+    assert [(line["tenant"], line["tokens"]) for line in shown] == [
+        ("team", ci + app), ("team (key ci)", ci), ("team (key app)", app)]
+    assert shown[1]["budget"] == {"tokens": 5, "hard": True}
 
 
 def test_a_period_resets_at_its_start_on_redis_clock(redis: Redis, workers: Any, gateways: Gateways) -> None:

@@ -66,6 +66,27 @@ class Prices(BaseModel):
         return ((prompt - cached) * self.prompt + cached * self.cached + completion * self.completion) / 1000
 
 
+class NamedKey(BaseModel):
+    """One of a tenant's keys under a name, with budgets of its own besides the tenant's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: SecretStr = Field(description="a bearer key that acts as the tenant")
+    budgets: list[BudgetSettings] = Field(default_factory=list, description="this key's own budgets")
+
+    @field_validator("budgets")
+    @classmethod
+    def _one_per_period(cls, v: list[BudgetSettings]) -> list[BudgetSettings]:
+        return one_budget_per_period(v)
+
+
+def one_budget_per_period(budgets: list[BudgetSettings]) -> list[BudgetSettings]:
+    names = [b.name for b in budgets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two budgets over the same period ({', '.join(names)}): keep one")
+    return budgets
+
+
 class TenantSettings(BaseModel):
     """One tenant of `gateway.tenants` (docs/tenants.md): its keys, its share of the workers and
     its limits; every limit is optional."""
@@ -92,13 +113,25 @@ class TenantSettings(BaseModel):
     prices: Prices | None = Field(None, description="per 1k prompt / cached / completion tokens: the "
                                   "spend `fleet usage` reports")
 
+    keys: dict[str, NamedKey] = Field(default_factory=dict, description="key name -> a key that acts "
+                                      "as the tenant, with budgets of its own")
+
     @field_validator("budgets")
     @classmethod
     def _one_budget_per_period(cls, v: list[BudgetSettings]) -> list[BudgetSettings]:
-        names = [b.name for b in v]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two budgets over the same period ({', '.join(names)}): keep one")
+        return one_budget_per_period(v)
+
+    @field_validator("keys")
+    @classmethod
+    def _key_names(cls, v: dict[str, NamedKey]) -> dict[str, NamedKey]:
+        for name in v:
+            if not re.match(TENANT_PATTERN, name):
+                raise ValueError(f"key name {shown_name(name)!r}: 1..64 of A-Z a-z 0-9 _ . -")
         return v
+
+    def all_keys(self) -> list[tuple[SecretStr, str | None]]:
+        """Every key that acts as the tenant, and its name (None: an unnamed `api_keys` one)."""
+        return [(k, None) for k in self.api_keys] + [(k.key, name) for name, k in self.keys.items()]
 
     def batch_lines_cap(self) -> int | None:
         """What the tenant's open batches may hold (None: no cap of its own). Batch lines do not
@@ -177,7 +210,8 @@ class GatewaySettings(BaseModel):
     @model_validator(mode="after")
     def _one_owner_per_key(self) -> GatewaySettings:
         seen: set[str] = set()
-        for keys in [self.api_keys, self.admin_keys, *(t.api_keys for t in self.tenants.values())]:
+        tenants = [[k for k, _ in t.all_keys()] for t in self.tenants.values()]
+        for keys in [self.api_keys, self.admin_keys, *tenants]:
             for key in keys:
                 if key.get_secret_value() in seen:  # the message never shows a key
                     raise ValueError("an API key is listed twice (across api_keys, admin_keys and tenants)")

@@ -76,8 +76,9 @@ USAGE_TTL = 8 * 86400
 # Spend: a hash per tenant and UTC day (`<day>` = unix time // 86400, Redis's clock) of the tokens
 # of its ended jobs, what its budgets sum over a period; kept past the longest period (a calendar
 # month, or 30 rolling days)
-def spend_prefix(tenant: str) -> str:
-    return f"fleet:spend:{tenant}"
+def spend_prefix(tenant: str, key: str | None = None) -> str:
+    """`key`: one of the tenant's named keys (`gateway.tenants.<t>.keys`), whose own spend it is."""
+    return f"fleet:spend:{tenant}" if key is None else f"fleet:spend:{tenant}:key:{key}"
 
 
 SPEND_TTL = 33 * 86400

@@ -145,6 +145,7 @@ class Caller:
     tenant: str
     admin: bool = False
     operator: bool = False
+    key: str | None = None  # one of the tenant's named keys (its own budgets)
 
     @property
     def owner(self) -> str:
@@ -410,9 +411,11 @@ class Gateway:
                            f"(limit {limit}); retry later",
                            code="queue_full", headers={"Retry-After": str(self.settings.gateway.retry_after)})
         ids = [new_job_id() for _ in requests]
-        marks = await self.check_budgets(caller.tenant, tenant)
+        marks = await self.check_budgets(caller, tenant)
         await self._admit(caller.tenant, tenant, ids)
         named = {} if caller.tenant == DEFAULT_TENANT else {"tenant": caller.tenant}
+        if caller.key is not None:
+            named["key_name"] = caller.key
         jobs: list[AsyncFleetJob] = []
         try:
             for fields, job_id in zip(requests, ids, strict=True):
@@ -459,14 +462,19 @@ class Gateway:
                            f"{self.settings.gateway.cold_start_wait:g}s (gateway.cold_start_wait)",
                            code="no_workers")
 
-    async def check_budgets(self, name: str, tenant: TenantSettings | None) -> dict[str, str]:
-        """The one check of a tenant's budgets, for every route that starts jobs (and a batch's
-        creation): 429 naming a hard budget reached, with its reset time; the headers that mark an
-        answer past a soft one."""
-        if tenant is None or not tenant.budgets:
+    async def check_budgets(self, caller: Caller, tenant: TenantSettings | None) -> dict[str, str]:
+        """The one check of a tenant's budgets (and its named key's), for every route that starts
+        jobs (and a batch's creation): 429 naming a hard budget reached, with its reset time; the
+        headers that mark an answer past a soft one."""
+        if tenant is None:
             return {}
+        named = tenant.keys.get(caller.key) if caller.key is not None else None
         try:
-            return await run_async(self.fleet.redis, budget_plan(name, tenant.budgets))
+            marks = await run_async(self.fleet.redis, budget_plan(caller.tenant, tenant.budgets))
+            if named is not None:
+                key_plan = budget_plan(caller.tenant, named.budgets, caller.key)
+                marks |= await run_async(self.fleet.redis, key_plan)
+            return marks
         except BudgetReached as e:
             raise ApiError(429, str(e), code="budget_exceeded", param="budget", kind="tokens",
                            headers={"Retry-After": str(e.retry_after)}) from None
@@ -529,7 +537,7 @@ def caller_keys(settings: GatewaySettings) -> list[tuple[bytes, Caller]]:
     flat_operator = not settings.tenants and not settings.admin_keys
     keys = [(k, Caller(DEFAULT_TENANT, operator=flat_operator)) for k in settings.api_keys]
     keys += [(k, Caller(DEFAULT_TENANT, admin=True, operator=True)) for k in settings.admin_keys]
-    keys += [(k, Caller(name)) for name, t in settings.tenants.items() for k in t.api_keys]
+    keys += [(k, Caller(name, key=key)) for name, t in settings.tenants.items() for k, key in t.all_keys()]
     return [(k.get_secret_value().encode(), caller) for k, caller in keys]
 
 

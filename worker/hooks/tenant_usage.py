@@ -53,8 +53,11 @@ class TenantUsage:
             rate = f"{tenant_rate_prefix(tenant)}:{int(now // 60)}"
             pipe.hincrby(rate, "tokens", counts["prompt_tokens"] + counts["completion_tokens"])
             pipe.expire(rate, RATE_TTL)
-            queue_script(pipe, queue_model.COUNT_SPEND, *queue_model.count_spend_call(
-                tenant, counts["prompt_tokens"], counts["cached_tokens"], counts["completion_tokens"]))
+            named = job.request.key_name if job.request is not None else None
+            for spender in {None, named}:  # the tenant's, and its named key's
+                queue_script(pipe, queue_model.COUNT_SPEND, *queue_model.count_spend_call(
+                    tenant, spender, counts["prompt_tokens"], counts["cached_tokens"],
+                    counts["completion_tokens"]))
         for usage in (usage_key(tenant, int(now // 3600)), usage_key(tenant, "total")):
             for field, n in counts.items():
                 pipe.hincrby(usage, field, n)

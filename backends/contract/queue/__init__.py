@@ -118,13 +118,14 @@ def admit_call(tenant: str, job_ids: list[str], *, max_concurrent: int, max_queu
                   lifetime_ms, tenant, *job_ids]
 
 
-def spent_call(tenant: str, periods: list[tuple[str, bool]]) -> KeysArgs:
-    """A tenant's spend over each (period, rolling) on Redis's clock (the script's header)."""
-    return [spend_prefix(tenant)], [a for period, rolling in periods for a in (period, int(rolling))]
+def spent_call(tenant: str, key: str | None, periods: list[tuple[str, bool]]) -> KeysArgs:
+    """A tenant's (or one of its named keys') spend over each (period, rolling) on Redis's clock
+    (the script's header)."""
+    return [spend_prefix(tenant, key)], [a for period, rolling in periods for a in (period, int(rolling))]
 
 
-def count_spend_call(tenant: str, prompt: int, cached: int, completion: int) -> KeysArgs:
-    return [spend_prefix(tenant)], [prompt, cached, completion]
+def count_spend_call(tenant: str, key: str | None, prompt: int, cached: int, completion: int) -> KeysArgs:
+    return [spend_prefix(tenant, key)], [prompt, cached, completion]
 
 
 def places_keys(tenant: str) -> tuple[str, str]:
