@@ -175,8 +175,15 @@ def test_a_named_key_has_its_own_budget_within_its_tenant(redis_url: str, redis:
     refusal = complete(gw.url, "key-ci")
     budget_refusal(refusal, now, (now // 86400 + 1) * 86400)
     assert "tenant 'team' key 'ci' reached its day budget of 5 tokens" in refusal.text, refusal.text
+    before = spent(redis, "team", "ci")
     assert complete(gw.url, "key-app").status_code == 200  # the tenant's other key is not held back
+    # a body naming another key (or tenant) changes nothing: the key that asks is whose spend it is
+    spoof = httpx.post(f"{gw.url}/v1/completions", headers=auth("key-app"), timeout=60,
+                       json={"model": "llm", "prompt": "x", "max_tokens": 2, "key_name": "ci",
+                             "tenant": "soft"})
+    assert spoof.status_code in (200, 400), spoof.text
     ci, app = spent(redis, "team", "ci"), spent(redis, "team", "app")
+    assert ci == before and spent(redis, "soft") == 0
     assert app > 0 and spent(redis, "team") == ci + app
     env = {**cli_env(redis_url), "FLEET_GATEWAY__TENANTS": json.dumps(TENANTS)}
     shown = json.loads(subprocess.run([sys.executable, "-m", "ecosystem.cli", "usage", "--period", "day",
