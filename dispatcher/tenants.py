@@ -143,26 +143,33 @@ class BudgetReached(Exception):
                          f"in {self.retry_after}s")
 
 
-def budget_plan(tenant: str, budgets: list[BudgetSettings], key: str | None = None) -> Plan[dict[str, str]]:
-    """Check the tenant's budgets (or its named key's) before admitting its request: BudgetReached
-    for a hard budget reached (counted as the tenant's `rejected_budget`); for soft ones reached,
-    the headers that mark the answer (counted as `over_budget`)."""
-    if not budgets:
-        return {}
-    now, spent = yield from spend_plan(tenant, [(b.period, b.rolling) for b in budgets], key)
-    reached = [(b, s) for b, s in zip(budgets, spent, strict=True) if s.tokens >= b.tokens]
-    hard = next(((b, s) for b, s in reached if b.hard), None)
+Spenders = list[tuple[str | None, list[BudgetSettings]]]  # the tenant (None) or a named key: budgets
+
+
+def budget_plan(tenant: str, spenders: Spenders) -> Plan[dict[str, str]]:
+    """Check the tenant's budgets and its named key's before admitting its request: BudgetReached
+    for a hard budget reached (counted as the tenant's `rejected_budget`); for soft ones reached
+    only, the headers that mark the answer (counted as `over_budget`)."""
+    reached: list[tuple[str, BudgetSettings, Spend]] = []
+    now = 0
+    for key, budgets in spenders:
+        if budgets:
+            now, spent = yield from spend_plan(tenant, [(b.period, b.rolling) for b in budgets], key)
+            who = f"tenant '{tenant}'" + (f" key '{key}'" if key else "")
+            reached += [(who, b, s) for b, s in zip(budgets, spent, strict=True) if s.tokens >= b.tokens]
     if not reached:
         return {}
+    # of the hard budgets reached, the one that resets last: retrying sooner would be refused again
+    hard = max((r for r in reached if r[1].hard), key=lambda r: r[2].resets_at, default=None)
     field = "rejected_budget" if hard else "over_budget"
     hour = now // 3600
     yield from gather([cmd("hincrby", usage_key(tenant, h), field, 1) for h in (hour, "total")]
                       + [cmd("expire", usage_key(tenant, h), USAGE_TTL) for h in (hour, "total")]
                       + [cmd("zadd", USAGE_TENANTS, {tenant: hour}), cmd("expire", USAGE_TENANTS, USAGE_TTL)])
     if hard:
-        raise BudgetReached(f"tenant '{tenant}'" + (f" key '{key}'" if key else ""), *hard, now)
-    budget, spend = reached[0]
-    return {"x-fleet-budget-exceeded": ",".join(b.name for b, _ in reached),
+        raise BudgetReached(*hard, now)
+    _, budget, spend = reached[0]
+    return {"x-fleet-budget-exceeded": ",".join(b.name for _, b, _ in reached),
             "x-fleet-budget-limit": str(budget.tokens), "x-fleet-budget-spent": str(spend.tokens),
             "x-fleet-budget-reset": utc(spend.resets_at)}
 

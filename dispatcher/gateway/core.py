@@ -44,6 +44,7 @@ from dispatcher.tenants import (
     LimitReached,
     Limits,
     NeverAdmitted,
+    Spenders,
     admit_plan,
     budget_plan,
     release_plan,
@@ -469,12 +470,9 @@ class Gateway:
         if tenant is None:
             return {}
         named = tenant.keys.get(caller.key) if caller.key is not None else None
+        spenders: Spenders = [(None, tenant.budgets)] + ([(caller.key, named.budgets)] if named else [])
         try:
-            marks = await run_async(self.fleet.redis, budget_plan(caller.tenant, tenant.budgets))
-            if named is not None:
-                key_plan = budget_plan(caller.tenant, named.budgets, caller.key)
-                marks |= await run_async(self.fleet.redis, key_plan)
-            return marks
+            return await run_async(self.fleet.redis, budget_plan(caller.tenant, spenders))
         except BudgetReached as e:
             raise ApiError(429, str(e), code="budget_exceeded", param="budget", kind="tokens",
                            headers={"Retry-After": str(e.retry_after)}) from None
