@@ -11,19 +11,25 @@ the same MULTI as the job's own final entry, so usage is counted exactly once.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from backends.contract import queue as queue_model
+from backends.contract.gateway_settings import BudgetSettings, TenantSettings
 from backends.contract.keys import (
     USAGE_TENANTS,
+    USAGE_TTL,
     usage_key,
 )
 from backends.contract.replies import as_str
 from dispatcher.plans import Eval, Plan, ask, cmd, gather
 
-USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "queue_ms", "failed")
-LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued")
+USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "queue_ms", "failed",
+                "over_budget")
+# what a refusal is counted under (`rejected_<name>`): the limits, and any hard budget
+LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued", "budget")
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,116 @@ def release_plan(tenant: str, job_ids: list[str]) -> Plan[None]:
     """Give back reservations of jobs that were never enqueued."""
     if job_ids:
         yield from gather([cmd("zrem", key, *job_ids) for key in queue_model.places_keys(tenant)])
+
+
+@dataclass(frozen=True)
+class Spend:
+    """A tenant's tokens over one budget's period, and when the period resets (unix seconds)."""
+
+    tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    resets_at: int
+
+
+def spend_plan(tenant: str, periods: list[tuple[str, bool]],
+               key: str | None = None) -> Plan[tuple[int, list[Spend]]]:
+    """Redis's time and the tenant's (or its named key's) spend over each (period, rolling)
+    (counted by the workers as jobs end: worker/hooks/tenant_usage.py)."""
+    keys, args = queue_model.spent_call(tenant, key, periods)
+    now, spent = yield from ask(Eval(queue_model.SPENT, keys, args))
+    return int(now), [Spend(*(int(v) for v in row)) for row in spent]
+
+
+def utc(seconds: int) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class BudgetReached(Exception):
+    """A request refused by a hard budget until the budget's period resets."""
+
+    def __init__(self, who: str, budget: BudgetSettings, spend: Spend, now: int) -> None:
+        self.budget, self.spend = budget, spend
+        self.retry_after = max(1, spend.resets_at - now)
+        resets = "resets" if not budget.rolling else "its oldest day leaves it"
+        super().__init__(f"{who} reached its {budget.name} budget of {budget.tokens:,} tokens "
+                         f"({spend.tokens:,} spent); {resets} at {utc(spend.resets_at)}, "
+                         f"in {self.retry_after}s")
+
+
+Spenders = list[tuple[str | None, list[BudgetSettings]]]  # the tenant (None) or a named key: budgets
+
+
+def budget_plan(tenant: str, spenders: Spenders) -> Plan[dict[str, str]]:
+    """Check the tenant's budgets and its named key's before admitting its request: BudgetReached
+    for a hard budget reached (counted as the tenant's `rejected_budget`); for soft ones reached
+    only, the headers that mark the answer (counted as `over_budget`)."""
+    reached: list[tuple[str, BudgetSettings, Spend]] = []
+    now = 0
+    for key, budgets in spenders:
+        if budgets:
+            now, spent = yield from spend_plan(tenant, [(b.period, b.rolling) for b in budgets], key)
+            who = f"tenant '{tenant}'" + (f" key '{key}'" if key else "")
+            reached += [(who, b, s) for b, s in zip(budgets, spent, strict=True) if s.tokens >= b.tokens]
+    if not reached:
+        return {}
+    # of the hard budgets reached, the one that resets last: retrying sooner would be refused again
+    hard = max((r for r in reached if r[1].hard), key=lambda r: r[2].resets_at, default=None)
+    field = "rejected_budget" if hard else "over_budget"
+    hour = now // 3600
+    yield from gather([cmd("hincrby", usage_key(tenant, h), field, 1) for h in (hour, "total")]
+                      + [cmd("expire", usage_key(tenant, h), USAGE_TTL) for h in (hour, "total")]
+                      + [cmd("zadd", USAGE_TENANTS, {tenant: hour}), cmd("expire", USAGE_TENANTS, USAGE_TTL)])
+    if hard:
+        raise BudgetReached(*hard, now)
+    _, budget, spend = reached[0]
+    return {"x-fleet-budget-exceeded": ",".join(b.name for _, b, _ in reached),
+            "x-fleet-budget-limit": str(budget.tokens), "x-fleet-budget-spent": str(spend.tokens),
+            "x-fleet-budget-reset": utc(spend.resets_at)}
+
+
+@dataclass(frozen=True)
+class BudgetLine:
+    """A tenant's spend over a period, against its budget for that period if it has one."""
+
+    tenant: str
+    period: str  # the budget's name ('month', 'rolling-30d'); the calendar period without one
+    spend: Spend
+    budget: BudgetSettings | None
+    cost: float | None  # by the tenant's prices, if set
+
+    def json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "period": self.period, **vars(self.spend), "cost": self.cost,
+                "resets_at": utc(self.spend.resets_at),
+                "budget": None if self.budget is None else {"tokens": self.budget.tokens,
+                                                            "hard": self.budget.hard}}
+
+
+def budget_report_plan(tenants: Mapping[str, TenantSettings], tenant: str | None,
+                       period: str) -> Plan[list[BudgetLine]]:
+    """Each tenant's spend over `period` (one tenant, or the configured ones and every one seen),
+    then each of its named keys': over its budget for that period, calendar or rolling, if it has
+    one, else the calendar one."""
+    if tenant is not None:
+        names = [tenant]
+    else:
+        seen = yield from ask(cmd("zrange", USAGE_TENANTS, 0, -1))
+        names = sorted(set(tenants) | {as_str(t) or "" for t in seen})
+    out = []
+    for name in names:
+        settings = tenants.get(name) or TenantSettings()
+        spenders: list[tuple[str | None, list[BudgetSettings]]] = [(None, settings.budgets)]
+        spenders += [(key, named.budgets) for key, named in settings.keys.items()]
+        for key, budgets in spenders:
+            budget = next((b for b in budgets if b.period == period), None)
+            _, (spend,) = yield from spend_plan(name, [(period, budget is not None and budget.rolling)], key)
+            prices = settings.prices
+            cost = None if prices is None else prices.cost(spend.prompt_tokens, spend.cached_tokens,
+                                                           spend.completion_tokens)
+            shown = name if key is None else f"{name} (key {key})"
+            out.append(BudgetLine(shown, budget.name if budget else period, spend, budget, cost))
+    return out
 
 
 Usage = dict[str, dict[str, int]]  # tenant -> field -> count

@@ -24,10 +24,10 @@ pytestmark = pytest.mark.timeout(180)
 QUEUE = "llm:default"
 KEPT_WHILE_IDLE = {b"fleet:owners", b"rq:queues"}  # workers that claimed; RQ's set of queue names
 # docs/observability.md: job history (24 h), counters and histograms (90 days); docs/tenants.md:
-# usage per tenant (8 days) and this minute's rate counts (120 s); placement: workers' free slots
-# (60 s) and the prefixes they hold (600 s); each with a TTL
+# usage per tenant (8 days), its spend per day (33 days) and this minute's rate counts (120 s);
+# placement: workers' free slots (60 s) and the prefixes they hold (600 s); each with a TTL
 OBSERVABILITY = ("fleet:history", "fleet:counters:", "fleet:hist:", "fleet:pools", "fleet:usage:",
-                 "fleet:tenant:", "fleet:capacity:", "fleet:held:")
+                 "fleet:spend:", "fleet:tenant:", "fleet:capacity:", "fleet:held:")
 
 
 def test_ended_jobs_leave_no_keys_behind(redis_url: str, redis: Redis, tmp_path: Path) -> None:

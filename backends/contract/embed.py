@@ -43,6 +43,7 @@ class EmbedRequest(BaseModel):
     truncate: bool = False
     normalize: bool = True  # L2-normalised (OpenAI, Ollama's /api/embed); False: as pooled
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
+    key_name: str | None = Field(None, pattern=TENANT_PATTERN)  # the tenant's named key (its budgets)
 
     @field_validator("input", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ checks it at start, and neither side may import the other.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -26,6 +27,65 @@ POOL_PATTERN = r"^[A-Za-z0-9_.-]+$"
 def shown_name(name: str) -> str:
     return name.encode("utf-8", "backslashreplace").decode()[:80]
 MIB = 1024 * 1024
+
+
+class BudgetSettings(BaseModel):
+    """Tokens (prompt + completion) a tenant may spend over a period (docs/tenants.md, "Budgets")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: int = Field(ge=1, description="prompt + completion tokens of the tenant's ended jobs in the "
+                        "period")
+    period: Literal["day", "week", "month"] = Field("month", description="calendar: this UTC day, ISO "
+                                                    "week (from Monday) or month; rolling: the last 1, 7 "
+                                                    "or 30 days")
+    rolling: bool = Field(False, description="the last N days (day 1, week 7, month 30) instead of the "
+                          "calendar period, which resets at its start (00:00 UTC)")
+    hard: bool = Field(True, description="hard: 429 once reached, until it resets; soft: served, marked "
+                       "with x-fleet-budget-* headers and counted (fleet_tenant_over_budget_requests)")
+
+    @property
+    def name(self) -> str:
+        """How refusals, headers and `fleet usage` name it: 'month', 'rolling-30d'."""
+        return f"rolling-{ROLLING_DAYS[self.period]}d" if self.rolling else self.period
+
+
+ROLLING_DAYS = {"day": 1, "week": 7, "month": 30}  # periods.lua's, for the names
+
+
+class Prices(BaseModel):
+    """What a tenant's tokens cost, per 1,000, to report its spend (`fleet usage`); no effect on
+    admission."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: float = Field(0.0, ge=0, description="per 1k prompt tokens prefilled")
+    cached: float = Field(0.0, ge=0, description="per 1k prompt tokens found in the KV cache")
+    completion: float = Field(0.0, ge=0, description="per 1k generated tokens")
+
+    def cost(self, prompt: int, cached: int, completion: int) -> float:
+        return ((prompt - cached) * self.prompt + cached * self.cached + completion * self.completion) / 1000
+
+
+class NamedKey(BaseModel):
+    """One of a tenant's keys under a name, with budgets of its own besides the tenant's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: SecretStr = Field(description="a bearer key that acts as the tenant")
+    budgets: list[BudgetSettings] = Field(default_factory=list, description="this key's own budgets")
+
+    @field_validator("budgets")
+    @classmethod
+    def _one_per_period(cls, v: list[BudgetSettings]) -> list[BudgetSettings]:
+        return one_budget_per_period(v)
+
+
+def one_budget_per_period(budgets: list[BudgetSettings]) -> list[BudgetSettings]:
+    names = [b.name for b in budgets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two budgets over the same period ({', '.join(names)}): keep one")
+    return budgets
 
 
 class TenantSettings(BaseModel):
@@ -49,6 +109,30 @@ class TenantSettings(BaseModel):
     max_batch_lines: int | None = Field(None, ge=0, description="batch lines not ended yet across the "
                                         "tenant's open batches (a batch's own quota); 0: no batches; "
                                         "unset: no cap for a tenant without limits, 0 for one with any")
+    budgets: list[BudgetSettings] = Field(default_factory=list, description="token budgets over days, "
+                                          "weeks or months, hard (429) or soft (marked)")
+    prices: Prices | None = Field(None, description="per 1k prompt / cached / completion tokens: the "
+                                  "spend `fleet usage` reports")
+
+    keys: dict[str, NamedKey] = Field(default_factory=dict, description="key name -> a key that acts "
+                                      "as the tenant, with budgets of its own")
+
+    @field_validator("budgets")
+    @classmethod
+    def _one_budget_per_period(cls, v: list[BudgetSettings]) -> list[BudgetSettings]:
+        return one_budget_per_period(v)
+
+    @field_validator("keys")
+    @classmethod
+    def _key_names(cls, v: dict[str, NamedKey]) -> dict[str, NamedKey]:
+        for name in v:
+            if not re.match(TENANT_PATTERN, name):
+                raise ValueError(f"key name {shown_name(name)!r}: 1..64 of A-Z a-z 0-9 _ . -")
+        return v
+
+    def all_keys(self) -> list[tuple[SecretStr, str | None]]:
+        """Every key that acts as the tenant, and its name (None: an unnamed `api_keys` one)."""
+        return [(k, None) for k in self.api_keys] + [(k.key, name) for name, k in self.keys.items()]
 
     def batch_lines_cap(self) -> int | None:
         """What the tenant's open batches may hold (None: no cap of its own). Batch lines do not
@@ -149,7 +233,8 @@ class GatewaySettings(BaseModel):
     @model_validator(mode="after")
     def _one_owner_per_key(self) -> GatewaySettings:
         seen: set[str] = set()
-        for keys in [self.api_keys, self.admin_keys, *(t.api_keys for t in self.tenants.values())]:
+        tenants = [[k for k, _ in t.all_keys()] for t in self.tenants.values()]
+        for keys in [self.api_keys, self.admin_keys, *tenants]:
             for key in keys:
                 if key.get_secret_value() in seen:  # the message never shows a key
                     raise ValueError("an API key is listed twice (across api_keys, admin_keys and tenants)")

@@ -81,6 +81,17 @@ def usage_key(tenant: str, hour: int | str) -> str:
 USAGE_TENANTS = "fleet:usage:tenants"
 USAGE_TTL = 8 * 86400
 
+
+# Spend: a hash per tenant and UTC day (`<day>` = unix time // 86400, Redis's clock) of the tokens
+# of its ended jobs, what its budgets sum over a period; kept past the longest period (a calendar
+# month, or 30 rolling days)
+def spend_prefix(tenant: str, key: str | None = None) -> str:
+    """`key`: one of the tenant's named keys (`gateway.tenants.<t>.keys`), whose own spend it is."""
+    return f"fleet:spend:{tenant}" if key is None else f"fleet:spend:{tenant}:key:{key}"
+
+
+SPEND_TTL = 33 * 86400
+
 QUEUE_PREFIX = "rq:queue:"  # worker/claiming/claim.py's script strips these 9 characters to name the queue
 RQ_WORKERS_SET = "rq:workers"  # RQ's set of registered worker keys
 RQ_QUEUES_SET = "rq:queues"  # RQ's set of queue keys (every enqueue adds its queue)

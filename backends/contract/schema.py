@@ -148,6 +148,8 @@ class GenerateRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # who asks (docs/tenants.md): fair share at the claim, usage, limits; None: the default tenant
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
+    # the tenant's named key that asked: its spend also counts toward that key's budgets
+    key_name: str | None = Field(None, pattern=TENANT_PATTERN)
     # a conversation's id, or OpenAI's prompt_cache_key: jobs with one go to the worker that ran
     # the last (backends/contract/affinity.py); hashed, never part of a Redis key's name
     cache_key: str | None = Field(None, min_length=1, max_length=256)

@@ -51,6 +51,7 @@ class TextRequest(BaseModel):
     tokens: list[int] | None = Field(None, max_length=MAX_TEXT_TOKENS)  # detokenize
     chat: GenerateRequest | None = None  # apply_template: rendered as a generation would be
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
+    key_name: str | None = Field(None, pattern=TENANT_PATTERN)  # the tenant's named key (its budgets)
 
     @field_validator("tokens", mode="before")
     @classmethod

@@ -278,6 +278,7 @@ async def create_batch(request: Request) -> Response:
                        code="too_many_requests_in_batch")
     model = next(iter(found.models), "")
     pool = gw.pool_for(model, request.state.caller) if model else gw.settings.pool
+    marks = await gw.check_budgets(request.state.caller, gw.tenant(request.state.caller))
     spec = BatchSpec(new_batch_id(), pool, "low", window, job_timeout=gw.settings.job_timeout,
                      endpoint=str(endpoint), input_name=str(file_id), metadata=metadata,
                      extra={"input_file_id": str(file_id), "owner": creator},
@@ -308,7 +309,7 @@ async def create_batch(request: Request) -> Response:
         await _run(request, _record_failed(spec, errors))
     state = await _run(request, control.status_plan(spec.batch_id))
     assert state is not None
-    return JSONResponse(batch_object(state))
+    return JSONResponse(batch_object(state), headers=marks)
 
 
 def _record_failed(spec: BatchSpec, errors: list[dict[str, Any]]) -> Plan[None]:

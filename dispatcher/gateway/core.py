@@ -39,7 +39,16 @@ from dispatcher.aio import AsyncFleet, AsyncFleetJob
 from dispatcher.gateway.settings import ServeSettings
 from dispatcher.plans import run_async
 from dispatcher.rules import new_job_id
-from dispatcher.tenants import LimitReached, Limits, NeverAdmitted, admit_plan, release_plan
+from dispatcher.tenants import (
+    BudgetReached,
+    LimitReached,
+    Limits,
+    NeverAdmitted,
+    Spenders,
+    admit_plan,
+    budget_plan,
+    release_plan,
+)
 
 log = logging.getLogger("fleet.gateway")
 REFRESH_INTERVAL = 1.0  # seconds between reads of the workers' status hashes
@@ -137,6 +146,7 @@ class Caller:
     tenant: str
     admin: bool = False
     operator: bool = False
+    key: str | None = None  # one of the tenant's named keys (its own budgets)
 
     @property
     def owner(self) -> str:
@@ -373,10 +383,11 @@ class Gateway:
         return pool
 
     async def submit(self, pool: str, requests: list[dict[str, Any]], priority: str,
-                     caller: Caller = OPEN) -> list[AsyncFleetJob]:
+                     caller: Caller = OPEN) -> tuple[list[AsyncFleetJob], dict[str, str]]:
         """Admit and enqueue a request's jobs (one per choice) as `caller`'s tenant. 503 without a
         live worker for the pool, 429 when more than `max_queue` of the tenant's jobs wait in it
-        or a tenant limit is reached, 400 for a bad field."""
+        or a tenant limit or hard budget is reached, 400 for a bad field. Returns the jobs and the
+        headers marking a soft budget passed."""
         if priority not in PRIORITIES:
             raise ApiError(400, f"X-Fleet-Priority must be one of {', '.join(PRIORITIES)}, not "
                            f"'{shown(priority)}'", param="X-Fleet-Priority", code="invalid_priority")
@@ -401,8 +412,11 @@ class Gateway:
                            f"(limit {limit}); retry later",
                            code="queue_full", headers={"Retry-After": str(self.settings.gateway.retry_after)})
         ids = [new_job_id() for _ in requests]
+        marks = await self.check_budgets(caller, tenant)
         await self._admit(caller.tenant, tenant, ids)
         named = {} if caller.tenant == DEFAULT_TENANT else {"tenant": caller.tenant}
+        if caller.key is not None:
+            named["key_name"] = caller.key
         jobs: list[AsyncFleetJob] = []
         try:
             for fields, job_id in zip(requests, ids, strict=True):
@@ -416,7 +430,7 @@ class Gateway:
             raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
         if not self.live_workers.get(pool):  # scale from zero: the queued jobs start a worker
             await self.wait_for_worker(pool, jobs)
-        return jobs
+        return jobs, marks
 
     def refuse_too_big(self, pool: str) -> None:
         """422 when every live worker serving `pool` says its model could never load there (the
@@ -448,6 +462,22 @@ class Gateway:
             raise ApiError(503, f"no worker serving pool '{pool}' started within "
                            f"{self.settings.gateway.cold_start_wait:g}s (gateway.cold_start_wait)",
                            code="no_workers")
+
+    async def check_budgets(self, caller: Caller, tenant: TenantSettings | None) -> dict[str, str]:
+        """The one check of a tenant's budgets (and its named key's), for every route that starts
+        jobs (and a batch's creation): 429 naming a hard budget reached, with its reset time; the
+        headers that mark an answer past a soft one."""
+        if tenant is None:
+            return {}
+        named = tenant.keys.get(caller.key) if caller.key is not None else None
+        spenders: Spenders = [(None, tenant.budgets)] + ([(caller.key, named.budgets)] if named else [])
+        try:
+            return await run_async(self.fleet.redis, budget_plan(caller.tenant, spenders))
+        except BudgetReached as e:
+            raise ApiError(429, str(e), code="budget_exceeded", param="budget", kind="tokens",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except OUTAGE_ERRORS:
+            raise ApiError(503, "the fleet's Redis is unreachable", code="redis_unavailable") from None
 
     async def _admit(self, name: str, tenant: TenantSettings | None, ids: list[str]) -> None:
         """Reserve the jobs under the tenant's limits (429 naming the limit, OpenAI's shape; 400
@@ -505,7 +535,7 @@ def caller_keys(settings: GatewaySettings) -> list[tuple[bytes, Caller]]:
     flat_operator = not settings.tenants and not settings.admin_keys
     keys = [(k, Caller(DEFAULT_TENANT, operator=flat_operator)) for k in settings.api_keys]
     keys += [(k, Caller(DEFAULT_TENANT, admin=True, operator=True)) for k in settings.admin_keys]
-    keys += [(k, Caller(name)) for name, t in settings.tenants.items() for k in t.api_keys]
+    keys += [(k, Caller(name, key=key)) for name, t in settings.tenants.items() for k, key in t.all_keys()]
     return [(k.get_secret_value().encode(), caller) for k, caller in keys]
 
 

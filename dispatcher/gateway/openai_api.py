@@ -117,12 +117,12 @@ async def _complete(request: Request, chat: bool) -> Response:
 
 async def submit(request: Request, pool: str,
                  requests: list[dict[str, Any]]) -> tuple[list[AsyncFleetJob], dict[str, str]]:
-    """The request's jobs, submitted for its caller at its X-Fleet-Priority, and the header that
-    names them on every answer (errors included)."""
+    """The request's jobs, submitted for its caller at its X-Fleet-Priority, and the headers for
+    every answer (errors included): the one that names them, and a soft budget's marks."""
     gw: Gateway = request.app.state.gateway
     priority = request.headers.get("x-fleet-priority", "default")
-    jobs = await gw.submit(pool, requests, priority, request.state.caller)
-    return jobs, {"X-Fleet-Job-Id": ",".join(j.id for j in jobs)}
+    jobs, marks = await gw.submit(pool, requests, priority, request.state.caller)
+    return jobs, {"X-Fleet-Job-Id": ",".join(j.id for j in jobs), **marks}
 
 
 class OneJobReply(Protocol):

@@ -51,6 +51,7 @@ TENANT_COUNTERS = [  # usage field, metric name, help
     ("cached_tokens", "cached_prompt_tokens", "Prompt tokens of a tenant's ended jobs found in the KV cache"),
     ("failed", "jobs_failed", "A tenant's jobs that failed"),
     ("queue_ms", "queue_wait_seconds", "Seconds a tenant's ended jobs waited in the queue"),
+    ("over_budget", "over_budget_requests", "Requests of a tenant served past a soft budget"),
 ]
 
 

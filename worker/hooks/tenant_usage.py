@@ -1,9 +1,9 @@
 """The tenants concern (a hook: worker/hooks/__init__.py): a job lets go of its tenant's admission places
 as it starts and ends, and its ending counts into the tenant's usage (requests, tokens, cached
-prompt tokens, queue wait, failures: this hour's hash) and this minute's tokens (what
-`tokens_per_minute` admits against), all in the same MULTI as the job's own writes, so each is
-counted exactly once. Jobs naming no tenant count as the default tenant's. Keys:
-dispatcher/tenants.py, backends/contract/keys.py."""
+prompt tokens, queue wait, failures: this hour's hash), this minute's tokens (what
+`tokens_per_minute` admits against) and today's spend (what budgets sum), all in the same MULTI
+as the job's own writes, so each is counted exactly once. Jobs naming no tenant count as the
+default tenant's. Keys: dispatcher/tenants.py, backends/contract/keys.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from backends.contract.keys import (
     tenant_rate_prefix,
     usage_key,
 )
+from backends.contract.lua import queue_script
 from worker.job import tenant_of
 
 if TYPE_CHECKING:
@@ -52,6 +53,11 @@ class TenantUsage:
             rate = f"{tenant_rate_prefix(tenant)}:{int(now // 60)}"
             pipe.hincrby(rate, "tokens", counts["prompt_tokens"] + counts["completion_tokens"])
             pipe.expire(rate, RATE_TTL)
+            named = job.request.key_name if job.request is not None else None
+            for spender in {None, named}:  # the tenant's, and its named key's
+                queue_script(pipe, queue_model.COUNT_SPEND, *queue_model.count_spend_call(
+                    tenant, spender, counts["prompt_tokens"], counts["cached_tokens"],
+                    counts["completion_tokens"]))
         for usage in (usage_key(tenant, int(now // 3600)), usage_key(tenant, "total")):
             for field, n in counts.items():
                 pipe.hincrby(usage, field, n)

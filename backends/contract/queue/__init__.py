@@ -13,6 +13,8 @@ producers and the workers alike.
 | end an RQ cancel | `end_rq_cancel.lua` (`end_rq_cancel_call`) | the workers' housekeeping |
 | end | a hook in the worker's final MULTI (worker/hooks/tenant_usage.py: `release_calls`' keys) | worker |
 | correct a charge | `fair_correct.lua` (`fair.correct_call`) | worker, in the end's MULTI (fair_share hook) |
+| count spend | `count_spend.lua` (`count_spend_call`), in the same final MULTI | worker |
+| read spend | `spent.lua` (`spent_call`, periods in `periods.lua`) | gateway (budgets), `fleet usage` |
 
 Every script starts with the prelude (`scripts.py`): key names rendered from keys.py and the
 shared rules (which tenant a queue is, how a tenant's job joins its queue and the fair share,
@@ -29,6 +31,7 @@ from backends.contract.keys import (
     USAGE_TENANTS,
     fair_key,
     job_key,
+    spend_prefix,
     stream_key,
     tenant_open_key,
     tenant_queue_name,
@@ -58,6 +61,8 @@ REQUEUE = queue_script("requeue.lua")
 CANCEL_QUEUED = queue_script("cancel_queued.lua")
 END_RQ_CANCEL = queue_script("end_rq_cancel.lua")
 ADMIT = queue_script("admit.lua")
+SPENT = queue_script("periods.lua", "spent.lua")
+COUNT_SPEND = queue_script("count_spend.lua")
 
 KeysArgs = tuple[list[str], list[Any]]
 
@@ -112,6 +117,16 @@ def admit_call(tenant: str, job_ids: list[str], *, max_concurrent: int, max_queu
             usage_prefix(tenant), USAGE_TENANTS]
     return keys, [len(job_ids), max_concurrent, max_queued, requests_per_minute, tokens_per_minute,
                   lifetime_ms, tenant, *job_ids]
+
+
+def spent_call(tenant: str, key: str | None, periods: list[tuple[str, bool]]) -> KeysArgs:
+    """A tenant's (or one of its named keys') spend over each (period, rolling) on Redis's clock
+    (the script's header)."""
+    return [spend_prefix(tenant, key)], [a for period, rolling in periods for a in (period, int(rolling))]
+
+
+def count_spend_call(tenant: str, key: str | None, prompt: int, cached: int, completion: int) -> KeysArgs:
+    return [spend_prefix(tenant, key)], [prompt, cached, completion]
 
 
 def places_keys(tenant: str) -> tuple[str, str]:
