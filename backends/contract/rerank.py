@@ -39,6 +39,7 @@ class RerankRequest(BaseModel):
     documents: list[str] = Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)
     instruction: str = Field(DEFAULT_INSTRUCTION, min_length=1, max_length=MAX_PROMPT_CHARS)
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
+    key_name: str | None = Field(None, pattern=TENANT_PATTERN)  # the tenant's named key (its budgets)
 
     @field_validator("documents")
     @classmethod

@@ -64,8 +64,9 @@ class FileAndEnvSettings(BaseSettings):
 # FleetSettings' fields).
 OTHER_PARTS_KEYS = frozenset({
     "name", "backend", "cpus", "numa_node", "heartbeat_interval", "max_attempts", "reserved_slots",
-    "batch_share", "placement", "stream_interval", "drain_grace", "stall_limit", "reconcile_interval",
-    "observe", "health_file", "gateway", "serve_models", "memory_budget_mb", "second_copy_after",
+    "batch_share", "placement", "stream_interval", "drain_grace", "start_nice", "stall_limit",
+    "reconcile_interval", "observe", "health_file", "gateway", "serve_models", "memory_budget_mb",
+    "second_copy_after",
 })
 
 
