@@ -5,6 +5,10 @@ gateway and the CLI. Each entry names a GGUF file and the options of that model'
 for it is an ordinary job on that pool's queues: tenants, priorities, cancels and requeues work
 per model as they work per pool.
 
+An entry's file may come from a URL (`url`, HTTP(S) or a Hugging Face resolve URL, with its
+`sha256`): a worker that lacks it fetches it on first need (backends/fetch.py); with no `path`
+the file is `<model_cache_dir>/<sha256>.gguf` on each host, so copies of one file share it.
+
 Keep-alive durations are read as Ollama reads them (a number of seconds, or a Go duration such as
 "5m", "1h30m"); a negative one keeps the model loaded for good.
 """
@@ -17,8 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+SHA256 = r"^[0-9a-f]{64}$"
+URL = r"^https?://[^\s]+$"
 POOL_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 KEEP_ALIVE = 300.0  # Ollama's default: a model idle 5 minutes is unloaded
 FOREVER = -1.0
@@ -63,7 +69,11 @@ class ModelEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: Path = Field(description="the GGUF file")
+    path: Path = Field(description="the GGUF file (with `url` and none: <model_cache_dir>/<sha256>.gguf)")
+    url: str | None = Field(None, pattern=URL, max_length=2048, description="where a worker lacking the "
+                            "file fetches it (HTTP(S), a Hugging Face resolve URL); needs `sha256`")
+    sha256: str | None = Field(None, pattern=SHA256, description="the file's sha256 (hex), checked "
+                               "before a fetched file is used")
     pool: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="the pool its jobs wait "
                              "in; None: the name, made a pool name")
     n_ctx_per_seq: int | None = Field(None, ge=16, description="tokens one job may hold")
@@ -85,8 +95,26 @@ class ModelEntry(BaseModel):
             raise ValueError("a number of seconds or a duration such as \"5m\" or \"1h30m\"")
         return seconds
 
+    @model_validator(mode="after")
+    def _url_has_digest(self) -> ModelEntry:
+        if self.url is not None and self.sha256 is None:
+            raise ValueError("a model with a `url` needs its `sha256`: a fetched file is checked before use")
+        return self
+
     def pool_of(self, name: str) -> str:
         return self.pool or model_pool(name)
+
+
+def with_paths(raw: Any, cache: Path) -> Any:
+    """The catalogue's raw entries, each fetched one without a `path` given its file in `cache`."""
+    if not isinstance(raw, dict):
+        return raw
+    out = {}
+    for name, entry in raw.items():
+        if isinstance(entry, dict) and entry.get("path") is None and isinstance(entry.get("sha256"), str):
+            entry = {**entry, "path": cache / f"{entry['sha256']}.gguf"}
+        out[name] = entry
+    return out
 
 
 def shown_pool(pool: str, models: dict[str, ModelEntry]) -> str:
