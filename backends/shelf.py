@@ -148,6 +148,30 @@ class ModelShelf:
         self._failed: dict[str, tuple[FileVersion, float, str]] = {}  # model -> (its file, when, why)
         self.on_fetch: Callable[[str, int, int], None] | None = None  # (model, bytes done, total)
 
+    def adopt(self, models: Mapping[str, ModelEntry], pools: Mapping[str, str]) -> list[str]:
+        """The catalogue changed live: serve `models` from now on. A model gone (or changed) is
+        unloaded once idle; one with running jobs stays until they end (its names, to try again)."""
+        kept = []
+        for name in list(self.entries):
+            if models.get(name) == self.entries[name] and pools.get(name) == self.entries[name].pool_of(name):
+                continue
+            held = self.held.get(name)
+            if held is not None and held.jobs:
+                kept.append(name)
+                continue
+            if held is not None:
+                self.unload(name, "the catalogue changed")
+            del self.entries[name], self.settings[name]
+            self._needs.pop(name, None)
+            self._failed.pop(name, None)
+        for name, entry in models.items():
+            if name not in self.entries:
+                self.entries[name] = entry
+                self.settings[name] = self._settings_of(entry)
+        self.pool_model = {pools[n] if n in pools else e.pool_of(n): n for n, e in self.entries.items()}
+        self.slots = max((s.slots for s in self.settings.values()), default=self.base.slots)
+        return kept
+
     # -- what a model's copy is -------------------------------------------------------------------
 
     def _settings_of(self, entry: ModelEntry) -> EngineSettings:

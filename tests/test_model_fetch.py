@@ -7,17 +7,21 @@ need and answers, or fails the job saying expected vs got."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from redis import Redis
 
+from backends.contract.keys import CATALOGUE_KEY
 from backends.fetch import FetchError, fetch, partial_of
 from backends.model import default_model_path, file_digest
 from dispatcher.client import Fleet
+from ecosystem.local.processes import wait_for, wait_until_healthy
 from tests.model_server import model_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -131,3 +135,102 @@ def test_a_worker_fetches_its_model_on_first_need(workers: Any, redis_url: str, 
             Fleet(redis_url, pool="bad").submit(prompt="Say hi.", max_tokens=4).result(timeout=240)
     assert f"expected {'f' * 64}, got {digest}" in str(err.value), err.value
     assert not (cache / f"{'f' * 64}.gguf").exists()
+
+
+# -- the live catalogue through the gateway: pull, copy, delete ------------------------------------------
+
+KEYS = {"gateway__admin_keys": ["key-admin"], "gateway__tenants": {"acme": {"api_keys": ["key-acme"]}}}
+
+
+def ndjson(response: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+
+def tags(url: str) -> set[str]:
+    return {m["name"] for m in httpx.get(f"{url}/api/tags", timeout=30).json()["models"]}
+
+
+def answering(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/api/version", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_only_an_operator_changes_the_catalogue_and_bad_bodies_are_named(gateways: Any, redis: Redis,
+                                                                         tmp_path: Path) -> None:
+    gw = gateways.start(**KEYS, model_cache_dir=str(tmp_path))
+    wait_for(lambda: answering(gw.url), 30, "the gateway to answer")  # no worker: not healthy
+    tenant, admin = {"Authorization": "Bearer key-acme"}, {"Authorization": "Bearer key-admin"}
+    calls = [("POST", "/api/pull", {"model": "x", "url": "http://h/x.gguf", "sha256": "a" * 64}),
+             ("POST", "/api/copy", {"source": "x", "destination": "y"}),
+             ("DELETE", "/api/delete", {"model": "x"})]
+    for method, path, body in calls:
+        r = httpx.request(method, gw.url + path, json=body, headers=tenant, timeout=30)
+        assert r.status_code == 403 and "operator" in r.json()["error"], (path, r.text)
+    assert redis.hgetall(CATALOGUE_KEY) == {}
+    bad = [({"model": "x", "url": "ftp://h/x", "sha256": "a" * 64}, "url"),
+           ({"model": "x", "url": "http://h/x.gguf"}, "sha256"),
+           ({"model": "x", "url": "http://h/x.gguf", "sha256": "../../etc/passwd"}, "sha256"),
+           ({"model": "x", "url": "http://h/x.gguf", "sha256": "a" * 64, "slots": -1}, "slots"),
+           ({"model": ""}, "model"), ({"model": "nope"}, "not in the catalogue")]
+    for body, named in bad:
+        r = httpx.post(f"{gw.url}/api/pull", json=body, headers=admin, timeout=30)
+        assert 400 <= r.status_code < 500 and named in r.json()["error"], (body, r.status_code, r.text)
+    r = httpx.request("DELETE", f"{gw.url}/api/delete", json={"model": "nope"}, headers=admin, timeout=30)
+    assert r.status_code == 404, r.text
+    assert redis.hgetall(CATALOGUE_KEY) == {}
+
+
+@pytest.mark.model
+def test_pull_copy_delete_live_through_the_gateway(workers: Any, gateways: Any, redis: Redis,
+                                                   tmp_path: Path, gguf: tuple[Path, str]) -> None:
+    """The ollama client pulls a catalogue model from its URL (a cut transfer resumed on the way)
+    with progress; an operator adds one by URL; copy and delete are seen by a second gateway too;
+    a chat answers on the pulled model; a wrong sha256 is the pull's error; no process restarts."""
+    import ollama
+
+    path, digest = gguf
+    size = path.stat().st_size
+    with model_server({"/gemma.gguf": path}) as server:
+        server.cut_after["/gemma.gguf"] = size // 3
+        url = f"{server.url}/gemma.gguf"
+        models = {"base": {"path": str(path)}, "remote": {"url": url, "sha256": digest}}
+        cache = {"model_cache_dir": str(tmp_path / "models")}
+        workers.start("w1", models=models, backend__slots=2, **cache)
+        gw, other = gateways.start(models=models, **cache), gateways.start(models=models, **cache)
+        wait_until_healthy(gw)
+        wait_until_healthy(other)
+        client = ollama.Client(host=gw.url)
+        progress = list(client.pull("remote", stream=True))
+        assert progress[0].status == "pulling manifest" and progress[-1].status == "success", progress
+        sizes = [(p.completed, p.total) for p in progress if p.total]
+        assert sizes and sizes[-1] == (size, size) and len(sizes) >= 2, sizes
+        assert [r.range is not None for r in server.requests] == [False, True]  # cut, then resumed
+        answer = client.chat(model="remote", messages=[{"role": "user", "content": "Say hi."}],
+                             options={"num_predict": 4, "temperature": 0})
+        assert answer.message.content, answer
+        # added by URL: the same file, so no second download; stream false answers once
+        r = httpx.post(f"{gw.url}/api/pull", json={"model": "added", "url": url, "sha256": digest,
+                                                    "stream": False}, timeout=240)
+        assert r.json() == {"status": "success"}, r.text
+        assert len(server.requests) == 2
+        wait_for(lambda: "added" in tags(other.url), 5, "the other gateway lists the added model")
+        client.copy("added", "added-copy")
+        wait_for(lambda: "added-copy" in tags(other.url), 5, "the other gateway lists the copy")
+        chat = ollama.Client(host=other.url).chat(model="added-copy", options={"num_predict": 2},
+                                                  messages=[{"role": "user", "content": "Hi"}])
+        assert chat.message.content is not None
+        client.delete("added-copy")
+        client.delete("remote")  # a config file's model: gone from the live catalogue too
+        assert {"added-copy", "remote"}.isdisjoint(tags(gw.url))
+        wait_for(lambda: {"added-copy", "remote"}.isdisjoint(tags(other.url)), 5, "deleted everywhere")
+        with pytest.raises(ollama.ResponseError) as gone:
+            client.chat(model="added-copy", messages=[{"role": "user", "content": "Hi"}])
+        assert gone.value.status_code == 404
+        wrong = httpx.post(f"{gw.url}/api/pull", json={"model": "bad", "url": url, "sha256": "f" * 64},
+                           timeout=240)
+        lines = ndjson(wrong)
+        assert "error" in lines[-1] and f"expected {'f' * 64}, got {digest}" in lines[-1]["error"], lines
+        failed = httpx.post(f"{gw.url}/api/pull", json={"model": "bad", "stream": False}, timeout=240)
+        assert failed.status_code == 400 and "sha256 mismatch" in failed.json()["error"], failed.text

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,37 @@ def with_paths(raw: Any, cache: Path) -> Any:
         if isinstance(entry, dict) and entry.get("path") is None and isinstance(entry.get("sha256"), str):
             entry = {**entry, "path": cache / f"{entry['sha256']}.gguf"}
         out[name] = entry
+    return out
+
+
+def live_models(config: dict[str, ModelEntry], raw: Mapping[Any, Any], cache: Path) -> dict[str, ModelEntry]:
+    """The catalogue now: the config file's models with the live changes (CATALOGUE_KEY's hash)
+    over them: an entry added or replaced, `null` a config model deleted. An entry that no longer
+    validates (written by another version) is left out rather than stop a process."""
+    models = dict(config)
+    for key, value in raw.items():
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        try:
+            entry = json.loads(value)
+            if entry is None:
+                models.pop(name, None)
+                continue
+            models[name] = ModelEntry.model_validate(with_paths({name: entry}, cache)[name])
+        except ValueError:
+            continue
+    try:
+        model_pools(models)
+    except ValueError:  # two live entries in one pool (a race of two writers): the config's alone
+        return dict(config)
+    return models
+
+
+def stored_entry(entry: ModelEntry, cache: Path) -> dict[str, Any]:
+    """An entry as the live catalogue keeps it: a fetched file's path left out when it is the
+    cache's default, so each host puts it in its own cache."""
+    out = entry.model_dump(mode="json", exclude_defaults=True)
+    if entry.sha256 is not None and entry.path == cache / f"{entry.sha256}.gguf":
+        out.pop("path", None)
     return out
 
 

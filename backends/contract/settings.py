@@ -71,6 +71,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLEET_CACHE_DIR") or Path.home() / ".cache" / "llama-fleet")
 
 
+def models_dir(setting: Path | None) -> Path:
+    return setting or cache_dir() / "models"
+
+
 # Top-level keys of the one worker-config.json that parts above the producers own: the worker's
 # (worker/settings.py FleetSettings) and the gateway's section. The contract cannot import those
 # models, so it knows their names (tests/test_config_one_file.py keeps the list equal to
@@ -106,7 +110,11 @@ class ProducerSettings(FileAndEnvSettings):
     @field_validator("models", mode="before")
     @classmethod
     def _fetched_files_cached(cls, v: Any, info: ValidationInfo) -> Any:
-        return with_paths(v, info.data.get("model_cache_dir") or cache_dir() / "models")
+        return with_paths(v, models_dir(info.data.get("model_cache_dir")))
+
+    def models_dir(self) -> Path:
+        """Where this host keeps the catalogue's fetched files."""
+        return models_dir(self.model_cache_dir)
 
     @field_validator("models")
     @classmethod

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from backends.contract.catalogue import model_pools
+from backends.contract.catalogue import ModelEntry, model_pools
 from backends.contract.gateway_settings import GatewaySettings
 from backends.contract.settings import ProducerSettings, load
 
@@ -19,10 +19,12 @@ class ServeSettings(ProducerSettings):
 
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
-    def model_pools(self) -> dict[str, str]:
-        """Model name -> pool, as the API lists them: the catalogue's models (each in its own pool)
-        and `gateway.models`; without either, the fleet's pool by its name."""
-        return {**model_pools(self.models), **self.gateway.models} or {self.pool: self.pool}
+    def model_pools(self, catalogue: dict[str, ModelEntry] | None = None) -> dict[str, str]:
+        """Model name -> pool, as the API lists them: the catalogue's models (each in its own pool;
+        `catalogue`: the live one, else the config's) and `gateway.models`; without either, the
+        fleet's pool by its name."""
+        models = self.models if catalogue is None else catalogue
+        return {**model_pools(models), **self.gateway.models} or {self.pool: self.pool}
 
 
 def load_serve_settings(config: str | None = None, **overrides: Any) -> ServeSettings:
