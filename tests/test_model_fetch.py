@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -174,9 +176,9 @@ def test_only_an_operator_changes_the_catalogue_and_bad_bodies_are_named(gateway
            ({"model": "x", "url": "http://h/x.gguf", "sha256": "../../etc/passwd"}, "sha256"),
            ({"model": "x", "url": "http://h/x.gguf", "sha256": "a" * 64, "slots": -1}, "slots"),
            ({"model": ""}, "model"), ({"model": "nope"}, "not in the catalogue")]
-    for body, named in bad:
-        r = httpx.post(f"{gw.url}/api/pull", json=body, headers=admin, timeout=30)
-        assert 400 <= r.status_code < 500 and named in r.json()["error"], (body, r.status_code, r.text)
+    for payload, named in bad:
+        r = httpx.post(f"{gw.url}/api/pull", json=payload, headers=admin, timeout=30)
+        assert 400 <= r.status_code < 500 and named in r.json()["error"], (payload, r.status_code, r.text)
     r = httpx.request("DELETE", f"{gw.url}/api/delete", json={"model": "nope"}, headers=admin, timeout=30)
     assert r.status_code == 404, r.text
     assert redis.hgetall(CATALOGUE_KEY) == {}
@@ -234,3 +236,20 @@ def test_pull_copy_delete_live_through_the_gateway(workers: Any, gateways: Any, 
         assert "error" in lines[-1] and f"expected {'f' * 64}, got {digest}" in lines[-1]["error"], lines
         failed = httpx.post(f"{gw.url}/api/pull", json={"model": "bad", "stream": False}, timeout=240)
         assert failed.status_code == 400 and "sha256 mismatch" in failed.json()["error"], failed.text
+        # the same through `fleet models`
+        pulled = fleet_models(gw.url, "pull", "by-cli", "--from", url, "--sha256", digest)
+        assert pulled.returncode == 0 and "success" in pulled.stderr, pulled.stderr
+        assert fleet_models(gw.url, "cp", "by-cli", "by-cli-2").returncode == 0
+        assert {"by-cli", "by-cli-2"} <= set(fleet_models(gw.url, "ls").stdout.split())
+        assert fleet_models(gw.url, "rm", "by-cli-2").returncode == 0
+        assert "by-cli-2" not in tags(gw.url)
+        refused = fleet_models(gw.url, "pull", "bad-cli", "--from", url, "--sha256", "e" * 64)
+        assert refused.returncode == 1, refused.stderr
+        assert f"expected {'e' * 64}, got {digest}" in refused.stderr.replace("\n", ""), refused.stderr
+        gone = fleet_models(gw.url, "rm", "nothing-such")
+        assert gone.returncode == 1 and "not in the catalogue" in gone.stderr, gone.stderr
+
+
+def fleet_models(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ecosystem.cli", "models", *args, "--url", url],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
