@@ -246,8 +246,8 @@ def test_pull_copy_delete_live_through_the_gateway(workers: Any, gateways: Any, 
         refused = fleet_models(gw.url, "pull", "bad-cli", "--from", url, "--sha256", "e" * 64)
         assert refused.returncode == 1, refused.stderr
         assert f"expected {'e' * 64}, got {digest}" in refused.stderr.replace("\n", ""), refused.stderr
-        gone = fleet_models(gw.url, "rm", "nothing-such")
-        assert gone.returncode == 1 and "not in the catalogue" in gone.stderr, gone.stderr
+        unknown = fleet_models(gw.url, "rm", "nothing-such")
+        assert unknown.returncode == 1 and "not in the catalogue" in unknown.stderr, unknown.stderr
 
 
 def fleet_models(url: str, *args: str) -> subprocess.CompletedProcess[str]:
