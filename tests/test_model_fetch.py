@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import httpx
 import pytest
 from redis import Redis
 
-from backends.contract.keys import CATALOGUE_KEY
+from backends.contract.keys import CATALOGUE_KEY, worker_key
 from backends.fetch import FetchError, fetch, partial_of
 from backends.model import default_model_path, file_digest
 from dispatcher.client import Fleet
@@ -253,3 +254,36 @@ def test_pull_copy_delete_live_through_the_gateway(workers: Any, gateways: Any, 
 def fleet_models(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ecosystem.cli", "models", *args, "--url", url],
                           capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.mark.model
+def test_a_worker_left_with_no_model_stays_and_serves_one_pulled_later(workers: Any, gateways: Any,
+                                                                        redis: Redis, tmp_path: Path,
+                                                                        gguf: tuple[Path, str]) -> None:
+    """Every model deleted: the worker lives on serving none (its status says so); a model pulled
+    then is served by the same process."""
+    import ollama
+
+    path, digest = gguf
+    models = {"base": {"path": str(path)}}
+    w = workers.start("w1", models=models, model_cache_dir=str(tmp_path / "models"))
+    gw = gateways.start(models=models)
+    wait_until_healthy(gw)
+    client = ollama.Client(host=gw.url)
+    assert client.generate(model="base", prompt="Hi", options={"num_predict": 2}).done
+    client.delete("base")
+    wait_for(lambda: worker_pools(redis, "w1") == [], 10, "the worker serves no model")
+    time.sleep(2)  # idle waits with no model to wake it
+    assert w.alive() and worker_pools(redis, "w1") == []
+    assert "worker loop error" not in w.log.read_text()  # its idle wait works with no model
+    with model_server({"/gemma.gguf": path}) as server:
+        r = httpx.post(f"{gw.url}/api/pull", json={"model": "back", "url": f"{server.url}/gemma.gguf",
+                                                    "sha256": digest, "stream": False}, timeout=240)
+        assert r.json() == {"status": "success"}, r.text
+    assert worker_pools(redis, "w1") == ["back"]
+    assert client.generate(model="back", prompt="Hi", options={"num_predict": 2}).done
+
+
+def worker_pools(redis: Redis, name: str) -> list[str] | None:
+    raw = redis.hget(worker_key(name), "pools")
+    return None if raw is None else json.loads(raw)

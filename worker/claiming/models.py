@@ -93,7 +93,7 @@ class ModelClaims:
                  settings: FleetSettings | None = None) -> None:
         self.redis, self.claimer, self.shelf, self.name = redis, claimer, shelf, name
         self.settings = settings  # its catalogue and serve_models: the live catalogue over them
-        self._catalogue_raw: dict[Any, Any] | None = None
+        self._catalogue_raw: dict[Any, Any] | None = {}  # at start: the config's catalogue alone
         self._catalogue_at = 0.0
         self._fetch_said = 0.0
         shelf.on_fetch = self._fetching
@@ -149,7 +149,9 @@ class ModelClaims:
         self._catalogue_raw = None if kept else raw  # a model with running jobs goes later
         self.pools[:] = list(self.shelf.pool_model)  # in place: the status and the loop hold these lists
         self.queues[:] = [q for p in self.pools for q in queue_names(p)]
-        self.wake_keys[:] = [k for p in self.pools for k in (wake_key(p), worker_wake_key(p, self.name))]
+        # with no model left, a key nobody pushes to: the idle wait (BLPOP) needs one
+        self.wake_keys[:] = ([k for p in self.pools for k in (wake_key(p), worker_wake_key(p, self.name))]
+                             or [worker_wake_key(s.pool, self.name)])
         self.claimer.serve(self.pools)
         self.cannot_hold = self.shelf.cannot_hold()
         self.changed.set()
