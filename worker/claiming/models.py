@@ -21,6 +21,7 @@ by the holders' claims: the gateway's `/api/ps` reads it too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -52,6 +53,7 @@ from backends.contract.keys import (
     worker_wake_key,
 )
 from backends.contract.lua import EXTEND_LOCK, RELEASE_LOCK, queue_script
+from backends.contract.retry import OUTAGE_ERRORS
 from backends.llamacpp.kv_store import store_id
 from backends.llamacpp_settings import kv_store_section
 from backends.shelf import ModelShelf
@@ -164,7 +166,8 @@ class ModelClaims:
             return
         self._fetch_said = now
         key = model_fetch_key(self.shelf.entries[model].pool_of(model))
-        with self.redis.pipeline(transaction=False) as pipe:
+        # only a view of the fetch: Redis away must not cut the transfer
+        with contextlib.suppress(*OUTAGE_ERRORS), self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(key, mapping={"completed": done, "total": total, "worker": self.name})
             pipe.expire(key, MODEL_FETCH_TTL)
             pipe.execute()
