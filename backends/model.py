@@ -9,10 +9,7 @@ import json
 import os
 from pathlib import Path
 
-
-def cache_dir() -> Path:
-    """$FLEET_CACHE_DIR, else ~/.cache/llama-fleet (models, llama-server builds, PM2)."""
-    return Path(os.environ.get("FLEET_CACHE_DIR") or Path.home() / ".cache" / "llama-fleet")
+from backends.contract.settings import cache_dir as cache_dir  # its owner is the settings'
 
 
 def default_model_path() -> Path:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -49,6 +51,7 @@ from backends.base import (
 )
 from backends.contract.catalogue import FOREVER, ModelEntry
 from backends.contract.settings import EngineSettings
+from backends.fetch import FetchError, fetch
 from backends.gguf import GgufError, read_header
 
 log = logging.getLogger("fleet.worker")
@@ -145,6 +148,31 @@ class ModelShelf:
         self.proc = psutil.Process()
         self._needs: dict[str, tuple[FileVersion, int]] = {}  # model -> (its file then, its need)
         self._failed: dict[str, tuple[FileVersion, float, str]] = {}  # model -> (its file, when, why)
+        self.on_fetch: Callable[[str, int, int], None] | None = None  # (model, bytes done, total)
+
+    def adopt(self, models: Mapping[str, ModelEntry], pools: Mapping[str, str]) -> list[str]:
+        """The catalogue changed live: serve `models` from now on. A model gone (or changed) is
+        unloaded once idle; one with running jobs stays until they end (its names, to try again)."""
+        kept = []
+        for name in list(self.entries):
+            if models.get(name) == self.entries[name] and pools.get(name) == self.entries[name].pool_of(name):
+                continue
+            held = self.held.get(name)
+            if held is not None and held.jobs:
+                kept.append(name)
+                continue
+            if held is not None:
+                self.unload(name, "the catalogue changed")
+            del self.entries[name], self.settings[name]
+            self._needs.pop(name, None)
+            self._failed.pop(name, None)
+        for name, entry in models.items():
+            if name not in self.entries:
+                self.entries[name] = entry
+                self.settings[name] = self._settings_of(entry)
+        self.pool_model = {pools[n] if n in pools else e.pool_of(n): n for n, e in self.entries.items()}
+        self.slots = max((s.slots for s in self.settings.values()), default=self.base.slots)
+        return kept
 
     # -- what a model's copy is -------------------------------------------------------------------
 
@@ -201,6 +229,13 @@ class ModelShelf:
     def load(self, name: str) -> Loaded:
         if name in self.held:
             return self.held[name]
+        entry = self.entries[name]
+        failed = self._failed.get(name)
+        if (failed is not None and failed[0] == file_version(entry.path)
+                and time.monotonic() - failed[1] < FAILED_LOAD_HOLD):
+            raise JobRejected(failed[2])
+        if entry.url is not None and entry.sha256 is not None and not entry.path.exists():
+            self._fetch(name, entry.url, entry.sha256, entry.path)
         need = self.need_mb(name)
         for victim in sorted(self.held.values(), key=lambda m: m.last_used):  # least recently used first
             if self.used_mb() + need <= self.budget_mb:
@@ -210,11 +245,7 @@ class ModelShelf:
         if self.used_mb() + need > self.budget_mb:
             raise BackendUnavailable(f"model {name!r} needs ~{need} MB; {self.used_mb()} of this worker's "
                                      f"{self.budget_mb} MB are held by models with running jobs or pinned")
-        entry = self.entries[name]
         version = file_version(entry.path)
-        failed = self._failed.get(name)
-        if failed is not None and failed[0] == version and time.monotonic() - failed[1] < FAILED_LOAD_HOLD:
-            raise JobRejected(failed[2])
         rss, started = self.proc.memory_info().rss, time.monotonic()
         try:
             engine = self.make(self.settings[name])
@@ -231,6 +262,21 @@ class ModelShelf:
         self.loads += 1
         log.info("loaded model %s in %.2fs (~%d MB)", name, took, model.memory_mb)
         return model
+
+    def _fetch(self, name: str, url: str, sha256: str, path: Path) -> None:
+        """The model's file from its URL into this host's cache (in the loop's thread: the
+        worker's other streams pause for it, as for a load); a failure fails its jobs with why,
+        held FAILED_LOAD_HOLD seconds like a failed load."""
+        log.info("fetching model %s from its url into %s", name, path)
+        started = time.monotonic()
+        try:
+            hook = self.on_fetch
+            fetch(url, sha256, path, None if hook is None else functools.partial(hook, name))
+        except (FetchError, OSError) as e:
+            why = f"model {name!r} could not be fetched: {e}"
+            self._failed[name] = file_version(path), time.monotonic(), why
+            raise JobRejected(why) from e
+        log.info("fetched model %s in %.1fs", name, time.monotonic() - started)
 
     def unload(self, name: str, why: str) -> None:
         self.held[name].engine.close()

@@ -26,6 +26,7 @@ from backends.model import cached_digest, default_model_path, file_digest
 from backends.registry import engine_threads, make_backend
 from backends.shelf import ModelShelf
 from worker.assembly import job_hooks
+from worker.claiming.models import ModelClaims
 from worker.liveness.heartbeat import Heartbeat, clear_status, static_status
 from worker.liveness.reaper import Reaper, recover_own
 from worker.liveness.watchdog import Watchdog
@@ -78,6 +79,8 @@ def run_worker(settings: FleetSettings, redis: Redis, *, burst: bool = False) ->
     recover_own(redis, name, reaper)
 
     fw = FleetWorker(settings, backend, redis, name, link, hooks=hooks)
+    if isinstance(fw.claims, ModelClaims):
+        pools = fw.claims.pools  # the same list: the status shows the pools a live catalogue change gives
     fw.install_signal_handlers()
     card = model_card(backend, settings.backend)
     capabilities = (card or {}).get("capabilities")

@@ -5,6 +5,10 @@ gateway and the CLI. Each entry names a GGUF file and the options of that model'
 for it is an ordinary job on that pool's queues: tenants, priorities, cancels and requeues work
 per model as they work per pool.
 
+An entry's file may come from a URL (`url`, HTTP(S) or a Hugging Face resolve URL, with its
+`sha256`): a worker that lacks it fetches it on first need (backends/fetch.py); with no `path`
+the file is `<model_cache_dir>/<sha256>.gguf` on each host, so copies of one file share it.
+
 Keep-alive durations are read as Ollama reads them (a number of seconds, or a Go duration such as
 "5m", "1h30m"); a negative one keeps the model loaded for good.
 """
@@ -14,11 +18,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+SHA256 = r"^[0-9a-f]{64}$"
+URL = r"^https?://[^\s]+$"
 POOL_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 KEEP_ALIVE = 300.0  # Ollama's default: a model idle 5 minutes is unloaded
 FOREVER = -1.0
@@ -63,7 +70,11 @@ class ModelEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: Path = Field(description="the GGUF file")
+    path: Path = Field(description="the GGUF file (with `url` and none: <model_cache_dir>/<sha256>.gguf)")
+    url: str | None = Field(None, pattern=URL, max_length=2048, description="where a worker lacking the "
+                            "file fetches it (HTTP(S), a Hugging Face resolve URL); needs `sha256`")
+    sha256: str | None = Field(None, pattern=SHA256, description="the file's sha256 (hex), checked "
+                               "before a fetched file is used")
     pool: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="the pool its jobs wait "
                              "in; None: the name, made a pool name")
     n_ctx_per_seq: int | None = Field(None, ge=16, description="tokens one job may hold")
@@ -85,8 +96,57 @@ class ModelEntry(BaseModel):
             raise ValueError("a number of seconds or a duration such as \"5m\" or \"1h30m\"")
         return seconds
 
+    @model_validator(mode="after")
+    def _url_has_digest(self) -> ModelEntry:
+        if self.url is not None and self.sha256 is None:
+            raise ValueError("a model with a `url` needs its `sha256`: a fetched file is checked before use")
+        return self
+
     def pool_of(self, name: str) -> str:
         return self.pool or model_pool(name)
+
+
+def with_paths(raw: Any, cache: Path) -> Any:
+    """The catalogue's raw entries, each fetched one without a `path` given its file in `cache`."""
+    if not isinstance(raw, dict):
+        return raw
+    out = {}
+    for name, entry in raw.items():
+        if isinstance(entry, dict) and entry.get("path") is None and isinstance(entry.get("sha256"), str):
+            entry = {**entry, "path": cache / f"{entry['sha256']}.gguf"}
+        out[name] = entry
+    return out
+
+
+def live_models(config: dict[str, ModelEntry], raw: Mapping[Any, Any], cache: Path) -> dict[str, ModelEntry]:
+    """The catalogue now: the config file's models with the live changes (CATALOGUE_KEY's hash)
+    over them: an entry added or replaced, `null` a config model deleted. An entry that no longer
+    validates (written by another version) is left out rather than stop a process."""
+    models = dict(config)
+    for key, value in raw.items():
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        try:
+            entry = json.loads(value)
+            if entry is None:
+                models.pop(name, None)
+                continue
+            models[name] = ModelEntry.model_validate(with_paths({name: entry}, cache)[name])
+        except ValueError:
+            continue
+    try:
+        model_pools(models)
+    except ValueError:  # two live entries in one pool (a race of two writers): the config's alone
+        return dict(config)
+    return models
+
+
+def stored_entry(entry: ModelEntry, cache: Path) -> dict[str, Any]:
+    """An entry as the live catalogue keeps it: a fetched file's path left out when it is the
+    cache's default, so each host puts it in its own cache."""
+    out = entry.model_dump(mode="json", exclude_defaults=True)
+    if entry.sha256 is not None and entry.path == cache / f"{entry.sha256}.gguf":
+        out.pop("path", None)
+    return out
 
 
 def shown_pool(pool: str, models: dict[str, ModelEntry]) -> str:

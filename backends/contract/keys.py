@@ -222,6 +222,20 @@ def model_loading_key(pool: str) -> str:
     return f"fleet:loading:{pool}"
 
 
+CATALOGUE_KEY = "fleet:catalogue"
+"""hash model name -> JSON of its catalogue entry, or `null` for a config file's model deleted:
+the catalogue's live changes (`/api/pull`, `/api/copy`, `/api/delete`, `fleet models`), over each
+process's `models` setting (backends/contract/catalogue.py `live_models`). Configuration, kept
+with no TTL like the config file it overrides; each entry goes with its model's delete."""
+
+
+def model_fetch_key(pool: str) -> str:
+    """hash of the pool's model's fetch on the worker fetching it now: `completed`, `total`
+    (bytes), `worker`; what a pull streams as progress. TTL MODEL_FETCH_TTL, refreshed as bytes come."""
+    return f"fleet:fetch:{pool}"
+
+
+MODEL_FETCH_TTL = 30  # seconds
 MODEL_COPIES_TTL = 10  # seconds
 MODEL_HOLD_MS = 5000  # a copy's entry not refreshed this long is a worker that unloaded or died
 

@@ -16,7 +16,15 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -25,7 +33,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from backends.contract.catalogue import ModelEntry, model_pools
+from backends.contract.catalogue import ModelEntry, model_pools, with_paths
 from backends.contract.schema import SamplingDefaults
 
 _config_path: ContextVar[Path | None] = ContextVar("fleet_config_path", default=None)
@@ -58,6 +66,15 @@ class FileAndEnvSettings(BaseSettings):
         return tuple(sources)
 
 
+def cache_dir() -> Path:
+    """$FLEET_CACHE_DIR, else ~/.cache/llama-fleet (models, llama-server builds, PM2)."""
+    return Path(os.environ.get("FLEET_CACHE_DIR") or Path.home() / ".cache" / "llama-fleet")
+
+
+def models_dir(setting: Path | None) -> Path:
+    return setting or cache_dir() / "models"
+
+
 # Top-level keys of the one worker-config.json that parts above the producers own: the worker's
 # (worker/settings.py FleetSettings) and the gateway's section. The contract cannot import those
 # models, so it knows their names (tests/test_config_one_file.py keeps the list equal to
@@ -85,9 +102,20 @@ class ProducerSettings(FileAndEnvSettings):
     durability: Literal["primary", "replicated"] = Field(
         "primary", description="producers: submit returns once the primary has the job, or (replicated) "
         "once a replica has it too (Redis WAIT; docs/scale-out.md)")
+    model_cache_dir: Path | None = Field(None, description="where this host keeps the catalogue's fetched "
+                                         "files (a model with a `url`); None: <cache dir>/models")
     models: dict[str, ModelEntry] = Field(default_factory=dict, description="the model catalogue: name "
                                           "-> GGUF file and options (backends/contract/catalogue.py); "
                                           "each model waits in a pool of its own")
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _fetched_files_cached(cls, v: Any, info: ValidationInfo) -> Any:
+        return with_paths(v, models_dir(info.data.get("model_cache_dir")))
+
+    def models_dir(self) -> Path:
+        """Where this host keeps the catalogue's fetched files."""
+        return models_dir(self.model_cache_dir)
 
     @field_validator("models")
     @classmethod

@@ -45,6 +45,7 @@ from backends.contract.retry import OUTAGE_ERRORS
 from dispatcher.gateway import (
     anthropic_api,
     batch_api,
+    catalogue_api,
     embeddings_api,
     models_api,
     ollama_api,
@@ -375,6 +376,9 @@ def create_app(settings: ServeSettings) -> Starlette:
         Route("/models/load", guarded(models_api.router_load), methods=["POST"]),
         Route("/models/unload", guarded(models_api.router_unload), methods=["POST"]),
         Route("/api/show", guarded(ollama_show.show), methods=["POST"]),
+        Route("/api/pull", guarded(catalogue_api.pull), methods=["POST"]),  # operators only, as the next two
+        Route("/api/copy", guarded(catalogue_api.copy), methods=["POST"]),
+        Route("/api/delete", guarded(catalogue_api.delete), methods=["DELETE"]),
         Route("/api/version", ollama_api.version),  # Ollama clients probe it before anything else
         Route("/tokenize", guarded(tokenize_api.tokenize), methods=["POST"]),  # llama-server's
         Route("/detokenize", guarded(tokenize_api.detokenize), methods=["POST"]),

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.contract.catalogue import model_pools
+from backends.contract.catalogue import ModelEntry, live_models, model_pools, stored_entry
 from backends.contract.gateway_settings import GatewaySettings, TenantSettings
 from backends.contract.keys import (
+    CATALOGUE_KEY,
     UNLOADED_KEY,
     WORKERS_SET,
     queue_key,
@@ -170,12 +171,15 @@ class Served:
         return self.names[0]
 
 
-def catalogue_cards(settings: ServeSettings) -> dict[str, dict[str, Any]]:
+def catalogue_cards(models: dict[str, ModelEntry]) -> dict[str, dict[str, Any]]:
     """The catalogue's models' cards from their GGUF headers, by pool: true listings before any
-    worker loads them (a file this host cannot read has none)."""
+    worker loads them (a file this host cannot read has none: a fetched model not on this host)."""
     cards = {}
-    for name, pool in model_pools(settings.models).items():
-        entry = settings.models[name]
+    for name, pool in model_pools(models).items():
+        entry = models[name]
+        if entry.url is not None and not entry.path.exists():
+            cards[pool] = {"digest": entry.sha256 or "", "context_length": entry.n_ctx_per_seq or 0}
+            continue
         try:
             cards[pool] = {**file_card(entry.path), "context_length": entry.n_ctx_per_seq or 0,
                            "digest": cached_digest(entry.path) or "",
@@ -192,12 +196,14 @@ class Gateway:
                                 job_timeout=settings.job_timeout, queue_ttl=settings.queue_ttl,
                                 retry_for=5.0)
         self._fleets: dict[str, AsyncFleet] = {settings.pool: self.fleet}
+        self.live_catalogue = settings.models  # the config's, then the live one (CATALOGUE_KEY)
+        self._catalogue_raw: dict[bytes, bytes] = {}
         self.models = settings.model_pools()  # the configured names: name -> pool
         self.catalogue_pools = set(model_pools(settings.models).values())  # loaded and unloaded by workers
         # pool -> its model's Ollama-style name, as its live workers last said (kept when they go)
         self.model_names: dict[str, str] = {}
         # pool -> the last model card read of its workers; a catalogue model's from its file at first
-        self.cards: dict[str, dict[str, Any]] = catalogue_cards(settings)
+        self.cards: dict[str, dict[str, Any]] = catalogue_cards(settings.models)
         self.thinking_pools: set[str] = set()  # pools whose live workers' templates think
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
         self.pool_members: dict[str, list[str]] = {}  # pool -> the names of those workers
@@ -218,11 +224,12 @@ class Gateway:
     async def _learn_digests(self) -> None:
         """The sha256 of each catalogue file not yet cached, read on a thread (a large file takes
         seconds; listings show none meanwhile), unless a worker published its card first."""
-        for name, pool in model_pools(self.settings.models).items():
+        catalogue = self.live_catalogue
+        for name, pool in model_pools(catalogue).items():
             card = self.cards.get(pool)
             if card is not None and not card.get("digest"):
                 try:
-                    digest = await asyncio.to_thread(file_digest, self.settings.models[name].path)
+                    digest = await asyncio.to_thread(file_digest, catalogue[name].path)
                 except OSError as e:
                     log.warning("model %s: cannot read its file's digest (%s)", name, e)
                     continue
@@ -256,15 +263,18 @@ class Gateway:
         try:
             names = sorted(as_str(n) or "" for n in await redis.smembers(WORKERS_SET))
             async with redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(CATALOGUE_KEY)
                 for name in names:
                     pipe.hmget(worker_key(name), ["pool", "state", "model", "thinks", "pools", "cannot_hold"])
-                replies = await pipe.execute()
+                catalogue_raw, *replies = await pipe.execute()
         except OUTAGE_ERRORS as e:
             if self.redis_up:
                 log.warning("Redis unreachable: %s", e)
             self.redis_up = False
             await self.drop_idle_connections()
             return
+        if catalogue_raw != self._catalogue_raw:
+            self.adopt(catalogue_raw)
         counts: dict[str, int] = {}
         members: dict[str, list[str]] = {}
         model_names: dict[str, str] = {}
@@ -294,6 +304,28 @@ class Gateway:
         self.cannot_hold = cannot_hold
         self.thinking_pools = thinking
         self.redis_up = True
+
+    def adopt(self, raw: dict[bytes, bytes]) -> None:
+        """The live catalogue (CATALOGUE_KEY) as every gateway serves it from the next refresh:
+        its names, pools and cards (a pool's card its workers wrote stays until they write again)."""
+        self._catalogue_raw = raw
+        self.live_catalogue = live_models(self.settings.models, raw, self.settings.models_dir())
+        self.models = self.settings.model_pools(self.live_catalogue)
+        self.catalogue_pools = set(model_pools(self.live_catalogue).values())
+        new = {n: e for n, e in self.live_catalogue.items() if e.pool_of(n) not in self.cards}
+        self.cards.update(catalogue_cards(new))
+
+    async def change_catalogue(self, name: str, entry: ModelEntry | None) -> None:
+        """Add, replace or (None) delete a model of the live catalogue, seen by this gateway at
+        once and by the others and the workers at their next refresh."""
+        if entry is not None:
+            value = json.dumps(stored_entry(entry, self.settings.models_dir()))
+            await self.fleet.redis.hset(CATALOGUE_KEY, name, value)
+        elif name in self.settings.models:
+            await self.fleet.redis.hset(CATALOGUE_KEY, name, "null")
+        else:
+            await self.fleet.redis.hdel(CATALOGUE_KEY, name)
+        await self.refresh()
 
     def fleet_for(self, pool: str) -> AsyncFleet:
         if pool not in self._fleets:

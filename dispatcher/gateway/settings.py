@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from backends.contract.catalogue import model_pools
+from backends.contract.catalogue import ModelEntry, model_pools
 from backends.contract.gateway_settings import GatewaySettings
 from backends.contract.settings import ProducerSettings, load
 
@@ -19,11 +19,12 @@ class ServeSettings(ProducerSettings):
 
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
-    def model_pools(self) -> dict[str, str]:
-        """Model name -> pool, as the API lists them: the catalogue's models (each in its own pool),
-        else the fleet's pool by its name; `gateway.models` adds names (aliases) to these, and
-        names another pool's model."""
-        return {**(model_pools(self.models) or {self.pool: self.pool}), **self.gateway.models}
+    def model_pools(self, catalogue: dict[str, ModelEntry] | None = None) -> dict[str, str]:
+        """Model name -> pool, as the API lists them: the catalogue's models (each in its own pool;
+        `catalogue`: the live one, else the config's), else the fleet's pool by its name;
+        `gateway.models` adds names (aliases) to these, and names another pool's model."""
+        models = self.models if catalogue is None else catalogue
+        return {**(model_pools(models) or {self.pool: self.pool}), **self.gateway.models}
 
 
 def load_serve_settings(config: str | None = None, **overrides: Any) -> ServeSettings:

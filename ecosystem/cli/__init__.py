@@ -43,11 +43,11 @@ jobs.register(cli)
 
 def _register_extensions(group: click.Group) -> None:
     from dispatcher.gateway.serve import serve
-    from ecosystem.cli import batch, ecosystem, kubernetes, observe, soak, up, usage
+    from ecosystem.cli import batch, ecosystem, kubernetes, models, observe, soak, up, usage
     from ecosystem.local import bench
     from worker import health
 
-    for module in (ecosystem, kubernetes, up, batch, observe, usage, soak, bench, health):
+    for module in (ecosystem, kubernetes, up, batch, observe, usage, models, soak, bench, health):
         module.register(group)
     group.add_command(serve)
 

@@ -78,12 +78,19 @@ class Claimer:
         self.queue_keys = [queue_key(q) for q in queues]
         # the pool's free capacity: slots 0 (claim order only) neither reads nor writes it
         self.capacity = capacity_key(pool or queues[0].rsplit(":", 1)[0])
-        self.by_pool = {p: ([queue_key(q) for q in queue_names(p)], capacity_key(p)) for p in pools}
+        self.by_pool: dict[str, tuple[list[str], str]] = {}
+        if pools:
+            self.serve(pools)
         self._claim = redis.register_script(CLAIM)
         self._starved = redis.register_script(STARVED)
         self.picks = 0  # jobs claimed so far: where this worker is in the fairness cycle
         self._last_held: dict[str, float] = {}  # tenant -> when it last held a job here (monotonic)
         self.server_ms = 0  # Redis server time of the last claim
+
+    def serve(self, pools: Sequence[str]) -> None:
+        """Claim from these pools (one per catalogue model) from now on: the live catalogue changed."""
+        self.queue_keys = [queue_key(q) for p in pools for q in queue_names(p)]
+        self.by_pool = {p: ([queue_key(q) for q in queue_names(p)], capacity_key(p)) for p in pools}
 
     def claim(self, n: int, limits: Sequence[int] = (), held: Mapping[str, int] | None = None,
               pool: str | None = None) -> list[tuple[bytes, str]]:

@@ -21,26 +21,31 @@ by the holders' claims: the gateway's `/api/ps` reads it too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
 
 from backends.base import Backend
-from backends.contract.catalogue import live_copies
+from backends.contract.catalogue import live_copies, live_models, model_pools
 from backends.contract.keys import (
+    CATALOGUE_KEY,
     MODEL_COPIES_TTL,
+    MODEL_FETCH_TTL,
     MODEL_HOLD_MS,
     UNLOADED_KEY,
     capacity_key,
     fair_key,
     has_room,
     model_copies_key,
+    model_fetch_key,
     model_loading_key,
     queue_key,
     queue_names,
@@ -48,6 +53,7 @@ from backends.contract.keys import (
     worker_wake_key,
 )
 from backends.contract.lua import EXTEND_LOCK, RELEASE_LOCK, queue_script
+from backends.contract.retry import OUTAGE_ERRORS
 from backends.llamacpp.kv_store import store_id
 from backends.llamacpp_settings import kv_store_section
 from backends.shelf import ModelShelf
@@ -57,6 +63,8 @@ from worker.settings import FleetSettings
 log = logging.getLogger("fleet.worker")
 HOLDERS_EVERY = 1.0  # seconds between refreshes of this worker's holder entries
 COLD_EVERY = 0.1  # seconds between looks at cold models' queues while this worker is busy
+CATALOGUE_EVERY = 1.0  # seconds between reads of the live catalogue
+FETCH_SAID = 0.25  # seconds between writes of a fetch's progress
 ROOM_EVERY = 5.0  # seconds between looks at which models could never load here (their files may change)
 
 
@@ -83,8 +91,14 @@ class ModelClaims:
     """A catalogue worker's claims, loaded models first (see the module's docstring)."""
 
     def __init__(self, redis: Redis, claimer: Claimer, shelf: ModelShelf, name: str,
-                 changed: threading.Event, second_copy_after: float = 0.0, lock_ms: int = 3000) -> None:
+                 changed: threading.Event, second_copy_after: float = 0.0, lock_ms: int = 3000,
+                 settings: FleetSettings | None = None) -> None:
         self.redis, self.claimer, self.shelf, self.name = redis, claimer, shelf, name
+        self.settings = settings  # its catalogue and serve_models: the live catalogue over them
+        self._catalogue_raw: dict[Any, Any] | None = {}  # at start: the config's catalogue alone
+        self._catalogue_at = 0.0
+        self._fetch_said = 0.0
+        shelf.on_fetch = self._fetching
         self.changed = changed
         self.second_copy_after = second_copy_after
         self.lock_ms = lock_ms  # a loading lock's life: as long as a silent worker is taken for alive
@@ -103,6 +117,7 @@ class ModelClaims:
 
     def claim(self, free: int, limits: Sequence[int], held: Counter[str]) -> list[tuple[bytes, str]]:
         self.shelf.unload_idle()  # the loop claims when idle too: keep_alive holds without jobs
+        self._follow_catalogue()
         self._announce()
         out: list[tuple[bytes, str]] = []
         for model in sorted(self.shelf.held.values(), key=lambda m: -m.last_used):
@@ -117,6 +132,45 @@ class ModelClaims:
             self._cold_at = now + COLD_EVERY
             out += self._claim_cold(free - len(out), limits, held)
         return out
+
+    def _follow_catalogue(self) -> None:
+        """Every CATALOGUE_EVERY: the live catalogue (CATALOGUE_KEY) over the config's, served
+        from now on (the models this worker may serve: all, or those `serve_models` names)."""
+        now = time.monotonic()
+        if self.settings is None or now < self._catalogue_at:
+            return
+        self._catalogue_at = now + CATALOGUE_EVERY
+        raw = self.redis.hgetall(CATALOGUE_KEY)
+        if raw == self._catalogue_raw:
+            return
+        s = self.settings
+        models = live_models(s.models, raw, s.models_dir())
+        served = {n: e for n, e in models.items() if s.serve_models is None or n in s.serve_models}
+        pools = model_pools(served)
+        kept = self.shelf.adopt(served, pools)
+        self._catalogue_raw = None if kept else raw  # a model with running jobs goes later
+        self.pools[:] = list(self.shelf.pool_model)  # in place: the status and the loop hold these lists
+        self.queues[:] = [q for p in self.pools for q in queue_names(p)]
+        # with no model left, a key nobody pushes to: the idle wait (BLPOP) needs one
+        self.wake_keys[:] = ([k for p in self.pools for k in (wake_key(p), worker_wake_key(p, self.name))]
+                             or [worker_wake_key(s.pool, self.name)])
+        self.claimer.serve(self.pools)
+        self.cannot_hold = self.shelf.cannot_hold()
+        self.changed.set()
+        log.info("catalogue changed: serving %s", ", ".join(self.shelf.entries) or "no model")
+
+    def _fetching(self, model: str, done: int, total: int) -> None:
+        """A fetch's progress, for a pull to stream (at most every FETCH_SAID seconds, and its end)."""
+        now = time.monotonic()
+        if now - self._fetch_said < FETCH_SAID and done != total:
+            return
+        self._fetch_said = now
+        key = model_fetch_key(self.shelf.entries[model].pool_of(model))
+        # only a view of the fetch: Redis away must not cut the transfer
+        with contextlib.suppress(*OUTAGE_ERRORS), self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping={"completed": done, "total": total, "worker": self.name})
+            pipe.expire(key, MODEL_FETCH_TTL)
+            pipe.execute()
 
     def _claim_cold(self, free: int, limits: Sequence[int], held: Counter[str]) -> list[tuple[bytes, str]]:
         """One cold model's jobs, if one has work, no holder, fits, and its loading lock is ours."""
@@ -247,7 +301,8 @@ def make_claims(redis: Redis, name: str, settings: FleetSettings, backend: Backe
                           slots=slots, pool=pools[0], placement=placement, pools=pools, store=store,
                           tokens=settings.gateway.fair_tokens)
         return ModelClaims(redis, claimer, backend, name, changed or threading.Event(),
-                           settings.second_copy_after, lock_ms=int(settings.silent_for_dead * 1000))
+                           settings.second_copy_after, lock_ms=int(settings.silent_for_dead * 1000),
+                           settings=settings)
     claimer = Claimer(redis, name, queue_names(pool), weights=weights, slots=slots, pool=pool,
                       placement=placement, store=store, tokens=settings.gateway.fair_tokens)
     return PoolClaims(claimer, pool, name)
