@@ -79,13 +79,20 @@ def rows_of(call: DecodeCall) -> dict[int, int]:
 
 def deterministic(threads: int = 2, **settings: Any) -> LlamaCppBackend:
     """The real engine whose decode calls do not follow this CPU's speed or load: no pacing
-    (max_stall_ms 0; pacing cuts prefill chunks by measured step times) and a stand-in clock for
-    the times the scheduler learns from (draft lengths weigh StepCosts, timed per call shape; a
-    newcomers' step is weighed against the decoders' call). The same jobs then make the same calls,
-    and the same counts, on any machine. For tests whose subject is not pacing."""
+    (max_stall_ms 0; pacing cuts prefill chunks by measured step times) and `fixed_clock`. The
+    same jobs then make the same calls, and the same counts, on any machine. For tests whose
+    subject is not pacing."""
     from backends.llamacpp import LlamaCppBackend
 
     engine = LlamaCppBackend(LlamaCppSettings(**{"max_stall_ms": 0, **settings}), threads=threads)
+    fixed_clock(engine)
+    return engine
+
+
+def fixed_clock(engine: LlamaCppBackend) -> None:
+    """A stand-in clock for the times the engine's scheduler learns from: a call's seconds from its
+    shape, not from this CPU (draft lengths weigh StepCosts, timed per call shape; a newcomers'
+    step is weighed against the decoders' call)."""
     executor = engine.executor
     run = executor.run
 
@@ -96,4 +103,3 @@ def deterministic(threads: int = 2, **settings: Any) -> LlamaCppBackend:
         return rc
 
     executor.run = timed  # type: ignore[method-assign]
-    return engine
