@@ -77,7 +77,7 @@ def rows_of(call: DecodeCall) -> dict[int, int]:
     return rows
 
 
-def deterministic(threads: int = 2, **settings: Any) -> LlamaCppBackend:
+def deterministic(threads: int | None = 2, **settings: Any) -> LlamaCppBackend:
     """The real engine whose decode calls do not follow this CPU's speed or load: no pacing
     (max_stall_ms 0; pacing cuts prefill chunks by measured step times) and `fixed_clock`. The
     same jobs then make the same calls, and the same counts, on any machine. For tests whose
