@@ -1,13 +1,22 @@
-"""Plain engine state for the scheduler and KV bookkeeper tests (no model, no llama.cpp)."""
+"""Plain engine state for the scheduler and KV bookkeeper tests (no model, no llama.cpp), and
+the real engine made to plan the same calls on any CPU (`deterministic`)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from backends.contract.schema import GenerateRequest, Sampling, SamplingDefaults
 from backends.llamacpp.kv import KvBookkeeper
 from backends.llamacpp.scheduler import DecodeCall, Scheduler, StepPlan
 from backends.llamacpp.state import ActiveJob, Sampled
+from backends.llamacpp_settings import LlamaCppSettings
+
+if TYPE_CHECKING:
+    from backends.llamacpp import LlamaCppBackend
 
 SAMPLED = 7  # what the stand-in model samples on every row
+# the stand-in clock of `deterministic`: a call's seconds from its shape (about one 2-core CPU's)
+CALL_SECONDS, ROW_SECONDS, LOGITS_ROW_SECONDS = 0.003, 0.0005, 0.0075
 
 
 def sampling(max_tokens: int = 16) -> Sampling:
@@ -66,3 +75,31 @@ def rows_of(call: DecodeCall) -> dict[int, int]:
     rows = {job.seq_id: 1 for job in call.decoders}
     rows.update({job.seq_id: count for job, count in call.prompts})
     return rows
+
+
+def deterministic(threads: int | None = 2, **settings: Any) -> LlamaCppBackend:
+    """The real engine whose decode calls do not follow this CPU's speed or load: no pacing
+    (max_stall_ms 0; pacing cuts prefill chunks by measured step times) and `fixed_clock`. The
+    same jobs then make the same calls, and the same counts, on any machine. For tests whose
+    subject is not pacing."""
+    from backends.llamacpp import LlamaCppBackend
+
+    engine = LlamaCppBackend(LlamaCppSettings(**{"max_stall_ms": 0, **settings}), threads=threads)
+    fixed_clock(engine)
+    return engine
+
+
+def fixed_clock(engine: LlamaCppBackend) -> None:
+    """A stand-in clock for the times the engine's scheduler learns from: a call's seconds from its
+    shape, not from this CPU (draft lengths weigh StepCosts, timed per call shape; a newcomers'
+    step is weighed against the decoders' call)."""
+    executor = engine.executor
+    run = executor.run
+
+    def timed(call: DecodeCall) -> int:
+        rc = run(call)
+        executor.last_decode_seconds = (CALL_SECONDS + ROW_SECONDS * call.n_rows()
+                                        + LOGITS_ROW_SECONDS * call.decoder_rows())
+        return rc
+
+    executor.run = timed  # type: ignore[method-assign]

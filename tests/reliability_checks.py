@@ -15,7 +15,7 @@ from typing import Any
 
 from redis import Redis
 
-from backends.contract.keys import inflight_key
+from backends.contract.keys import CAPACITY_LIVE_MS, capacity_key, inflight_key
 from dispatcher import FleetJob
 from ecosystem.local.processes import free_port
 from ecosystem.local.records import final_entries, not_ended_once, stream_events
@@ -124,3 +124,20 @@ def fleet_workers(redis_url: str, log_dir: Path) -> Iterator[Workers]:
         for w in workers.started:
             if w.alive():
                 w.stop(signal.SIGKILL)
+
+
+def live_free_slots(redis: Redis, pool: str) -> dict[str, int]:
+    """Each worker's free slots as its capacity entry says, for the entries fresh enough that a
+    claim counts them (CAPACITY_LIVE_MS by Redis's clock): what balance and placement see now."""
+    sec, usec = redis.time()
+    now_ms = sec * 1000 + usec // 1000
+    live: dict[str, int] = {}
+    for name, entry in redis.hgetall(capacity_key(pool)).items():
+        free, _, at = text(entry).split("|")[:3]
+        if now_ms - int(at) <= CAPACITY_LIVE_MS:
+            live[text(name)] = int(free)
+    return live
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

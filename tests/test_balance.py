@@ -5,7 +5,6 @@ beside workers that are full or gone, still takes everything it has room for."""
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 
 import pytest
@@ -13,7 +12,8 @@ from redis import Redis
 
 from backends.contract.keys import CAPACITY_LIVE_MS, capacity_key, queue_key
 from dispatcher import Fleet
-from tests.reliability_checks import Workers
+from tests.harness import wait_for
+from tests.reliability_checks import Workers, live_free_slots
 from worker.claiming.claim import Claimer
 
 POOL = "llm"
@@ -98,8 +98,10 @@ def test_a_burst_on_two_real_workers_is_shared(redis_url: str, workers: Workers)
     once: each runs half (without balance the first to wake took 7)."""
     for i in range(2):
         workers.start(f"spread-{i}", cpus=str(i % len(os.sched_getaffinity(0))), backend__slots=8)
-    fleet = Fleet(redis_url)
-    time.sleep(0.5)  # both idle and polling: each has said how many slots it has free
+    fleet, redis = Fleet(redis_url), Redis.from_url(redis_url)
+    # both idle and polling: each has said, lately enough to count, that all its slots are free
+    wait_for(lambda: live_free_slots(redis, POOL) == {"spread-0": 8, "spread-1": 8}, 30,
+             "both workers' fresh capacity entries")
     jobs = [fleet.submit(prompt=f"Count to {i}:", max_tokens=8, temperature=0.0) for i in range(8)]
     split = Counter(job.result(timeout=120)["worker"] for job in jobs)
     assert sorted(split.values()) == [4, 4], split

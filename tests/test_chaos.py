@@ -121,20 +121,22 @@ def test_redis_restart_mid_run_with_aof(tmp_path: Path) -> None:
 
 
 def test_outage_longer_than_the_write_buffer_requeues(tmp_path: Path) -> None:
-    """Fake engine, fast tokens: during a 3 s outage the buffer (16k deltas) overflows, the
-    biggest jobs are handed back and run again once Redis is back; none is lost or doubled."""
+    """Fake engine, fast tokens: during an outage that lasts until the buffer (16k deltas)
+    overflows, the biggest jobs are handed back and run again once Redis is back; none is lost
+    or doubled."""
     words = [f"w{i}" for i in range(9000)]
     with RedisServer.start(tmp_path / "redis", extra=["--appendonly", "yes"]) as server, \
             fleet_workers(server.url, tmp_path / "logs") as workers:
         redis = server.client()
-        # ~2,000 tokens a second a job: the jobs outlast the wait, and 3 s of them overflow the
-        # buffer, whatever the worker's write cadence
+        # 8 jobs of 8,192 tokens: far more than the buffer's 16k deltas, however fast they come
         worker = workers.start("f1", backend__type="fake", backend__slots=8, backend__step_delay=0.0005)
         fleet = Fleet(server.url)
         jobs = [fleet.submit(prompt=" ".join(words), max_tokens=8192) for _ in range(8)]
         wait_for(lambda: len(streaming(redis, "f1")) == 8, 60, "8 jobs generating")
         server.stop()
-        time.sleep(3)
+        # Redis stays down until the buffer has overflowed (not a fixed time: how many deltas a
+        # few seconds make is the fake worker's speed on this CPU)
+        wait_for(lambda: "outage buffer is full" in worker.output(), 120, "the write buffer to overflow")
         server.restart()
         results = {job.id: job.result(timeout=120) for job in jobs}
         assert worker.alive(), worker.output()

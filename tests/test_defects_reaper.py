@@ -4,6 +4,7 @@ In-process workers on the fake engine against a real redis-server."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ from rq.worker import Worker
 
 from backends.contract.keys import queue_names, worker_key
 from dispatcher import Fleet, JobFailed
+from tests.harness import wait_for
 from tests.lossy import inproc_worker, long_prompt, run_until
 from tests.reliability_checks import final_entries
 from worker.liveness.heartbeat import Heartbeat
@@ -56,33 +58,47 @@ def test_the_reaper_finds_dead_workers_without_scanning(redis_url: str, redis: R
     assert job.result(timeout=1)["attempt"] == 2
 
 
-class SlowReaper(Reaper):
-    """A reap that takes 3 s, as one did with 1M keys and a busy Redis."""
+class HeldReaper(Reaper):
+    """A reap that does not end until the test lets it (one took 3 s with 1M keys and a busy
+    Redis): `entered` once it runs, holding the reaper's thread until `release`."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.entered, self.release = threading.Event(), threading.Event()
 
     def reap(self) -> int:
-        time.sleep(3)
+        self.entered.set()
+        self.release.wait(60)
         return 0
 
 
 def test_the_heartbeat_never_waits_for_the_reaper(redis_url: str, redis: Redis) -> None:
-    fw = inproc_worker(redis_url, "hb1", heartbeat_interval=0.3)
+    # the default interval (1 s, the status key's TTL 3 s): a beat late by a loaded box's
+    # scheduling is no verdict on the reaper
+    fw = inproc_worker(redis_url, "hb1", heartbeat_interval=1.0)
     rq_worker = Worker(queue_names("llm"), name="hb1", connection=fw.redis, serializer=JSONSerializer)
     rq_worker.register_birth()
-    hb = Heartbeat(fw, rq_worker, SlowReaper(fw.redis, "hb1", 3, 60), {"name": "hb1"})
+    reaper = HeldReaper(fw.redis, "hb1", 3, 60)
+    hb = Heartbeat(fw, rq_worker, reaper, {"name": "hb1"})
     hb.beat()
     hb.start()
     lowest_ttl = 10_000
+
+    def beats_while_held() -> int:
+        nonlocal lowest_ttl
+        lowest_ttl = min(lowest_ttl, redis.pttl(worker_key("hb1")))
+        return hb.beats - beats_before
+
     try:
-        time.sleep(0.7)  # the first reap starts after 2 intervals and holds the reaper 3 s
-        beats_before, until = hb.beats, time.monotonic() + 3
-        while time.monotonic() < until:
-            lowest_ttl = min(lowest_ttl, redis.pttl(worker_key("hb1")))
-            time.sleep(0.05)
-        beats = hb.beats - beats_before
+        assert reaper.entered.wait(30), "the reaper never ran"
+        # the reap holds the reaper's thread until released: the beats must go on meanwhile
+        beats_before = hb.beats
+        wait_for(lambda: beats_while_held() >= 5, 30, "5 beats while the reap is held")
+        assert not reaper.release.is_set() and hb.reaping.is_alive()  # still inside the reap
     finally:
+        reaper.release.set()
         hb.halt()
         hb.join(5)
-    assert beats >= 5, f"only {beats} beats in 3 s at a 0.3 s interval"
     assert lowest_ttl > 0, "the worker's status key expired: it looked dead"
 
 

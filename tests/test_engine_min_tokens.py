@@ -10,7 +10,7 @@ import pytest
 
 from backends.base import Done, GenerateRequest
 from backends.llamacpp import LlamaCppBackend
-from backends.llamacpp_settings import LlamaCppSettings
+from tests.engine_state import deterministic
 from tests.test_batched_engine import run_all
 
 pytestmark = pytest.mark.model
@@ -21,8 +21,9 @@ STOPS_AT_ONCE = "#include <stdio.h>\nint main() { return 0; }\n"
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LlamaCppBackend]:
-    settings = LlamaCppSettings(slots=4, n_ctx_per_seq=512, n_batch=512, prefix_cache=0, draft_max=4)
-    b = LlamaCppBackend(settings)
+    # drafts sized by a stand-in clock, not this CPU's timings (tests/engine_state.py): whether any
+    # draft is kept below is then the same on every machine
+    b = deterministic(threads=None, slots=4, n_ctx_per_seq=512, n_batch=512, prefix_cache=0, draft_max=4)
     yield b
     b.close()
 

@@ -18,6 +18,7 @@ from backends.llamacpp import LlamaCppBackend, sampling
 from backends.llamacpp.model import check_builtin_template
 from backends.llamacpp.schema_grammar import integer_range
 from backends.llamacpp_settings import LlamaCppSettings
+from tests.engine_state import deterministic
 from tests.test_batched_engine import TOPICS, run_all
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -160,24 +161,30 @@ def test_shortlist_resampling_picks_what_the_full_filter_picks(engine: LlamaCppB
 
 
 @pytest.mark.model
-def test_top_k_candidates_pick_what_the_whole_vocabulary_picks(engine: LlamaCppBackend,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_top_k_candidates_pick_what_the_whole_vocabulary_picks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chains that start with top-k (the default sampling, and greedy with penalties) sample from the
     tokens near the best logit (sampling.TopCandidates); the text must be the one
-    llama_sampler_sample gives from the whole vocabulary: seeded, batched, with penalties, top_k 1000."""
+    llama_sampler_sample gives from the whole vocabulary: seeded, batched, with penalties, top_k 1000.
+    Each run on a fresh engine that makes the same calls on any CPU (tests/engine_state.py): a
+    shared one would find the second run's prompts in its KV, and drafts and prefill chunks would
+    follow this machine's timings, so the two samplers would see other logits rows."""
     def texts() -> dict[str, str]:
-        for i in range(16):
-            fields: dict[str, Any] = {"temperature": 0.9, "seed": 40 + i}
-            if i % 4 == 1:
-                fields["top_k"] = 1000
-            elif i % 4 == 2:
-                fields.update(presence_penalty=0.8, frequency_penalty=0.5)
-            elif i % 4 == 3:
-                fields = {"temperature": 0.0, "repeat_penalty": 1.3}
-            # 24 tokens a job: 384 picks, past the > 16 * 16 / 0.9 the assertion below needs
-            request = GenerateRequest(prompt=f"Tell me about {TOPICS[i]}.", max_tokens=24, **fields)
-            engine.admit(f"t{i}", request)
-        got, _ = run_all(engine)
+        engine = deterministic(slots=16, n_ctx_per_seq=512, n_batch=512, prefix_cache=2)
+        try:
+            for i in range(16):
+                fields: dict[str, Any] = {"temperature": 0.9, "seed": 40 + i}
+                if i % 4 == 1:
+                    fields["top_k"] = 1000
+                elif i % 4 == 2:
+                    fields.update(presence_penalty=0.8, frequency_penalty=0.5)
+                elif i % 4 == 3:
+                    fields = {"temperature": 0.0, "repeat_penalty": 1.3}
+                # 24 tokens a job: 384 picks, past the > 16 * 16 / 0.9 the assertion below needs
+                request = GenerateRequest(prompt=f"Tell me about {TOPICS[i]}.", max_tokens=24, **fields)
+                engine.admit(f"t{i}", request)
+            got, _ = run_all(engine)
+        finally:
+            engine.close()
         return got
 
     fill = sampling.TopCandidates.fill

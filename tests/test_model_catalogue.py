@@ -45,6 +45,14 @@ def status(redis: Redis, name: str) -> dict[str, Any]:
     return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
+def a_beat(redis: Redis, *names: str) -> None:
+    """Until each worker's status was taken after this call (its `updated_at`, this host's clock):
+    what the status says then is what happened before (a fixed sleep was a beat on a quiet box)."""
+    since = time.time()
+    wait_for(lambda: all(status(redis, n).get("updated_at", 0) > since for n in names), 30,
+             f"a beat of {', '.join(names)}")
+
+
 def loaded(redis: Redis, name: str) -> list[str]:
     models = status(redis, name).get("backend_stats", {}).get("models", [])
     return sorted(m["name"] for m in models)
@@ -96,7 +104,7 @@ def test_one_worker_serves_two_models_and_unloads_the_idle_one(workers: Any, red
     rss_both = status(redis, "w1")["rss_mb"]
     # the Q8 copy is idle past its keep_alive of 3 s: unloaded, its RAM given back
     wait_for(lambda: loaded(redis, "w1") == [Q4], 20, "q8 unloaded")
-    time.sleep(1.2)  # the next beat's RSS
+    a_beat(redis, "w1")  # the RSS after the unload
     rss_after = status(redis, "w1")["rss_mb"]
     print(f"RSS MB: idle {rss_idle}, Q4 loaded {rss_q4}, both {rss_both}, Q8 unloaded {rss_after}")
     assert abs(rss_after - rss_q4) <= 0.05 * rss_q4, (rss_idle, rss_q4, rss_after)
@@ -108,21 +116,21 @@ def test_a_burst_for_a_cold_model_loads_it_on_one_worker(workers: Any, redis_url
     for name in ("w1", "w2"):  # no second copy of a model whose jobs wait (the next test's subject)
         workers.start(name, models=catalogue, backend__slots=4, second_copy_after=600)
     run(Fleet(redis_url, pool="gemma3-270m-q8"), 8, "burst")
-    time.sleep(1.5)  # a beat
+    a_beat(redis, "w1", "w2")
     holders = {name: loaded(redis, name) for name in ("w1", "w2")}
     assert sorted(holders.values()) == [[], [Q8]], holders  # one worker loaded it
     loads = sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2"))
     assert loads == 1
     # the next burst goes to the worker holding the model, the other stays cold
     run(Fleet(redis_url, pool="gemma3-270m-q8"), 8, "again")
-    time.sleep(1.5)
+    a_beat(redis, "w1", "w2")
     assert sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2")) == 1
     # bursts for both models at once: the cold one is loaded once too, and each job ran on a
     # worker holding its model
     q4 = [Fleet(redis_url, pool="gemma3-270m").submit(f"q4 {i}", max_tokens=8) for i in range(8)]
     q8 = [Fleet(redis_url, pool="gemma3-270m-q8").submit(f"q8 {i}", max_tokens=8) for i in range(8)]
     done4, done8 = [j.result(timeout=120) for j in q4], [j.result(timeout=120) for j in q8]
-    time.sleep(1.5)
+    a_beat(redis, "w1", "w2")
     holders = {name: loaded(redis, name) for name in ("w1", "w2")}
     assert sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2")) == 2, holders
     assert {r["worker"] for r in done8} == {n for n, held in holders.items() if Q8 in held}
@@ -139,9 +147,23 @@ def test_a_model_that_stays_hot_gets_a_second_copy(workers: Any, redis_url: str,
         workers.start(name, models=catalogue, backend__slots=2, second_copy_after=1.0,
                       cpus=str(cores[i % len(cores)]))
     fleet = Fleet(redis_url, pool="gemma3-270m-q8")
-    jobs = [fleet.submit(f"hot {i}: tell a long story.", max_tokens=96, temperature=0.0) for i in range(10)]
+
+    def submit(n: int) -> list[Any]:
+        return [fleet.submit(f"hot {len(jobs) + i}: tell a long story.", max_tokens=96, temperature=0.0)
+                for i in range(n)]
+
+    # work keeps coming until a second copy is loaded (however fast this CPU drains it), then
+    # more, which both copies share
+    jobs: list[Any] = []
+    deadline = time.monotonic() + 180
+    while redis.hlen("fleet:copies:gemma3-270m-q8") < 2:
+        assert time.monotonic() < deadline, "no second copy while the holder stayed full"
+        if sum(job.status() == "queued" for job in jobs) < 4:
+            jobs += submit(2)
+        time.sleep(0.05)
+    jobs += submit(10)
     done = [job.result(timeout=180) for job in jobs]
-    time.sleep(1.5)  # a beat
+    a_beat(redis, "w1", "w2")
     assert {r["worker"] for r in done} == {"w1", "w2"}, [r["worker"] for r in done]
     assert {name: loaded(redis, name) for name in ("w1", "w2")} == {"w1": [Q8], "w2": [Q8]}
     assert sum(status(redis, n)["backend_stats"]["model_loads"] for n in ("w1", "w2")) == 2

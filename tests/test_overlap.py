@@ -135,6 +135,7 @@ def test_on_the_real_engine_the_text_is_the_serial_engines() -> None:
     from backends.llamacpp import LlamaCppBackend
     from backends.llamacpp_settings import LlamaCppSettings
     from backends.registry import make_backend
+    from tests.engine_state import fixed_clock
 
     prompts = [f"List three facts about {t}." for t in ("tides", "bees", "glass", "copper")]
 
@@ -152,9 +153,14 @@ def test_on_the_real_engine_the_text_is_the_serial_engines() -> None:
         backend.close()
         return out
 
-    settings = LlamaCppSettings(slots=4, n_ctx_per_seq=256, prefix_cache=0, overlap=True)
+    # the same calls in both engines on any CPU (tests/engine_state.py): no pacing, and drafts
+    # sized by a stand-in clock, not by each engine's own timings
+    settings = LlamaCppSettings(slots=4, n_ctx_per_seq=256, prefix_cache=0, overlap=True, max_stall_ms=0)
     overlapped = make_backend(settings, threads=2)
-    assert isinstance(overlapped, OverlappedBackend)
+    assert isinstance(overlapped, OverlappedBackend) and isinstance(overlapped.inner, LlamaCppBackend)
+    fixed_clock(overlapped.inner)
     got = texts(overlapped)
     assert all(got.values()), got
-    assert got == texts(LlamaCppBackend(settings, threads=2))
+    serial = LlamaCppBackend(settings, threads=2)
+    fixed_clock(serial)
+    assert got == texts(serial)

@@ -29,13 +29,14 @@ TOKENIZE = TextRequest(kind="text", op="tokenize", content="a b c")
 
 
 class SlowTokenizer(FakeBackend):
-    """Tokenizes one token per word, once `go` is set."""
+    """Tokenizes one token per word, once `go` is set (`entered`: a text_op is under way)."""
 
     def __init__(self, settings: FakeSettings | None = None) -> None:
         super().__init__(settings)
-        self.go = threading.Event()
+        self.go, self.entered = threading.Event(), threading.Event()
 
     def text_op(self, request: TextRequest) -> dict[str, object]:
+        self.entered.set()
         assert self.go.wait(30)
         return {"tokens": list(range(len((request.content or "").split())))}
 
@@ -75,7 +76,7 @@ def test_a_cancelled_text_job_ends_at_once_and_holds_its_slot_until_the_thread_l
     try:
         texts.add("running", TOKENIZE, engine)
         texts.add("waiting", TOKENIZE, engine)  # behind it on the one thread
-        time.sleep(0.1)
+        assert engine.entered.wait(10)  # the running one is on its thread
         assert texts.cancel("running") and texts.cancel("waiting") and not texts.cancel("other")
         ended = texts.step()
         assert all(isinstance(e, Done) and e.finish_reason == "cancelled" for e in ended)
