@@ -27,6 +27,7 @@ import numpy as np
 
 from backends.base import Embedding, InputRejected
 from backends.llamacpp.model import tokenize
+from backends.llamacpp.side_context import SideContext
 
 # llama.cpp's name for the tensor an embedding context outputs; with pooling NONE it is each
 # token's final hidden state, computed before the vocabulary projection
@@ -70,7 +71,9 @@ class _Segment:
     last: bool
 
 
-class EmbeddingContext:
+class EmbeddingContext(SideContext):
+    kind = "embedding"
+
     def __init__(self, model: ll.llama_model_p | None, *, n_ctx: int, n_batch: int, n_seq: int, threads: int,
                  owns_model: bool = False) -> None:
         self.model = model
@@ -170,7 +173,7 @@ class EmbeddingContext:
         return [sums[i] / len(tokens) for i, tokens in enumerate(inputs)]
 
     def _decode_and_sum(self, segments: list[_Segment], sums: np.ndarray) -> None:
-        rows = self._decode()
+        rows = self.decode_batch()
         hidden = np.ctypeslib.as_array(ll.llama_get_embeddings(self.ctx), shape=(rows, self.n_embd))
         for s in segments:
             sums[s.seq] += hidden[s.start:s.start + s.n].sum(axis=0, dtype=np.float64)
@@ -192,7 +195,7 @@ class EmbeddingContext:
     def _decode_pooled(self, seqs: list[int]) -> list[np.ndarray]:
         if not seqs:
             return []
-        self._decode()
+        self.decode_batch()
         shape = (self.n_embd,)
         vectors = [np.ctypeslib.as_array(ll.llama_get_embeddings_seq(self.ctx, s), shape=shape).copy()
                    for s in seqs]
@@ -210,22 +213,8 @@ class EmbeddingContext:
             b.logits[n + i] = 1  # an embedding context outputs every token
         b.n_tokens = n + len(tokens)
 
-    def _decode(self) -> int:
-        """Decode the batch; its number of rows (and an empty batch for the next one)."""
-        rows = self.batch.n_tokens
-        rc = ll.llama_decode(self.ctx, self.batch)
-        self.batch.n_tokens = 0
-        if rc != 0:
-            raise RuntimeError(f"llama_decode failed in the embedding context ({rc})")
-        return rows
-
     def close(self) -> None:
-        if self.batch is not None:
-            ll.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            ll.llama_free(self.ctx)
-            self.ctx = None
+        self.free()
         if self.owns_model and self.model:
             ll.llama_model_free(self.model)
             self.model = None

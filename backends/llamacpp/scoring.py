@@ -31,6 +31,7 @@ import numpy as np
 from backends.base import InputRejected, JobRejected, Scores
 from backends.contract.schema import GenerateRequest
 from backends.llamacpp.model import LoadedModel
+from backends.llamacpp.side_context import SideContext
 
 JUDGE = ('Judge whether the Document meets the requirements based on the Query and the Instruct '
          'provided. Note that the answer can only be "yes" or "no".')
@@ -38,7 +39,9 @@ JUDGE = ('Judge whether the Document meets the requirements based on the Query a
 MARK = "[[llama-fleet document]]"
 
 
-class ScoringContext:
+class ScoringContext(SideContext):
+    kind = "scoring"
+
     def __init__(self, model: LoadedModel, *, n_ctx: int, n_batch: int, n_seq: int) -> None:
         self.model = model
         self.n_seq = n_seq  # documents of one call (each a sequence; the prefix is sequence 0)
@@ -180,17 +183,8 @@ class ScoringContext:
         b.n_tokens = n + 1
 
     def _decode(self) -> None:
-        if self.batch.n_tokens == 0:
-            return
-        rc = ll.llama_decode(self.ctx, self.batch)
-        self.batch.n_tokens = 0
-        if rc != 0:
-            raise RuntimeError(f"llama_decode failed in the scoring context ({rc})")
+        if self.batch.n_tokens:
+            self.decode_batch()
 
     def close(self) -> None:
-        if self.batch is not None:
-            ll.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            ll.llama_free(self.ctx)
-            self.ctx = None
+        self.free()
