@@ -67,6 +67,21 @@ class StepQueue(Generic[J]):
     def held(self) -> int:
         return len(self.jobs)
 
+    def step(self) -> list[Event]:
+        """The events of this turn: the jobs cancelled since the last, then one engine call's."""
+        events, self._ended = self._ended, []
+        if self.jobs:
+            self._turn(events)
+        return events
+
+    def _turn(self, events: list[Event]) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def unable(engine: object, verb: str) -> JobRejected:
+        """The worker's setup, not the request: no REJECTED mark."""
+        return JobRejected(f"this worker's engine ({getattr(engine, 'name', '?')}) does not {verb}")
+
     def cancel(self, job_id: str) -> bool:
         """True when it was a job of this queue: it ends cancelled at the next step."""
         job = self.jobs.pop(job_id, None)
@@ -92,13 +107,10 @@ class EmbedQueue(StepQueue[_Job]):
         JobRejected when that engine cannot embed (the worker's setup, not the request: no
         REJECTED mark)."""
         if not isinstance(engine, Embedder):
-            raise JobRejected(f"this worker's engine ({getattr(engine, 'name', '?')}) does not embed")
+            raise self.unable(engine, "embed")
         self.jobs[job_id] = _Job(job_id, request, engine)
 
-    def step(self) -> list[Event]:
-        events, self._ended = self._ended, []
-        if not self.jobs:
-            return events
+    def _turn(self, events: list[Event]) -> None:
         embedder = next(iter(self.jobs.values())).embedder  # the oldest job's model this turn
         batch: list[tuple[_Job, int]] = []  # (job, input index)
         for job in self.jobs.values():
@@ -114,14 +126,14 @@ class EmbedQueue(StepQueue[_Job]):
             self._fail(events, job, f"{REJECTED}input {index} {e}")
             for other, _ in batch:  # the others' inputs go again next turn
                 other.taken = len(other.vectors)
-            return events
+            return
         except (JobRejected, BackendUnavailable) as e:
             self._fail_batch(events, batch, str(e), retryable=isinstance(e, BackendUnavailable))
-            return events
+            return
         except Exception as e:  # a failure of the engine's call must not repeat every turn
             log.exception("embedding failed")
             self._fail_batch(events, batch, f"internal error embedding: {e}")
-            return events
+            return
         for (job, _), emb in zip(batch, out, strict=True):
             if job.id not in self.jobs:
                 continue  # failed by an earlier input of this batch
@@ -136,4 +148,3 @@ class EmbedQueue(StepQueue[_Job]):
                 del self.jobs[job.id]
                 events.append(Done(job.id, "stop", job.tokens, 0, extra={
                     "embeddings": job.vectors, "dimensions": wanted or len(emb.vector)}))
-        return events

@@ -43,13 +43,10 @@ class RerankQueue(StepQueue[_Job]):
     def add(self, job_id: str, request: RerankRequest, engine: object) -> None:
         """Queue a started job on `engine`; JobRejected when that engine cannot score."""
         if not isinstance(engine, Scorer):
-            raise JobRejected(f"this worker's engine ({getattr(engine, 'name', '?')}) does not rerank")
+            raise self.unable(engine, "rerank")
         self.jobs[job_id] = _Job(job_id, request, engine)
 
-    def step(self) -> list[Event]:
-        events, self._ended = self._ended, []
-        if not self.jobs:
-            return events
+    def _turn(self, events: list[Event]) -> None:
         job = next(iter(self.jobs.values()))
         request, done = job.request, len(job.scores)
         documents = request.documents[done:done + job.scorer.score_batch]
@@ -58,14 +55,14 @@ class RerankQueue(StepQueue[_Job]):
         except InputRejected as e:
             what = "the query" if e.index < 0 else f"document {done + e.index}"
             self._fail(events, job, f"{REJECTED}{what} {e}")
-            return events
+            return
         except (JobRejected, BackendUnavailable) as e:
             self._fail(events, job, str(e), retryable=isinstance(e, BackendUnavailable))
-            return events
+            return
         except Exception as e:  # a failure of the engine's call must not repeat every turn
             log.exception("rerank scoring failed")
             self._fail(events, job, f"internal error scoring documents: {e}")
-            return events
+            return
         job.scores += out.relevance
         job.document_tokens += out.tokens
         job.prefix_tokens = out.prefix_tokens
@@ -76,4 +73,3 @@ class RerankQueue(StepQueue[_Job]):
                                extra={"scores": job.scores, "rerank": {
                                    "prefix_tokens": job.prefix_tokens, "document_tokens": job.document_tokens,
                                    "prefilled_tokens": job.prefilled}}))
-        return events
