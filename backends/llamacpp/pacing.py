@@ -83,12 +83,15 @@ class PrefillPace:
         where a step is paced, not every step (a median per step was ~0.2 ms of numpy)."""
         return statistics.median(self._extras) if self._extras else 0.0
 
-    def fits_alone(self, rows: int, n_past: int, waited: float) -> bool:
-        """Whether `rows` of a prompt at n_past may take a step of their own, the streams
-        skipping it: their wait so far, that step and their next call stay within the target."""
+    def alone_budget(self, waited: float) -> float:
+        """Seconds a step of newcomers' prompts alone may take, the streams skipping it: their
+        wait so far, that step and their next call stay within the target (read once a step)."""
+        return self.target * SAFETY - waited - self.streams_seconds() - self.overhead()
+
+    def fits(self, rows: int, n_past: int, budget: float) -> bool:
+        """Whether `rows` of a prompt at n_past fit `budget` (untimed: they do)."""
         alone = self.seconds(rows, n_past)
-        held = waited + alone + self.streams_seconds() + self.overhead()
-        return alone == 0.0 or held <= self.target * SAFETY
+        return alone == 0.0 or alone <= budget
 
     def cut(self, wanted: Sequence[tuple[Job, int]], waited: float, floor: int) -> list[tuple[Job, int]]:
         """Of each prompt's `wanted` rows (job, rows), in order, what fits this step beside the

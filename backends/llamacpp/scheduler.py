@@ -344,10 +344,11 @@ class Scheduler:
         # With a stall target, a newcomer whose own step would hold the streams past it is paced
         # beside them as a long prompt is (a 500-token first turn is seconds of prefill on a CPU)
         paced = bool(decoding) and self.pace.target > 0 and not self.kv.invariant
+        budget = self.pace.alone_budget(self._skipped_seconds) if paced else 0.0
         if paced:
-            held = [job for job in short if not self._fits_alone(job, len(job.tokens) - job.n_past)]
-            short = [job for job in short if job not in held]
-            alone += held
+            fitting = [self.pace.fits(len(job.tokens) - job.n_past, job.n_past, budget) for job in short]
+            alone += [job for job, fits in zip(short, fitting, strict=True) if not fits]
+            short = [job for job, fits in zip(short, fitting, strict=True) if fits]
         # Newcomers whose whole prompt this step prefills (short ones, and longer ones in one
         # chunk: a returning conversation's new tokens after its reused history) go first, in a
         # step of their own, so their first token goes out one decoders' call sooner (time to
@@ -357,7 +358,7 @@ class Scheduler:
         # without bound. A prompt of several chunks prefills beside the decoders, to its end.
         chunks = [(job, self._chunk(job)) for job in alone]
         ending = [(job, n) for job, n in chunks if not job.chunks and job.n_past + n == len(job.tokens)
-                  and (not paced or self._fits_alone(job, n))]
+                  and (not paced or self.pace.fits(n, job.n_past, budget))]
         # With a stall target, a long prompt prefilling beside the streams already takes what
         # their wait allows: no newcomers' step on top of it (invariance: chunks end at n_batch)
         midway = paced and any(job.chunks for job in prefilling)
@@ -394,9 +395,6 @@ class Scheduler:
         since their last call: that call, any newcomers' steps since, this step's short prompts."""
         wanted = [(job, min(len(job.tokens) - job.n_past, self.n_batch)) for job, _ in chunks]
         return self.pace.cut(wanted, self._skipped_seconds + spent, floor)
-
-    def _fits_alone(self, job: ActiveJob, rows: int) -> bool:
-        return self.pace.fits_alone(rows, job.n_past, self._skipped_seconds)
 
     def _chunk(self, job: ActiveJob) -> int:
         """A prompt's next chunk when it runs alone: chunks end at multiples of n_batch, as when
