@@ -196,14 +196,17 @@ class Gateway:
                                 job_timeout=settings.job_timeout, queue_ttl=settings.queue_ttl,
                                 retry_for=5.0)
         self._fleets: dict[str, AsyncFleet] = {settings.pool: self.fleet}
-        self.live_catalogue = settings.models  # the config's, then the live one (CATALOGUE_KEY)
-        self._catalogue_raw: dict[bytes, bytes] = {}
-        self.models = settings.model_pools()  # the configured names: name -> pool
-        self.catalogue_pools = set(model_pools(settings.models).values())  # loaded and unloaded by workers
         # pool -> its model's Ollama-style name, as its live workers last said (kept when they go)
         self.model_names: dict[str, str] = {}
         # pool -> the last model card read of its workers; a catalogue model's from its file at first
-        self.cards: dict[str, dict[str, Any]] = catalogue_cards(settings.models)
+        self.cards: dict[str, dict[str, Any]] = {}
+        # the catalogue (the config's, then the live one: CATALOGUE_KEY), its names (name -> pool)
+        # and the pools whose models workers load and unload
+        self.live_catalogue: dict[str, ModelEntry] = {}
+        self._catalogue_raw: dict[bytes, bytes] = {}
+        self.models: dict[str, str] = {}
+        self.catalogue_pools: set[str] = set()
+        self.adopt({})
         self.thinking_pools: set[str] = set()  # pools whose live workers' templates think
         self.live_workers: dict[str, int] = {}  # pool -> serving workers, refreshed every second
         self.pool_members: dict[str, list[str]] = {}  # pool -> the names of those workers

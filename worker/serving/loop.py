@@ -86,6 +86,7 @@ class FleetWorker:
         self.embeds = EmbedQueue()  # embedding jobs, run between generation steps
         self.reranks = RerankQueue()  # rerank jobs, likewise
         self.texts = TextJobs()  # text jobs, answered on a thread of their own beside the steps
+        self.sides = (self.embeds, self.reranks, self.texts)  # jobs beside generation: slots, cancels
         self.redis = redis
         self.name = name
         self.link = link or RedisLink()
@@ -246,7 +247,7 @@ class FleetWorker:
 
     def _room(self) -> tuple[int, Counter[str]]:
         """Free slots, and the jobs in flight by tenant (their share of the slots)."""
-        side = self.embeds.held() + self.reranks.held() + self.texts.held()
+        side = sum(queue.held() for queue in self.sides)
         return (self.backend.free_slots() - len(self.unstarted) - side,
                 Counter(tenant_of(j) for j in self.inflight.values()))
 
@@ -462,7 +463,7 @@ class FleetWorker:
             log.info("requeued %s at the front for attempt %d (%s)", job_id, attempt + 1, why)
 
     def _cancel(self, job_id: str) -> None:
-        if not any(side.cancel(job_id) for side in (self.embeds, self.reranks, self.texts)):
+        if not any(side.cancel(job_id) for side in self.sides):
             self.backend.cancel(job_id)
 
     def _end(self, job: ClaimedJob, ending: Ending) -> None:
