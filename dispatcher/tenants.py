@@ -118,13 +118,21 @@ class Spend:
     resets_at: int
 
 
+def spend_call(tenant: str, periods: list[tuple[str, bool]], key: str | None = None) -> Eval:
+    """Read Redis's time and the tenant's (or its named key's) spend over each (period, rolling)
+    (counted by the workers as jobs end: worker/hooks/tenant_usage.py); `spends` reads the reply."""
+    keys, args = queue_model.spent_call(tenant, key, periods)
+    return Eval(queue_model.SPENT, keys, args)
+
+
+def spends(reply: Any) -> tuple[int, list[Spend]]:
+    now, spent = reply
+    return int(now), [Spend(*(int(v) for v in row)) for row in spent]
+
+
 def spend_plan(tenant: str, periods: list[tuple[str, bool]],
                key: str | None = None) -> Plan[tuple[int, list[Spend]]]:
-    """Redis's time and the tenant's (or its named key's) spend over each (period, rolling)
-    (counted by the workers as jobs end: worker/hooks/tenant_usage.py)."""
-    keys, args = queue_model.spent_call(tenant, key, periods)
-    now, spent = yield from ask(Eval(queue_model.SPENT, keys, args))
-    return int(now), [Spend(*(int(v) for v in row)) for row in spent]
+    return spends((yield from ask(spend_call(tenant, periods, key))))
 
 
 def utc(seconds: int) -> str:
@@ -152,11 +160,13 @@ def budget_plan(tenant: str, spenders: Spenders) -> Plan[dict[str, str]]:
     only, the headers that mark the answer (counted as `over_budget`)."""
     reached: list[tuple[str, BudgetSettings, Spend]] = []
     now = 0
-    for key, budgets in spenders:
-        if budgets:
-            now, spent = yield from spend_plan(tenant, [(b.period, b.rolling) for b in budgets], key)
-            who = f"tenant '{tenant}'" + (f" key '{key}'" if key else "")
-            reached += [(who, b, s) for b, s in zip(budgets, spent, strict=True) if s.tokens >= b.tokens]
+    counted = [(key, budgets) for key, budgets in spenders if budgets]
+    replies = yield from gather([spend_call(tenant, [(b.period, b.rolling) for b in budgets], key)
+                                 for key, budgets in counted])  # one round trip for all of them
+    for (key, budgets), reply in zip(counted, replies, strict=True):
+        now, spent = spends(reply)
+        who = f"tenant '{tenant}'" + (f" key '{key}'" if key else "")
+        reached += [(who, b, s) for b, s in zip(budgets, spent, strict=True) if s.tokens >= b.tokens]
     if not reached:
         return {}
     # of the hard budgets reached, the one that resets last: retrying sooner would be refused again
@@ -204,7 +214,7 @@ def budget_report_plan(tenants: Mapping[str, TenantSettings], tenant: str | None
     out = []
     for name in names:
         settings = tenants.get(name) or TenantSettings()
-        spenders: list[tuple[str | None, list[BudgetSettings]]] = [(None, settings.budgets)]
+        spenders: Spenders = [(None, settings.budgets)]
         spenders += [(key, named.budgets) for key, named in settings.keys.items()]
         for key, budgets in spenders:
             budget = next((b for b in budgets if b.period == period), None)
