@@ -108,12 +108,21 @@ class ScoringContext(SideContext):
             raise InputRejected(-1, f"and instruction take {len(prefix):,} tokens of the prompt; this "
                                     f"worker scores at most {self.n_ctx:,} tokens of prompt, query and "
                                     "document together (backend.rerank_n_ctx)")
-        docs = [self.document_of(text) for text in documents]
-        for i, tokens in enumerate(docs):
+        # the first documents that fill one decode (n_batch tokens; a longer document alone) and
+        # the cells after the prefix, so a call costs about a generation step's prefill chunk
+        # whatever the documents; the rest are tokenized when their call comes
+        docs: list[list[int]] = []
+        used, fill = 0, min(self.n_batch, room)
+        for i, text in enumerate(documents):
+            tokens = self.document_of(text)
             if len(tokens) > room:
                 raise InputRejected(i, f"has {len(tokens):,} tokens; with the query's prompt of "
                                        f"{len(prefix):,} this worker scores at most {self.n_ctx:,} "
                                        "(backend.rerank_n_ctx)")
+            if docs and used + len(tokens) > fill:
+                break
+            docs.append(tokens)
+            used += len(tokens)
         prefilled = 0
         try:
             if self.held != prefix:
@@ -122,21 +131,14 @@ class ScoringContext(SideContext):
                 self._decode_prefix(prefix)
                 self.held = prefix
                 prefilled += len(prefix)
-            # the first documents that fill one decode (n_batch tokens; a longer document alone)
-            # and the cells after the prefix, so a call costs about a generation step's prefill
-            # chunk whatever the documents
-            end, used, fill = 0, 0, min(self.n_batch, room)
-            while end < len(docs) and (end == 0 or used + len(docs[end]) <= fill):
-                used += len(docs[end])
-                end += 1
-            relevance = self._score_group(len(prefix), docs[:end])
+            relevance = self._score_group(len(prefix), docs)
             prefilled += used
         except BaseException:
             self.held = []  # what the cells hold is unknown now: the next call starts clean
             raise
         finally:
             self.batch.n_tokens = 0
-        return Scores(relevance, [len(d) for d in docs[:end]], len(prefix), prefilled)
+        return Scores(relevance, [len(d) for d in docs], len(prefix), prefilled)
 
     def _decode_prefix(self, prefix: list[int]) -> None:
         for start in range(0, len(prefix), self.n_batch):
