@@ -56,10 +56,11 @@ class FleetSettings(ProducerSettings):
                                    "engine: a few tokens a write at one user); a job's first text and "
                                    "every ending go out at once; 0: after every step")
     drain_grace: float = Field(20.0, ge=0, description="seconds to finish in-flight jobs on SIGTERM")
-    start_nice: int = Field(10, ge=0, le=19, description="while the worker starts (its model loading "
+    start_nice: int = Field(0, ge=0, le=19, description="while the worker starts (its model loading "
                             "and warming), it runs this much nicer, so workers serving on the same "
                             "cores keep their streams' pace; back to its own priority once it serves, "
-                            "and only where it may go back (worker/machine/priority.py; 0: off)")
+                            "and only where it may go back (worker/machine/priority.py; 0, the "
+                            "default: off, since on a saturated box a nicer start takes much longer)")
     stall_limit: float = Field(20.0, gt=0, description="seconds one engine call of the loop (a job's "
                                "admission: its chat template, its tokens, its grammar; a step) may take "
                                "before the worker is taken for hung: the job(s) of that call are marked "
